@@ -1,0 +1,3 @@
+"""tandem: asynchronous RL post-training for language models."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,96 @@
+"""ModelConfig: the decoder's shape, read from and written to a Hugging Face `config.json`."""
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tandem.errors import TandemError
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclass
+class ModelConfig:
+    """The Llama / Qwen2 / Qwen3 family differ only in these switches.
+
+    qwen2: bias on q/k/v only. qwen3: q/k RMSNorm over the head dim, `attention_bias` on all four
+    projections. llama: `attention_bias` on all four, optional `mlp_bias`.
+    """
+
+    model_type: str = "qwen2"
+    vocab_size: int = 128
+    hidden_size: int = 256
+    intermediate_size: int = 640
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 256
+    tie_word_embeddings: bool = True
+    qkv_bias: bool = True
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        model_type = hf.get("model_type")
+        if model_type not in ARCHITECTURES:
+            raise TandemError(
+                f"{source}: model_type {model_type!r} is not supported. "
+                f"Valid model types: {', '.join(ARCHITECTURES)}."
+            )
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise TandemError(f"{source}: rope type {rope_type!r} is not supported; only 'default' RoPE is.")
+        heads = hf["num_attention_heads"]
+        attention_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=True if model_type == "qwen2" else attention_bias,
+            o_bias=False if model_type == "qwen2" else attention_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)) if model_type == "llama" else False,
+            qk_norm=model_type == "qwen3",
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"),
+            pad_token_id=hf.get("pad_token_id"),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The config.json that `transformers.AutoConfig` reads back into the same model."""
+        hf = {k: v for k, v in asdict(self).items() if k not in ("qkv_bias", "o_bias", "mlp_bias", "qk_norm")}
+        hf["architectures"] = [ARCHITECTURES[self.model_type]]
+        hf["hidden_act"] = "silu"
+        # Both spellings: transformers>=5 reads rope_parameters, older versions rope_theta.
+        hf["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        hf["torch_dtype"] = "float32"
+        if self.model_type != "qwen2":
+            hf["attention_bias"] = self.o_bias
+        if self.model_type == "llama":
+            hf["mlp_bias"] = self.mlp_bias
+        return hf
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ModelConfig":
+        file = Path(path) / "config.json"
+        if not file.is_file():
+            raise TandemError(f"No config.json in {path}: a model is a Hugging Face checkpoint directory.")
+        return cls.from_hf(json.loads(file.read_text()), source=str(file))

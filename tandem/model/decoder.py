@@ -1,0 +1,155 @@
+"""The one decoder of the Llama / Qwen2 / Qwen3 family, used by the rollout engine AND the trainer.
+
+Module names mirror Hugging Face's (`model.layers.0.self_attn.q_proj.weight` ...) so a checkpoint's
+state dict loads with no renaming, and weight sync to any engine speaks the same names.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tandem.model.config import ModelConfig
+from tandem.model.kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32 whatever the weights' dtype, as Hugging Face does, so logits match.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """positions (B, T) -> cos, sin (B, 1, T, D) for rotate-half RoPE."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    freqs = positions[..., None].float() * inv_freq  # (B, T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (B, H, T, D); x·cos + rotate_half(x)·sin with rotate_half(a, b) = (-b, a)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos.to(x.dtype)) + (rotated * sin.to(x.dtype))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, layer: int, cache: KVCache | None
+    ) -> Tensor:
+        """x (B, T, E), mask (B, 1, T, S) bool -> (B, T, E)."""
+        b, t, _ = x.shape
+        d = self.cfg.head_dim
+        q = self.q_proj(x).view(b, t, -1, d)  # (B, T, H, D)
+        k = self.k_proj(x).view(b, t, -1, d)
+        v = self.v_proj(x).view(b, t, -1, d).transpose(1, 2)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, layer: int, cache: KVCache | None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, layer, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, token_mask: Tensor, cache: KVCache | None = None
+    ) -> Tensor:
+        """input_ids, positions, token_mask (B, T) -> logits (B, T, V) in fp32.
+
+        token_mask marks real tokens (False = padding). With a cache the T tokens are appended after
+        the cached ones. A token attends to real keys at or before its own slot, and always to
+        itself, so a padding row never has an empty (NaN) softmax.
+        """
+        if cache is not None:
+            cache.append_mask(token_mask)
+            key_mask = cache.key_mask[:, : cache.length + input_ids.shape[1]]
+        else:
+            key_mask = token_mask
+        t, s = input_ids.shape[1], key_mask.shape[1]
+        slots = torch.arange(s, device=input_ids.device)
+        query_slots = (s - t) + torch.arange(t, device=input_ids.device)
+        causal = slots[None, :] <= query_slots[:, None]  # (T, S)
+        own = slots[None, :] == query_slots[:, None]
+        mask = ((causal & key_mask[:, None, :]) | own)[:, None]  # (B, 1, T, S)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, mask, i, cache)
+        if cache is not None:
+            cache.advance(t)
+        return self.lm_head(self.model.norm(x)).float()
+
+
+def init_weights(model: CausalLM, seed: int, std: float = 0.02) -> None:
+    """Normal(0, std) for matrices and embeddings, ones for norms, zeros for biases."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)

@@ -1,0 +1,45 @@
+"""KVCache: per-layer key/value tensors for a batch of sequences that advance together."""
+
+import torch
+from torch import Tensor
+
+from tandem.model.config import ModelConfig
+
+
+class KVCache:
+    """Keys and values of shape (B, Hkv, S_max, D) per layer, filled left to right.
+
+    All rows share one write position (`length`); rows padded on the left mark their padding with
+    `key_mask` so attention skips it. `keep(rows)` drops finished rows so they stop costing compute.
+    """
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device):
+        shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.key_mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.key_mask.shape[1]
+
+    def append_mask(self, mask: Tensor) -> None:
+        """mask (B, T): which of the next T slots hold real tokens. Call before the forward."""
+        self.key_mask[:, self.length : self.length + mask.shape[1]] = mask
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """k, v (B, Hkv, T, D) for the next T slots -> all keys and values so far (B, Hkv, S, D)."""
+        end = self.length + k.shape[2]
+        self.k[layer][:, :, self.length : end] = k
+        self.v[layer][:, :, self.length : end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def advance(self, steps: int) -> None:
+        self.length += steps
+
+    def keep(self, rows: Tensor) -> None:
+        """Keep only `rows` (1-D index tensor) of the batch."""
+        self.k = [k[rows] for k in self.k]
+        self.v = [v[rows] for v in self.v]
+        self.key_mask = self.key_mask[rows]

@@ -1,0 +1,61 @@
+"""The records that flow through tandem: a `Prompt` (one dataset row) and a `Sample` (one response).
+
+One `Sample` travels end to end — engine, reward, buffer, trainer — carrying its tokens, the
+behaviour logprob and policy version of every response token, its reward and its status, so no
+parallel lists ever need to be kept aligned by hand.
+"""
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+@dataclass
+class Prompt:
+    """One dataset row. Exactly one of `messages` (chat) or `text` (plain) is set.
+
+    `ground_truth`, `data_source` and `extra_info` follow verl's columns; `columns` holds every other
+    column of the row, passed to TRL-style reward functions as keyword arguments.
+    """
+
+    messages: list[dict[str, str]] | None = None
+    text: str | None = None
+    ground_truth: Any = None
+    data_source: str = ""
+    extra_info: dict[str, Any] = field(default_factory=dict)
+    columns: dict[str, Any] = field(default_factory=dict)
+
+
+class Status(str, Enum):
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+@dataclass
+class Sample:
+    """One response to one prompt. Per-token lists are aligned with `response_ids`."""
+
+    prompt: Prompt
+    prompt_ids: list[int]
+    group_id: int = 0  # samples of one prompt share a group id (GRPO groups)
+    index: int = 0  # position within the group
+    response_ids: list[int] = field(default_factory=list)
+    response_text: str = ""
+    logprobs: list[float] = field(default_factory=list)  # behaviour logprob of each response token
+    versions: list[int] = field(default_factory=list)  # policy version that produced each token
+    loss_mask: list[int] = field(default_factory=list)  # 1 where the token is trained on
+    reward: float = 0.0
+    reward_parts: dict[str, float] = field(default_factory=dict)
+    advantage: float = 0.0
+    status: Status = Status.RUNNING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def version_span(self) -> tuple[int, int]:
+        """(oldest, newest) policy version among the response tokens; (-1, -1) when empty."""
+        if not self.versions:
+            return (-1, -1)
+        return (min(self.versions), max(self.versions))

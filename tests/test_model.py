@@ -1,0 +1,92 @@
+"""The one decoder matches transformers on tiny random Qwen2, Qwen3 and Llama checkpoints."""
+
+import pytest
+import torch
+import transformers
+
+from tandem.errors import TandemError
+from tandem.model import KVCache, load_model, save_model
+
+SHAPE = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+)
+FAMILIES = {
+    "qwen2": (transformers.Qwen2Config, dict(rope_theta=1000.0, tie_word_embeddings=True)),
+    "qwen3": (transformers.Qwen3Config, dict(rope_theta=5000.0, head_dim=24, tie_word_embeddings=False)),
+    "llama": (transformers.LlamaConfig, dict(rope_theta=20000.0, tie_word_embeddings=False, attention_bias=True)),
+}
+
+
+def write_hf(family: str, path, **save_kw):
+    config_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config_cls(**SHAPE, **extra)).float().eval()
+    with torch.no_grad():  # random biases and norms, so a missing one would show in the logits
+        for name, p in hf.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(path, **save_kw)
+    return hf
+
+
+def tandem_logits(model, ids, mask):
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    return model(ids, positions, mask.bool())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_match_transformers(family, tmp_path):
+    hf = write_hf(family, tmp_path / "hf", max_shard_size="20KB")  # sharded on purpose
+    model = load_model(tmp_path / "hf").eval()
+    ids = torch.randint(0, SHAPE["vocab_size"], (3, 11))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask).logits
+        got = tandem_logits(model, ids, mask)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_save_round_trips_through_transformers(family, tmp_path):
+    write_hf(family, tmp_path / "hf")
+    model = load_model(tmp_path / "hf").eval()
+    save_model(model, tmp_path / "ours", max_shard_mb=0.02)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").float().eval()
+    again = load_model(tmp_path / "ours").eval()
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, 9))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        ours = tandem_logits(model, ids, mask)
+        torch.testing.assert_close(back(input_ids=ids, attention_mask=mask).logits, ours, atol=1e-4, rtol=0)
+        torch.testing.assert_close(tandem_logits(again, ids, mask), ours, atol=0, rtol=0)
+
+
+def test_kv_cache_decode_equals_full_forward_with_left_padding(tmp_path):
+    write_hf("qwen3", tmp_path / "hf")
+    model = load_model(tmp_path / "hf").eval()
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, 10))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, :3] = False  # row 1 is left-padded by 3
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        full = model(ids, positions, mask)
+        cache = KVCache(model.cfg, 2, 10, torch.float32, torch.device("cpu"))
+        pre = model(ids[:, :6], positions[:, :6], mask[:, :6], cache)
+        steps = [model(ids[:, t : t + 1], positions[:, t : t + 1], mask[:, t : t + 1], cache) for t in range(6, 10)]
+    stepped = torch.cat([pre, *steps], dim=1)
+    torch.testing.assert_close(stepped[mask], full[mask], atol=1e-5, rtol=0)
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(TandemError, match="does not exist"):
+        load_model(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TandemError, match="config.json"):
+        load_model(tmp_path / "empty")
