@@ -1,9 +1,9 @@
 """One decoder (Llama / Qwen2 / Qwen3) for engine and trainer, with Hugging Face checkpoint I/O."""
 
-from tandem.model.checkpoint import load_model, save_model
+from tandem.model.checkpoint import load_model, resolve_model_path, save_model
 from tandem.model.config import ModelConfig
 from tandem.model.decoder import CausalLM, init_weights
 from tandem.model.kv_cache import KVCache
 from tandem.model.logprobs import token_logprobs
 
-__all__ = ["CausalLM", "KVCache", "ModelConfig", "init_weights", "load_model", "save_model", "token_logprobs"]
+__all__ = ["CausalLM", "KVCache", "ModelConfig", "init_weights", "load_model", "resolve_model_path", "save_model", "token_logprobs"]

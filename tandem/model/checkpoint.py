@@ -82,3 +82,21 @@ def save_model(model: CausalLM, path: str | Path, max_shard_mb: float | None = N
         weight_map.update(dict.fromkeys(shard, file))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+def resolve_model_path(spec: str) -> Path:
+    """A checkpoint directory, or "builtin:<task>" for the warm start shipped in tandem/assets."""
+    if not spec.startswith("builtin:"):
+        return Path(spec)
+    name = spec.split(":", 1)[1]
+    path = ASSETS / f"warmstart-{name}"
+    if not path.is_dir():
+        shipped = sorted(p.name.removeprefix("warmstart-") for p in ASSETS.glob("warmstart-*"))
+        raise TandemError(
+            f"No built-in model {spec!r}. Built-in models: {', '.join(f'builtin:{n}' for n in shipped) or 'none'}; "
+            f"make one with `tandem sft recipes/sft-{name}.yaml` or point model.path at a checkpoint directory."
+        )
+    return path

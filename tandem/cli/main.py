@@ -1,0 +1,120 @@
+"""`tandem train | sft | eval | generate | data make` — the command line.
+
+A TandemError (bad config, bad data, unknown name) prints as one paragraph and exits with 2;
+anything else is a bug and keeps its traceback.
+"""
+
+import argparse
+import json
+import sys
+
+from tandem.errors import TandemError
+
+
+def split_args(args: list[str]) -> tuple[str | None, list[str]]:
+    """[recipe.yaml] [key=value ...] -> (recipe, overrides)."""
+    recipe, overrides = None, []
+    for a in args:
+        if "=" in a:
+            overrides.append(a)
+        elif recipe is None and a.endswith((".yaml", ".yml")):
+            recipe = a
+        else:
+            raise TandemError(f"Argument {a!r} is neither a recipe (.yaml) nor an override (section.key=value).")
+    return recipe, overrides
+
+
+def cmd_train(ns: argparse.Namespace) -> None:
+    from tandem.config import load_config
+    from tandem.controller import run_sync
+
+    summary = run_sync(load_config(*split_args(ns.args)))
+    print(
+        f"held-out accuracy: {100 * summary['val/accuracy_start']:.1f}% at the start -> "
+        f"{100 * summary['val/accuracy_final']:.1f}% at the end "
+        f"({summary['val/accuracy_gain_points']:+.1f} points)"
+    )
+
+
+def cmd_sft(ns: argparse.Namespace) -> None:
+    from tandem.config import load_config
+    from tandem.train.sft import run_sft
+
+    print(f"saved {run_sft(load_config(*split_args(ns.args)))}")
+
+
+def cmd_eval(ns: argparse.Namespace) -> None:
+    from tandem.config import load_config
+    from tandem.controller.standalone import evaluate_checkpoint
+
+    recipe, overrides = split_args(ns.args)
+    if ns.model:
+        overrides.append(f"model.path={ns.model}")
+    if ns.data:
+        overrides.append(f"data.val_files=[{json.dumps(ns.data)}]")
+    metrics = evaluate_checkpoint(load_config(recipe, overrides), show=ns.show)
+    print(json.dumps(metrics, indent=2))
+
+
+def cmd_generate(ns: argparse.Namespace) -> None:
+    from tandem.config import load_config
+    from tandem.controller.standalone import generate_text
+
+    overrides = [f"model.path={ns.model}"] if ns.model else []
+    cfg = load_config(None, overrides + [f"rollout.n={ns.n}", f"rollout.temperature={ns.temperature}",
+                                         f"rollout.max_new_tokens={ns.max_new_tokens}"])
+    for i, text in enumerate(generate_text(cfg, ns.prompt, chat=not ns.raw)):
+        print(f"[{i}] {text}")
+
+
+def cmd_data_make(ns: argparse.Namespace) -> None:
+    from tandem.data.tasks import make_dataset
+
+    print(f"wrote {make_dataset(ns.task, ns.out, n=ns.n, seed=ns.seed, split=ns.split)}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem", description="Asynchronous RL post-training for language models.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, fn, text in [("train", cmd_train, "RL-train a policy (default: the built-in addition run)"),
+                           ("sft", cmd_sft, "supervised warm start on a synthetic task")]:
+        s = sub.add_parser(name, help=text)
+        s.add_argument("args", nargs="*", help="[recipe.yaml] [section.key=value ...]")
+        s.set_defaults(fn=fn)
+    e = sub.add_parser("eval", help="accuracy of a checkpoint on a dataset")
+    e.add_argument("args", nargs="*", help="[recipe.yaml] [section.key=value ...]")
+    e.add_argument("--model", help="checkpoint directory (default: model.path)")
+    e.add_argument("--data", help="JSONL/parquet file (default: the task's held-out split)")
+    e.add_argument("--show", type=int, default=0, help="print this many prompts with their responses")
+    e.set_defaults(fn=cmd_eval)
+    g = sub.add_parser("generate", help="sample responses to a prompt")
+    g.add_argument("prompt")
+    g.add_argument("--model", help="checkpoint directory (default: the built-in warm start)")
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.set_defaults(fn=cmd_generate)
+    d = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
+    m = d.add_parser("make", help="write a synthetic task dataset (JSONL or parquet by extension)")
+    m.add_argument("task")
+    m.add_argument("--out", required=True)
+    m.add_argument("--n", type=int, default=1000)
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--split", choices=["train", "test"], default="train")
+    m.set_defaults(fn=cmd_data_make)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parser().parse_args(argv)
+    try:
+        ns.fn(ns)
+    except TandemError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Load a recipe, apply dotted overrides, check every key and type; errors name the field."""
+
+import difflib
+import types
+import typing
+from dataclasses import MISSING, asdict, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tandem.config.schema import Config
+from tandem.errors import TandemError
+
+
+def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the recipe's YAML, then `a.b=value` overrides (values parsed as YAML)."""
+    tree: dict[str, Any] = {}
+    if recipe is not None:
+        tree = _read_yaml(Path(recipe))
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise TandemError(f"Override {item!r} is not of the form section.key=value (e.g. rollout.n=8).")
+        node = tree
+        *parents, leaf = key.strip().split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise TandemError(f"Override {item!r}: {part!r} is a value, not a section.")
+        node[leaf] = yaml.safe_load(raw) if raw.strip() else ""
+    cfg = _build(Config, tree, "")
+    from tandem.config.validate import validate
+
+    validate(cfg)
+    return cfg
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise TandemError(f"Recipe file {path} does not exist. Recipes live in recipes/ (e.g. recipes/default.yaml).")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise TandemError(f"Recipe {path} is not valid YAML: {e}") from None
+    if not isinstance(tree, dict):
+        raise TandemError(f"Recipe {path} must be a mapping of sections (run:, model:, rollout: ...).")
+    return tree
+
+
+def _build(cls: type, tree: dict[str, Any], prefix: str) -> Any:
+    known = {f.name: f for f in fields(cls)}
+    for key in tree:
+        if key not in known:
+            where = f" in section '{prefix[:-1]}'" if prefix else ""
+            close = difflib.get_close_matches(key, list(known), n=1)
+            hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""
+            raise TandemError(
+                f"Unknown config key '{prefix}{key}'{where}.{hint} Valid keys: {', '.join(known)}."
+            )
+    values = {}
+    for name, f in known.items():
+        hint = typing.get_type_hints(cls)[name]
+        if is_dataclass(hint):
+            sub = tree.get(name, {})
+            if not isinstance(sub, dict):
+                raise TandemError(f"Config '{prefix}{name}' is a section; set its keys, e.g. {prefix}{name}.key=value.")
+            values[name] = _build(hint, sub, f"{prefix}{name}.")
+        elif name in tree:
+            values[name] = _coerce(tree[name], hint, f"{prefix}{name}")
+        elif f.default is MISSING:
+            values[name] = f.default_factory()  # type: ignore[misc]
+    return cls(**values)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Check `value` against a field's type; ints are accepted where floats are expected."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        return _coerce(value, next(a for a in args if a is not type(None)), key)
+    if origin is list:
+        if not isinstance(value, list):
+            raise _type_error(key, value, f"a list of {args[0].__name__}")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is str and isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)  # names like run.name=1 stay usable
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise _type_error(key, value, f"a {hint.__name__}")
+    return value
+
+
+def _type_error(key: str, value: Any, expected: str) -> TandemError:
+    return TandemError(f"Config '{key}' must be {expected}, got {value!r} ({type(value).__name__}).")

@@ -1,0 +1,119 @@
+"""The config tree: one dataclass per part, one root. Defaults are the built-in default run.
+
+`recipes/default.yaml` spells out these same values (a test keeps the two equal).
+"""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"
+    out_dir: str = "runs"
+    seed: int = 0
+    steps: int = 40  # controller steps (one rollout batch and one train step each)
+    mode: str = "sync"
+    val_every: int = 10  # steps between validations; 0 = only before the first and after the last step
+    save_every: int = 0  # steps between checkpoints; 0 = only the final one
+    tensorboard: bool = False
+    progress: bool = True
+    threads: int = 0  # torch intra-op threads; 0 = torch's default
+    deterministic: bool = False
+
+
+@dataclass
+class ModelSection:
+    # A Hugging Face checkpoint directory, or "builtin:<task>" for a warm start shipped with tandem.
+    path: str = "builtin:addition"
+    tokenizer: str = ""  # default: the model's directory
+    dtype: str = "float32"
+
+
+@dataclass
+class DataConfig:
+    task: str = "addition"  # synthetic task used when train_files is empty
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    train_size: int = 20000  # synthetic rows generated for training
+    val_size: int = 256  # synthetic held-out rows (disjoint from training by construction)
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 64
+    shuffle: bool = True
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "builtin"
+    batch_size: int = 32  # prompts per step
+    n: int = 8  # samples per prompt (a GRPO group)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 8
+    stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's EOS
+    max_batch_size: int = 512  # sequences decoded together by the built-in engine
+    val_temperature: float = 0.0  # 0 = greedy
+
+
+@dataclass
+class RewardConfig:
+    fn: str = "auto"  # "auto" (by data_source), a verifier name, or "pkg.module:function"
+    num_workers: int = 2
+    timeout_s: float = 10.0
+
+
+@dataclass
+class AlgoConfig:
+    adv_estimator: str = "grpo"
+    norm_by_std: bool = True  # False with grpo = Dr. GRPO
+    policy_loss: str = "ppo_clip"
+    clip_low: float = 0.2
+    clip_high: float = 0.28  # > clip_low = DAPO's clip-higher
+    clip_c: float | None = None  # dual-clip bound for negative advantages (e.g. 3.0)
+    loss_agg: str = "token-mean"
+    kl_coef: float = 0.0  # > 0 adds a KL loss against the reference (initial) policy
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 2e-5
+    warmup_steps: int = 0
+    schedule: str = "constant"  # constant | linear | cosine
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 1.0
+    mini_batch_size: int = 0  # samples per optimizer step; 0 = the whole batch
+    epochs: int = 1  # passes over each batch
+    micro_batch_tokens: int = 8192  # padded tokens per forward/backward (gradient accumulation)
+
+
+@dataclass
+class SFTConfig:
+    out: str = "runs/sft"
+    init_from: str = ""  # a checkpoint to fine-tune; empty = a fresh model of the shape below
+    steps: int = 3000
+    batch_size: int = 64
+    lr: float = 1e-3
+    warmup_steps: int = 100
+    flawed_fraction: float = 0.0  # share of demonstrations replaced by the task's flawed solution
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 640
+    max_position_embeddings: int = 128
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)

@@ -1,0 +1,109 @@
+"""Build the roles of a run from its config: data, rollout worker, train worker, reward pool.
+
+Every check of user input (files, names, prompt lengths) happens here, before any training, so a
+mistake fails in seconds with a clear message.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tandem.config import Config
+from tandem.data import encode_prompts, load_prompts, load_tokenizer, prompts_from_rows
+from tandem.data.loader import PromptLoader
+from tandem.data.tasks import TASKS
+from tandem.errors import TandemError
+from tandem.model import load_model, resolve_model_path
+from tandem.reward import RewardPool
+from tandem.rollout import BuiltinEngine, RolloutWorker, SamplingParams
+from tandem.sample import Prompt
+from tandem.train import TrainWorker
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Roles:
+    tokenizer: object
+    rollout: RolloutWorker
+    trainer: TrainWorker
+    reward: RewardPool
+    train_data: PromptLoader
+    val_prompts: list[Prompt]
+    val_ids: list[list[int]]
+    params: SamplingParams
+    val_params: SamplingParams
+
+    def close(self) -> None:
+        self.reward.close()
+
+
+def load_split(cfg: Config, files: list[str], split: str, size: int, seed: int) -> tuple[list[Prompt], str]:
+    """Prompts from files, or rows of the synthetic task when no file is given."""
+    if files:
+        return [p for f in files for p in load_prompts(f, cfg.data.prompt_key)], ", ".join(files)
+    rows = TASKS.get(cfg.data.task).make_rows(size, seed=seed, split=split)
+    return prompts_from_rows(rows), f"synthetic task {cfg.data.task!r} ({split})"
+
+
+def sampling_params(cfg: Config, temperature: float) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k,
+                          max_new_tokens=r.max_new_tokens, stop_token_ids=list(r.stop_token_ids))
+
+
+def build_rollout(cfg: Config) -> tuple[RolloutWorker, int]:
+    """The rollout worker for cfg.model, and the longest prompt its context leaves room for."""
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    torch.manual_seed(cfg.run.seed)
+    model_path = resolve_model_path(cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.tokenizer or model_path)
+    if tokenizer.eos_token_id is None:
+        raise TandemError(f"The tokenizer of {cfg.model.path} has no EOS token, so responses could never end.")
+    model = load_model(model_path, dtype=DTYPES[cfg.model.dtype])
+    context = model.cfg.max_position_embeddings
+    max_prompt = min(cfg.data.max_prompt_length, context - cfg.rollout.max_new_tokens)
+    if max_prompt < 1:
+        raise TandemError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt "
+                          f"in the model's context of {context} tokens.")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    engine = BuiltinEngine(model, [tokenizer.eos_token_id], pad, max_batch_size=cfg.rollout.max_batch_size,
+                           seed=cfg.run.seed)
+    return RolloutWorker(engine, tokenizer), max_prompt
+
+
+def build_roles(cfg: Config) -> Roles:
+    rollout, max_prompt = build_rollout(cfg)
+    tokenizer = rollout.tokenizer
+    train_prompts, train_src = load_split(cfg, cfg.data.train_files, "train", cfg.data.train_size, cfg.run.seed)
+    val_prompts, val_src = load_split(cfg, cfg.data.val_files, "test", cfg.data.val_size, cfg.run.seed + 1)
+    train_ids = encode_prompts(tokenizer, train_prompts, max_prompt, source=train_src)
+    val_ids = encode_prompts(tokenizer, val_prompts, max_prompt, source=val_src)
+    reward = RewardPool(cfg.reward.fn, cfg.reward.num_workers, cfg.reward.timeout_s)
+    policy = load_model(resolve_model_path(cfg.model.path), dtype=DTYPES[cfg.model.dtype])
+    mini = cfg.train.mini_batch_size or cfg.rollout.batch_size * cfg.rollout.n
+    updates_per_step = cfg.train.epochs * -(-cfg.rollout.batch_size * cfg.rollout.n // mini)
+    trainer = TrainWorker(policy, cfg.algo, cfg.train, rollout.engine.pad_token_id,
+                          temperature=cfg.rollout.temperature, total_updates=cfg.run.steps * updates_per_step,
+                          seed=cfg.run.seed)
+    return Roles(
+        tokenizer=tokenizer,
+        rollout=rollout,
+        trainer=trainer,
+        reward=reward,
+        train_data=PromptLoader(train_prompts, train_ids, cfg.rollout.batch_size, cfg.data.shuffle, cfg.run.seed),
+        val_prompts=val_prompts,
+        val_ids=val_ids,
+        params=sampling_params(cfg, cfg.rollout.temperature),
+        val_params=sampling_params(cfg, cfg.rollout.val_temperature),
+    )
+
+
+def save_checkpoint(roles: Roles, path: Path) -> None:
+    """A Hugging Face checkpoint directory: model and tokenizer, loadable by transformers."""
+    from tandem.model import save_model
+
+    save_model(roles.trainer.model, path)
+    roles.tokenizer.save_pretrained(str(path))

@@ -1,0 +1,21 @@
+"""Batch statistics of a step's samples, under verl's metric names."""
+
+from statistics import mean
+
+from tandem.sample import Sample
+
+
+def _summary(prefix: str, values: list[float]) -> dict[str, float]:
+    return {f"{prefix}/mean": mean(values), f"{prefix}/max": max(values), f"{prefix}/min": min(values)}
+
+
+def rollout_stats(samples: list[Sample], max_new_tokens: int) -> dict[str, float]:
+    lengths = [float(len(s.response_ids)) for s in samples]
+    return {
+        **_summary("critic/score", [s.reward for s in samples]),
+        **_summary("critic/advantages", [s.advantage for s in samples]),
+        **_summary("response_length", lengths),
+        "response_length/clip_ratio": mean(float(s.finish_reason == "length") for s in samples),
+        **_summary("prompt_length", [float(len(s.prompt_ids)) for s in samples]),
+        "staleness/mean": mean(float(max(s.versions, default=0) - min(s.versions, default=0)) for s in samples),
+    }

@@ -1,0 +1,37 @@
+"""PromptLoader: endless shuffled batches of prompts, epoch after epoch, with a resumable cursor."""
+
+import random
+
+from tandem.sample import Prompt
+
+
+class PromptLoader:
+    def __init__(self, prompts: list[Prompt], prompt_ids: list[list[int]], batch_size: int, shuffle: bool, seed: int):
+        self.prompts, self.prompt_ids = prompts, prompt_ids
+        self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
+        self.epoch, self.cursor = 0, 0
+        self._order = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        order = list(range(len(self.prompts)))
+        if self.shuffle:
+            random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
+        return order
+
+    def next_batch(self) -> tuple[list[Prompt], list[list[int]]]:
+        picked: list[int] = []
+        while len(picked) < self.batch_size:
+            if self.cursor == len(self._order):
+                self.epoch, self.cursor = self.epoch + 1, 0
+                self._order = self._permutation()
+            take = self._order[self.cursor : self.cursor + self.batch_size - len(picked)]
+            picked += take
+            self.cursor += len(take)
+        return [self.prompts[i] for i in picked], [self.prompt_ids[i] for i in picked]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.cursor = state["epoch"], state["cursor"]
+        self._order = self._permutation()

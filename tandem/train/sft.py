@@ -1,0 +1,96 @@
+"""Supervised warm start: teach a fresh (or given) model a task's response format from its generator.
+
+`sft.flawed_fraction` replaces that share of the demonstrations with the task's flawed solution
+(for addition: every carry dropped). The result is a policy that knows the format and is right
+only some of the time — a weak base model for RL to improve, made here rather than downloaded.
+"""
+
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from tandem.config import Config
+from tandem.data import build_char_tokenizer, encode_prompts, load_tokenizer, prompts_from_rows
+from tandem.data.tasks import TASKS
+from tandem.model import CausalLM, ModelConfig, init_weights, load_model, resolve_model_path, save_model
+from tandem.sample import Sample
+from tandem.train.batch import collate
+from tandem.train.optim import lr_factor
+
+
+def fresh_model(cfg: Config, tokenizer) -> CausalLM:
+    s = cfg.sft
+    model_cfg = ModelConfig(
+        model_type="qwen2",
+        vocab_size=len(tokenizer),
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.num_hidden_layers,
+        num_attention_heads=s.num_attention_heads,
+        num_key_value_heads=s.num_key_value_heads,
+        head_dim=s.hidden_size // s.num_attention_heads,
+        max_position_embeddings=s.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = CausalLM(model_cfg)
+    init_weights(model, cfg.run.seed)
+    return model
+
+
+def demonstrations(cfg: Config, tokenizer, n: int) -> list[Sample]:
+    """Prompt + response samples from the task generator; response ends with EOS."""
+    task = TASKS.get(cfg.data.task)
+    rows = task.make_rows(n, seed=cfg.run.seed, split="train")
+    prompts = prompts_from_rows(rows)
+    ids = encode_prompts(tokenizer, prompts, cfg.data.max_prompt_length, source=f"task {task.name}")
+    rng = random.Random(cfg.run.seed)
+    samples = []
+    for row, prompt, prompt_ids in zip(rows, prompts, ids, strict=True):
+        flawed = rng.random() < cfg.sft.flawed_fraction
+        text = task.flawed_solution(row, rng) if flawed else task.solution(row)
+        response = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        samples.append(Sample(prompt=prompt, prompt_ids=prompt_ids, response_ids=response,
+                              loss_mask=[1] * len(response)))
+    return samples
+
+
+def run_sft(cfg: Config) -> Path:
+    """Train with cross-entropy on response tokens; save model + tokenizer to cfg.sft.out."""
+    s = cfg.sft
+    torch.manual_seed(cfg.run.seed)
+    if s.init_from:
+        path = resolve_model_path(s.init_from)
+        tokenizer, model = load_tokenizer(path), load_model(path)
+    else:
+        tokenizer = build_char_tokenizer()
+        model = fresh_model(cfg, tokenizer)
+    data = demonstrations(cfg, tokenizer, cfg.data.train_size)
+    pad = tokenizer.pad_token_id
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.01)
+    rng = random.Random(cfg.run.seed)
+    model.train()
+    start = time.perf_counter()
+    for step in range(s.steps):
+        for group in opt.param_groups:
+            group["lr"] = s.lr * lr_factor(step, s.warmup_steps, s.steps, "cosine", 0.05)
+        c = collate(rng.sample(data, s.batch_size), pad)
+        positions = torch.arange(c.ids.shape[1]).expand_as(c.ids)
+        logits = model(c.ids, positions, c.mask)
+        logits = logits.gather(1, c.resp_index[..., None].expand(-1, -1, logits.shape[-1]))  # (b, R, V)
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), c.resp_tokens, reduction="none")
+        loss = (nll * c.resp_mask).sum() / c.resp_mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 200 == 0 or step == s.steps - 1:
+            print(f"sft step {step:5d}  loss {loss.item():.4f}  {time.perf_counter() - start:6.1f}s", flush=True)
+    out = Path(s.out)
+    save_model(model, out)
+    tokenizer.save_pretrained(str(out))
+    return out

@@ -1,0 +1,44 @@
+"""Small builders shared by tests: a tiny random model and samples with made-up responses."""
+
+import random
+
+import torch
+
+from tandem.model import CausalLM, ModelConfig, init_weights
+from tandem.sample import Prompt, Sample, Status
+
+VOCAB = 50
+
+
+def tiny_model(seed: int = 0, std: float = 0.1) -> CausalLM:
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    model = CausalLM(cfg)
+    init_weights(model, seed, std=std)
+    return model
+
+
+def random_samples(n_groups: int, group_size: int, seed: int = 0) -> list[Sample]:
+    rng = random.Random(seed)
+    samples = []
+    for g in range(n_groups):
+        prompt_ids = [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 7))]
+        for i in range(group_size):
+            n = rng.randint(1, 9)
+            samples.append(Sample(
+                prompt=Prompt(text="x"), prompt_ids=prompt_ids, group_id=g, index=i,
+                response_ids=[rng.randrange(3, VOCAB) for _ in range(n)],
+                logprobs=[-rng.random() for _ in range(n)], versions=[0] * n, loss_mask=[1] * n,
+                reward=float(rng.random() < 0.5), status=Status.FINISHED, finish_reason="stop",
+            ))
+    return samples
+
+
+def clone_model(model: CausalLM) -> CausalLM:
+    twin = CausalLM(model.cfg)
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+def grads(model: CausalLM) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
