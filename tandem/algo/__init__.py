@@ -1,0 +1,56 @@
+"""RL algorithm pieces as small pure tensor functions in registries (no Ray, no engine).
+
+ADV_ESTIMATORS, POLICY_LOSSES, KL_ESTIMATORS and LOSS_AGGS map names to functions; `.get(name)`
+raises TandemError listing the valid names. Shapes and formulas are in each function's docstring.
+"""
+
+from tandem.algo.advantages import (
+    ADV_ESTIMATORS,
+    drgrpo_advantages,
+    group_stats,
+    grpo_advantages,
+    reinforce_plus_plus_advantages,
+    reinforce_plus_plus_baseline_advantages,
+    rloo_advantages,
+)
+from tandem.algo.aggregate import (
+    LOSS_AGGS,
+    active_seqs,
+    aggregate,
+    seq_mean_token_mean,
+    seq_mean_token_sum,
+    seq_mean_token_sum_norm,
+    token_mean,
+)
+from tandem.algo.entropy import entropy_from_logits
+from tandem.algo.kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3
+from tandem.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from tandem.algo.policy_loss import POLICY_LOSSES, ppo_clip_loss
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "LOSS_AGGS",
+    "POLICY_LOSSES",
+    "active_seqs",
+    "aggregate",
+    "drgrpo_advantages",
+    "entropy_from_logits",
+    "group_stats",
+    "grpo_advantages",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "ppo_clip_loss",
+    "reinforce_plus_plus_advantages",
+    "reinforce_plus_plus_baseline_advantages",
+    "rloo_advantages",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+    "token_mean",
+]

@@ -1,0 +1,121 @@
+"""Advantage estimators: sequence rewards -> per-token advantages.
+
+Every estimator has one signature so the trainer can call any of them the same way:
+
+    fn(rewards (B,), group_ids (B,) long, mask (B, T), *, norm_by_std=True, eps=1e-6, **_) -> (B, T)
+
+The result is 0 where mask == 0. Keyword arguments an estimator has no use for are accepted and
+ignored. Samples of one prompt share a group id; ids need not be contiguous or sorted.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from tandem.algo.masked import masked_whiten
+from tandem.registry import Registry
+
+AdvantageFn = Callable[..., Tensor]
+ADV_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
+
+
+def _float_rewards(rewards: Tensor, group_ids: Tensor, mask: Tensor) -> Tensor:
+    """Checks the shapes agree (a mismatch here would silently misalign samples) and returns float rewards."""
+    if rewards.dim() != 1 or group_ids.shape != rewards.shape or mask.dim() != 2 or len(mask) != len(rewards):
+        raise ValueError(
+            "expected rewards (B,), group_ids (B,), mask (B, T); got "
+            f"{tuple(rewards.shape)}, {tuple(group_ids.shape)}, {tuple(mask.shape)}"
+        )
+    return rewards if rewards.is_floating_point() else rewards.float()
+
+
+def group_stats(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """rewards (B,) float, group_ids (B,) -> (mean_g, std_g, n_g), each (B,): stats of each sample's group.
+
+    std_g is unbiased (divides by n_g - 1, as torch.std and verl); a group of one has std 0.
+    """
+    groups, dense = torch.unique(group_ids, return_inverse=True)  # dense: (B,) group index in 0..G-1
+    zeros = rewards.new_zeros(len(groups))
+    n = zeros.index_add(0, dense, torch.ones_like(rewards))
+    mean = (zeros.index_add(0, dense, rewards) / n)[dense]
+    # Two passes (mean, then squared deviations) rather than E[r^2] - E[r]^2, which cancels badly.
+    sq_dev = zeros.index_add(0, dense, (rewards - mean) ** 2)
+    std = (sq_dev / (n - 1).clamp(min=1)).sqrt()
+    return mean, std[dense], n[dense]
+
+
+def _safe_div(num: Tensor, den: Tensor) -> Tensor:
+    """num / den, with 0 where den == 0: with eps=0 a constant group is 0 / 0, and its advantage is 0."""
+    return torch.where(den != 0, num / den, 0.0)
+
+
+def _to_tokens(per_seq: Tensor, mask: Tensor) -> Tensor:
+    """per_seq (B,), mask (B, T) -> (B, T): each response token gets its sequence's value, 0 off-mask."""
+    return torch.where(mask.bool(), per_seq[:, None], 0.0)
+
+
+@ADV_ESTIMATORS.register("grpo")
+def grpo_advantages(
+    rewards: Tensor, group_ids: Tensor, mask: Tensor, *, norm_by_std: bool = True, eps: float = 1e-6, **_
+) -> Tensor:
+    """rewards (B,), group_ids (B,), mask (B, T) -> (B, T).
+
+    A_i = (r_i - mean_g) / (std_g + eps), std unbiased; with norm_by_std=False, A_i = r_i - mean_g
+    (Dr. GRPO). A group of one has no baseline and gets 0.
+    """
+    r = _float_rewards(rewards, group_ids, mask)
+    mean, std, _n = group_stats(r, group_ids)
+    adv = r - mean
+    if norm_by_std:
+        adv = _safe_div(adv, std + eps)
+    return _to_tokens(adv, mask)
+
+
+@ADV_ESTIMATORS.register("drgrpo")
+def drgrpo_advantages(rewards: Tensor, group_ids: Tensor, mask: Tensor, *, eps: float = 1e-6, **_) -> Tensor:
+    """rewards (B,), group_ids (B,), mask (B, T) -> (B, T). A_i = r_i - mean_g (Dr. GRPO).
+
+    Ignores norm_by_std: dividing by std is exactly the bias Dr. GRPO removes.
+    """
+    return grpo_advantages(rewards, group_ids, mask, norm_by_std=False, eps=eps)
+
+
+@ADV_ESTIMATORS.register("rloo")
+def rloo_advantages(rewards: Tensor, group_ids: Tensor, mask: Tensor, **_) -> Tensor:
+    """rewards (B,), group_ids (B,), mask (B, T) -> (B, T).
+
+    A_i = r_i - mean_{j != i in g} r_j = n_g / (n_g - 1) · (r_i - mean_g); a group of one gets 0.
+    """
+    r = _float_rewards(rewards, group_ids, mask)
+    mean, _std, n = group_stats(r, group_ids)
+    scale = torch.where(n > 1, n / (n - 1).clamp(min=1), 0.0)
+    return _to_tokens(scale * (r - mean), mask)
+
+
+@ADV_ESTIMATORS.register("reinforce_plus_plus")
+def reinforce_plus_plus_advantages(
+    rewards: Tensor, group_ids: Tensor, mask: Tensor, *, eps: float = 1e-6, **_
+) -> Tensor:
+    """rewards (B,), group_ids (B,), mask (B, T) -> (B, T).
+
+    G_{i,t} = r_i (gamma = 1, reward on the last token, so every return-to-go is r_i), then
+    A = (G - mean) / (std + eps) over all masked tokens of the batch. group_ids and norm_by_std
+    are unused: REINFORCE++ whitens over the batch, never per group.
+    """
+    r = _float_rewards(rewards, group_ids, mask)
+    return masked_whiten(_to_tokens(r, mask), mask, eps)
+
+
+@ADV_ESTIMATORS.register("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline_advantages(
+    rewards: Tensor, group_ids: Tensor, mask: Tensor, *, eps: float = 1e-6, **_
+) -> Tensor:
+    """rewards (B,), group_ids (B,), mask (B, T) -> (B, T).
+
+    G_{i,t} = r_i - mean_g, then A = (G - mean) / (std + eps) over all masked tokens of the batch.
+    A group of one subtracts its own reward, so its tokens enter the whitening as 0.
+    """
+    r = _float_rewards(rewards, group_ids, mask)
+    mean, _std, _n = group_stats(r, group_ids)
+    return masked_whiten(_to_tokens(r - mean, mask), mask, eps)

@@ -1,0 +1,71 @@
+"""Policy losses: per-token surrogate losses plus per-token diagnostics for the caller to mask-average.
+
+Every loss has one signature so the trainer can call any of them the same way:
+
+    fn(logp, old_logp, advantages, mask (all B, T), **options) -> (loss (B, T), {name: (B, T)})
+
+Losses and diagnostics are 0 where mask == 0; reduce the loss with `tandem.algo.aggregate`.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from tandem.registry import Registry
+
+PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+
+
+def _check_clip(clip_low: float, clip_high: float, clip_c: float | None) -> None:
+    if not 0 <= clip_low < 1:
+        raise ValueError(
+            f"clip_low must be in [0, 1) so the lower ratio bound stays positive, got {clip_low}"
+        )
+    if clip_high < 0:
+        raise ValueError(f"clip_high must be >= 0, got {clip_high}")
+    if clip_c is not None and clip_c <= 1:
+        raise ValueError(f"clip_c (dual-clip bound) must be > 1 or None, got {clip_c}")
+
+
+@POLICY_LOSSES.register("ppo_clip")
+def ppo_clip_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_c: float | None = None,
+    **_,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """logp, old_logp, advantages, mask (B, T) -> loss (B, T), diagnostics {name: (B, T)}.
+
+    ratio = exp(logp - old_logp)
+    loss  = max(-A·ratio, -A·clip(ratio, 1 - clip_low, 1 + clip_high))   (clip_high > clip_low: DAPO)
+    dual clip (clip_c > 1): for A < 0, loss = min(loss, -A·clip_c)
+    Diagnostics: "pg_clipfrac" 1 where the clipped branch was taken, "pg_clipfrac_lower" 1 where
+    the dual-clip bound was, "ppo_kl" = old_logp - logp.
+    """
+    _check_clip(clip_low, clip_high, clip_c)
+    # Clamped as verl does: one far-off logprob must not overflow exp() and turn the batch to inf/nan.
+    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    took_clip = clipped > unclipped
+    took_dual = torch.zeros_like(took_clip)
+    if clip_c is not None:
+        bound = -advantages * clip_c
+        took_dual = (advantages < 0) & (loss > bound)
+        loss = torch.where(took_dual, bound, loss)
+    keep = mask.bool()
+    metrics = {
+        "pg_clipfrac": took_clip.to(loss.dtype),
+        "pg_clipfrac_lower": took_dual.to(loss.dtype),
+        "ppo_kl": old_logp - logp,
+    }
+    metrics = {name: torch.where(keep, value, 0.0) for name, value in metrics.items()}
+    return torch.where(keep, loss, 0.0), metrics

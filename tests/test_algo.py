@@ -1,0 +1,261 @@
+"""tandem.algo against values computed by hand (written as literals), plus the invariants a trainer
+relies on: aggregates add up across micro-batches, padding never leaks, bad names list valid ones."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.algo import (
+    ADV_ESTIMATORS,
+    KL_ESTIMATORS,
+    LOSS_AGGS,
+    POLICY_LOSSES,
+    aggregate,
+    entropy_from_logits,
+    masked_mean,
+    masked_whiten,
+)
+from tandem.errors import TandemError
+
+T = torch.tensor
+
+
+def close(actual: torch.Tensor, expected: list | float, atol: float = 1e-5) -> None:
+    torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), atol=atol, rtol=0)
+
+
+# --- advantages -----------------------------------------------------------------------------------
+
+
+def test_grpo_one_group():
+    # mean 0.5, unbiased std sqrt(1/3) = 0.57735 -> ±0.5 / 0.57735 = ±0.866025
+    adv = ADV_ESTIMATORS.get("grpo")(T([1.0, 0, 0, 1]), T([0, 0, 0, 0]), torch.ones(4, 2))
+    close(adv, [[0.866025] * 2, [-0.866025] * 2, [-0.866025] * 2, [0.866025] * 2])
+
+
+def test_grpo_groups_by_id_and_singletons_get_zero():
+    # groups {7: [2, 0]}, {3: [1, 1, 4]}, {9: [5]}: means 1 and 2, stds sqrt(2) and sqrt(3)
+    rewards, ids = T([2.0, 1, 0, 1, 4, 5]), T([7, 3, 7, 3, 3, 9])
+    adv = ADV_ESTIMATORS.get("grpo")(rewards, ids, torch.ones(6, 1), eps=0.0)
+    close(adv[:, 0], [0.707107, -0.577350, -0.707107, -0.577350, 1.154701, 0.0])
+    # a constant group with eps=0 is 0 / 0: advantage 0, not nan
+    close(ADV_ESTIMATORS.get("grpo")(T([1.0, 1.0]), T([0, 0]), torch.ones(2, 1), eps=0.0), [[0.0], [0.0]])
+
+
+def test_grpo_without_std_and_drgrpo_are_centred_rewards():
+    rewards, ids, mask = T([1.0, 0, 0, 1]), T([0, 0, 1, 1]), torch.ones(4, 1)
+    expected = [[0.5], [-0.5], [-0.5], [0.5]]
+    close(ADV_ESTIMATORS.get("grpo")(rewards, ids, mask, norm_by_std=False), expected)
+    # drgrpo ignores norm_by_std=True: the trainer passes the same kwargs to every estimator
+    close(ADV_ESTIMATORS.get("drgrpo")(rewards, ids, mask, norm_by_std=True), expected)
+
+
+def test_rloo():
+    # A_0 = 1 - (0 + 0 + 1) / 3 = 0.6667, A_1 = 0 - 2/3; group {2.0} alone -> 0
+    adv = ADV_ESTIMATORS.get("rloo")(T([1.0, 0, 0, 1, 2]), T([0, 0, 0, 0, 1]), torch.ones(5, 1))
+    close(adv[:, 0], [0.666667, -0.666667, -0.666667, 0.666667, 0.0])
+
+
+def test_reinforce_plus_plus_whitens_over_masked_tokens():
+    # tokens 1,1,1,0,0: mean 0.6, unbiased var (3·0.16 + 2·0.36) / 4 = 0.3, std 0.547723
+    mask = T([[1, 1, 1], [1, 1, 0]])
+    adv = ADV_ESTIMATORS.get("reinforce_plus_plus")(T([1.0, 0.0]), T([0, 1]), mask)
+    close(adv, [[0.730297, 0.730297, 0.730297], [-1.095445, -1.095445, 0.0]])
+
+
+def test_reinforce_plus_plus_baseline():
+    # centred: [0.5, -0.5, 0, 0]; tokens .5,.5,-.5,0,0: mean 0.1, var 0.7/4 = 0.175, std 0.418330
+    mask = T([[1, 1], [1, 0], [1, 1], [0, 0]])
+    adv = ADV_ESTIMATORS.get("reinforce_plus_plus_baseline")(T([1.0, 0, 0.5, 0.5]), T([0, 0, 1, 1]), mask)
+    close(adv, [[0.956183, 0.956183], [-1.434274, 0.0], [-0.239046, -0.239046], [0.0, 0.0]])
+
+
+@pytest.mark.parametrize("name", ADV_ESTIMATORS.names())
+def test_every_estimator_takes_the_same_call_and_zeroes_padding(name):
+    mask = T([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]])
+    adv = ADV_ESTIMATORS.get(name)(
+        T([1, 0, 3, 2]), T([0, 0, 1, 1]), mask, norm_by_std=True, eps=1e-6, gamma=1.0, unused="x"
+    )
+    assert adv.shape == (4, 3) and adv.dtype.is_floating_point
+    assert torch.isfinite(adv).all() and (adv[mask == 0] == 0).all()
+
+
+def test_estimator_rejects_misaligned_shapes():
+    with pytest.raises(ValueError, match="group_ids"):
+        ADV_ESTIMATORS.get("grpo")(T([1.0, 0.0]), T([0, 0, 0]), torch.ones(2, 2))
+
+
+# --- policy loss ----------------------------------------------------------------------------------
+
+
+def _ppo(ratios: list[float], advs: list[float], **kw):
+    ratio = T([ratios])
+    old = torch.full_like(ratio, -1.0)
+    return POLICY_LOSSES.get("ppo_clip")(old + ratio.log(), old, T([advs]), torch.ones_like(ratio), **kw)
+
+
+def test_ppo_clip_asymmetric():
+    # clip range [0.8, 1.28]. A=+1, r=1.5 -> -1.28 (clipped); A=+1, r=0.5 -> -0.5;
+    # A=-1, r=0.5 -> 0.8 (clipped); A=-1, r=1.5 -> 1.5; A=+1, r=1.25 -> -1.25 (inside clip-high)
+    loss, m = _ppo([1.5, 0.5, 0.5, 1.5, 1.25], [1, 1, -1, -1, 1], clip_low=0.2, clip_high=0.28)
+    close(loss, [[-1.28, -0.5, 0.8, 1.5, -1.25]])
+    close(m["pg_clipfrac"], [[1.0, 0, 1, 0, 0]])
+    close(m["pg_clipfrac_lower"], [[0.0, 0, 0, 0, 0]])
+    close(m["ppo_kl"], [[-0.405465, 0.693147, 0.693147, -0.405465, -0.223144]])
+
+
+def test_ppo_clip_symmetric_clips_what_clip_higher_lets_through():
+    loss, m = _ppo([1.25], [1.0])
+    close(loss, [[-1.2]])
+    close(m["pg_clipfrac"], [[1.0]])
+
+
+def test_ppo_dual_clip():
+    # clip_c = 3: A=-1, r=5 -> min(5, 3) = 3 (dual bound); A=-1, r=2 -> 2; A=+1, r=5 -> -1.2 untouched
+    loss, m = _ppo([5.0, 2.0, 5.0], [-1, -1, 1], clip_c=3.0)
+    close(loss, [[3.0, 2.0, -1.2]])
+    close(m["pg_clipfrac_lower"], [[1.0, 0, 0]])
+    close(m["pg_clipfrac"], [[0.0, 0, 1]])
+
+
+def test_ppo_masks_garbage_padding():
+    logp, old = T([[-1.0, float("nan")]]), T([[-1.0, 5.0]])
+    loss, m = POLICY_LOSSES.get("ppo_clip")(logp, old, T([[2.0, 2.0]]), T([[1, 0]]))
+    close(loss, [[-2.0, 0.0]])
+    assert all(torch.isfinite(v).all() for v in m.values())
+
+
+def test_ppo_gradient_on_policy_is_minus_advantage():
+    # at ratio 1 nothing is clipped and d(-A·ratio)/d logp = -A: the plain policy gradient
+    logp = T([[-0.5, -2.0, -1.0]], requires_grad=True)
+    loss, _ = POLICY_LOSSES.get("ppo_clip")(logp, logp.detach(), T([[2.0, -3.0, 7.0]]), T([[1, 1, 0]]))
+    loss.sum().backward()
+    close(logp.grad, [[-2.0, 3.0, 0.0]])
+
+
+@pytest.mark.parametrize("bad", [{"clip_c": 1.0}, {"clip_c": 0.5}, {"clip_low": 1.0}, {"clip_high": -0.1}])
+def test_ppo_rejects_bad_clip(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        _ppo([1.0], [1.0], **bad)
+
+
+# --- KL and entropy -------------------------------------------------------------------------------
+
+
+def test_kl_estimators():
+    logp, ref = T([0.0, -1.0]), T([-1.0, 0.0])
+    close(KL_ESTIMATORS.get("k1")(logp, ref), [1.0, -1.0])
+    close(KL_ESTIMATORS.get("k2")(logp, ref), [0.5, 0.5])
+    # d = ref - logp = [-1, 1]: e^-1 + 1 - 1 = 0.367879; e - 1 - 1 = 0.718282
+    close(KL_ESTIMATORS.get("k3")(logp, ref), [0.367879, 0.718282])
+
+
+def test_kl_aliases_and_k3_clamp():
+    assert KL_ESTIMATORS.get("kl") is KL_ESTIMATORS.get("k1")
+    assert KL_ESTIMATORS.get("mse") is KL_ESTIMATORS.get("k2")
+    assert KL_ESTIMATORS.get("low_var_kl") is KL_ESTIMATORS.get("k3")
+    close(KL_ESTIMATORS.get("k3")(T([0.0]), T([30.0])), [10.0])
+
+
+def test_entropy_from_logits():
+    logits = T([[[0.0, 0.0, 0.0, 0.0], [0.0, math.log(3.0), 0.0, 0.0]]])
+    # uniform over 4: ln 4 = 1.386294; probs [1, 3, 1, 1] / 6
+    close(entropy_from_logits(logits), [[1.386294, 1.242453]])
+    # shifting the logits far out changes nothing (no overflow in exp)
+    close(entropy_from_logits(logits.double() + 1000.0), [[1.386294, 1.242453]])
+
+
+# --- masked helpers -------------------------------------------------------------------------------
+
+
+def test_masked_mean_and_whiten():
+    x, mask = T([[1.0, 3.0, float("inf")], [5.0, 0.0, 0.0]]), T([[1, 1, 0], [1, 0, 0]])
+    close(masked_mean(x, mask), 3.0)
+    close(masked_mean(x, mask, dim=-1), [2.0, 5.0])
+    close(masked_mean(x, torch.zeros_like(mask)), 0.0)
+    # values 1, 3, 5: mean 3, unbiased std 2
+    close(masked_whiten(x, mask, eps=0.0), [[-1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    close(masked_whiten(T([2.0, 2.0]), T([1, 1]), eps=0.0), [0.0, 0.0])
+
+
+# --- aggregation ----------------------------------------------------------------------------------
+
+LOSS = T([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+RAGGED = T([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("token-mean", 10 / 4),  # (1+2+3+4) / 4 tokens
+        ("seq-mean-token-sum", 10 / 2),  # (6 + 4) / 2 rows with tokens
+        ("seq-mean-token-mean", (2 + 4) / 2),
+        ("seq-mean-token-sum-norm", 10 / (2 * 3)),  # / (rows · T)
+    ],
+)
+def test_aggregation_modes(mode, expected):
+    close(aggregate(mode, LOSS, RAGGED), expected)
+
+
+def test_aggregation_global_counts_and_empty_batch():
+    close(aggregate("token-mean", LOSS, RAGGED, global_tokens=8), 10 / 8)
+    close(aggregate("seq-mean-token-sum-norm", LOSS, RAGGED, global_seqs=4, norm_len=5), 10 / 20)
+    for mode in LOSS_AGGS.names():
+        close(aggregate(mode, LOSS, torch.zeros_like(RAGGED)), 0.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 6), min_size=2, max_size=8),
+    split=st.integers(1, 7),
+    seed=st.integers(0, 2**16),
+)
+def test_micro_batches_sum_to_the_mini_batch(lengths, split, seed):
+    split = min(split, len(lengths) - 1)
+    width = 6
+    loss = torch.randn(
+        len(lengths), width, generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+    )
+    mask = (torch.arange(width)[None, :] < T(lengths)[:, None]).float()
+    counts = {"global_tokens": mask.sum(), "global_seqs": (mask.sum(-1) > 0).sum(), "norm_len": width}
+    for mode in LOSS_AGGS.names():
+        full = aggregate(mode, loss, mask, **counts)
+        # each micro-batch is trimmed to its own longest response, as a token-budget packer would
+        parts = []
+        for rows in (slice(0, split), slice(split, None)):
+            t = max(int(mask[rows].sum(-1).max()), 1)
+            parts.append(aggregate(mode, loss[rows, :t], mask[rows, :t], **counts))
+        torch.testing.assert_close(parts[0] + parts[1], full, rtol=1e-12, atol=1e-12)
+
+
+# --- registries -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "registry, known",
+    [(ADV_ESTIMATORS, "grpo"), (POLICY_LOSSES, "ppo_clip"), (KL_ESTIMATORS, "k3"), (LOSS_AGGS, "token-mean")],
+)
+def test_unknown_name_lists_valid_names(registry, known):
+    with pytest.raises(TandemError, match=rf"{registry.kind}.*Valid names:.*{known}"):
+        registry.get("no-such-thing")
+
+
+def test_expected_names_registered():
+    assert ADV_ESTIMATORS.names() == [
+        "drgrpo",
+        "grpo",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+        "rloo",
+    ]
+    assert POLICY_LOSSES.names() == ["ppo_clip"]
+    assert KL_ESTIMATORS.names() == ["k1", "k2", "k3", "kl", "low_var_kl", "mse"]
+    assert LOSS_AGGS.names() == [
+        "seq-mean-token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+        "token-mean",
+    ]
