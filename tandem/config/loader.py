@@ -12,6 +12,8 @@ import yaml
 from tandem.config.schema import Config
 from tandem.errors import TandemError
 
+TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
 
 def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the recipe's YAML, then `a.b=value` overrides (values parsed as YAML)."""
@@ -86,14 +88,19 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         return _coerce(value, next(a for a in args if a is not type(None)), key)
     if origin is list:
         if not isinstance(value, list):
-            raise _type_error(key, value, f"a list of {args[0].__name__}")
+            raise _type_error(key, value, f"a list (of {TYPE_NAMES.get(args[0], args[0].__name__)} items)")
         return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):
+        try:  # YAML reads 1e-3 (no dot) as a string; it is plainly a number
+            return float(value)
+        except ValueError:
+            pass
     if hint is str and isinstance(value, int | float) and not isinstance(value, bool):
         return str(value)  # names like run.name=1 stay usable
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise _type_error(key, value, f"a {hint.__name__}")
+        raise _type_error(key, value, TYPE_NAMES.get(hint, hint.__name__))
     return value
 
 

@@ -18,7 +18,6 @@ class RunConfig:
     tensorboard: bool = False
     progress: bool = True
     threads: int = 0  # torch intra-op threads; 0 = torch's default
-    deterministic: bool = False
 
 
 @dataclass
