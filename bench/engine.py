@@ -20,7 +20,7 @@ from tandem.rollout import BuiltinEngine, SamplingParams, make_groups
 
 
 def prompt_batch(tokenizer, batch: int) -> tuple[list, list[list[int]]]:
-    prompts = prompts_from_rows(TASKS.get("addition").make_rows(batch, seed=1, split="test"))
+    prompts = prompts_from_rows(TASKS.get("addition")().make_rows(batch, seed=1, split="test"))
     return prompts, encode_prompts(tokenizer, prompts, 64)
 
 
@@ -40,8 +40,17 @@ def time_hf(hf, ids: list[list[int]], pad: int, new_tokens: int) -> float:
     mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
     start = time.perf_counter()
     with torch.inference_mode():
-        out = hf.generate(input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                          top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad)
+        out = hf.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=pad,
+        )
     elapsed = time.perf_counter() - start
     assert out.shape[1] - width == new_tokens
     return len(ids) * new_tokens / elapsed
@@ -71,7 +80,9 @@ def main() -> None:
         for _ in range(args.repeats):  # alternate, so machine noise hits both alike
             ours = max(ours, time_tandem(engine, prompts, ids, args.new_tokens))
             theirs = max(theirs, time_hf(hf, ids, pad, args.new_tokens))
-        figures.update({f"tokens_per_s_b{b}": ours, f"hf_tokens_per_s_b{b}": theirs, f"ratio_b{b}": ours / theirs})
+        figures.update(
+            {f"tokens_per_s_b{b}": ours, f"hf_tokens_per_s_b{b}": theirs, f"ratio_b{b}": ours / theirs}
+        )
         print(f"{b:>6} {ours:>14.0f} {theirs:>12.0f} {ours / theirs:>6.2f}x")
     if args.json:
         with open(args.json, "w") as f:

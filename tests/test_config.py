@@ -23,8 +23,17 @@ def test_every_shipped_recipe_loads(recipe):
 
 
 def test_overrides_are_typed_and_nested():
-    cfg = load_config(None, ["rollout.n=4", "train.lr=1e-3", "algo.clip_c=3", "data.train_files=[a.jsonl]",
-                             "run.tensorboard=true", "algo.clip_c=null"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.n=4",
+            "train.lr=1e-3",
+            "algo.clip_c=3",
+            "data.train_files=[a.jsonl]",
+            "run.tensorboard=true",
+            "algo.clip_c=null",
+        ],
+    )
     assert cfg.rollout.n == 4 and cfg.train.lr == 1e-3 and cfg.algo.clip_c is None
     assert cfg.data.train_files == ["a.jsonl"] and cfg.run.tensorboard is True
 

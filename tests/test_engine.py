@@ -14,8 +14,10 @@ EOS = 2
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(3, VOCAB, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 def run(engine, ids, params, n=1):

@@ -20,7 +20,10 @@ SHAPE = dict(
 FAMILIES = {
     "qwen2": (transformers.Qwen2Config, dict(rope_theta=1000.0, tie_word_embeddings=True)),
     "qwen3": (transformers.Qwen3Config, dict(rope_theta=5000.0, head_dim=24, tie_word_embeddings=False)),
-    "llama": (transformers.LlamaConfig, dict(rope_theta=20000.0, tie_word_embeddings=False, attention_bias=True)),
+    "llama": (
+        transformers.LlamaConfig,
+        dict(rope_theta=20000.0, tie_word_embeddings=False, attention_bias=True),
+    ),
 }
 
 
@@ -79,7 +82,9 @@ def test_kv_cache_decode_equals_full_forward_with_left_padding(tmp_path):
         full = model(ids, positions, mask)
         cache = KVCache(model.cfg, 2, 10, torch.float32, torch.device("cpu"))
         pre = model(ids[:, :6], positions[:, :6], mask[:, :6], cache)
-        steps = [model(ids[:, t : t + 1], positions[:, t : t + 1], mask[:, t : t + 1], cache) for t in range(6, 10)]
+        steps = [
+            model(ids[:, t : t + 1], positions[:, t : t + 1], mask[:, t : t + 1], cache) for t in range(6, 10)
+        ]
     stepped = torch.cat([pre, *steps], dim=1)
     torch.testing.assert_close(stepped[mask], full[mask], atol=1e-5, rtol=0)
 

@@ -17,7 +17,9 @@ AGGS = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-tok
 
 def worker(model, budget: int, **algo) -> TrainWorker:
     algo = {"kl_coef": 0.1, "entropy_coef": 0.01, **algo}
-    return TrainWorker(model, AlgoConfig(**algo), TrainConfig(lr=1e-3, micro_batch_tokens=budget), pad_token_id=0)
+    return TrainWorker(
+        model, AlgoConfig(**algo), TrainConfig(lr=1e-3, micro_batch_tokens=budget), pad_token_id=0
+    )
 
 
 @pytest.mark.parametrize("agg", AGGS)

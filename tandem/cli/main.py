@@ -20,7 +20,9 @@ def split_args(args: list[str]) -> tuple[str | None, list[str]]:
         elif recipe is None and a.endswith((".yaml", ".yml")):
             recipe = a
         else:
-            raise TandemError(f"Argument {a!r} is neither a recipe (.yaml) nor an override (section.key=value).")
+            raise TandemError(
+                f"Argument {a!r} is neither a recipe (.yaml) nor an override (section.key=value)."
+            )
     return recipe, overrides
 
 
@@ -61,8 +63,15 @@ def cmd_generate(ns: argparse.Namespace) -> None:
     from tandem.controller.standalone import generate_text
 
     overrides = [f"model.path={ns.model}"] if ns.model else []
-    cfg = load_config(None, overrides + [f"rollout.n={ns.n}", f"rollout.temperature={ns.temperature}",
-                                         f"rollout.max_new_tokens={ns.max_new_tokens}"])
+    cfg = load_config(
+        None,
+        overrides
+        + [
+            f"rollout.n={ns.n}",
+            f"rollout.temperature={ns.temperature}",
+            f"rollout.max_new_tokens={ns.max_new_tokens}",
+        ],
+    )
     for i, text in enumerate(generate_text(cfg, ns.prompt, chat=not ns.raw)):
         print(f"[{i}] {text}")
 
@@ -74,10 +83,14 @@ def cmd_data_make(ns: argparse.Namespace) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tandem", description="Asynchronous RL post-training for language models.")
+    p = argparse.ArgumentParser(
+        prog="tandem", description="Asynchronous RL post-training for language models."
+    )
     sub = p.add_subparsers(dest="command", required=True)
-    for name, fn, text in [("train", cmd_train, "RL-train a policy (default: the built-in addition run)"),
-                           ("sft", cmd_sft, "supervised warm start on a synthetic task")]:
+    for name, fn, text in [
+        ("train", cmd_train, "RL-train a policy (default: the built-in addition run)"),
+        ("sft", cmd_sft, "supervised warm start on a synthetic task"),
+    ]:
         s = sub.add_parser(name, help=text)
         s.add_argument("args", nargs="*", help="[recipe.yaml] [section.key=value ...]")
         s.set_defaults(fn=fn)

@@ -44,7 +44,9 @@ def save_config(cfg: Config, path: str | Path) -> None:
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise TandemError(f"Recipe file {path} does not exist. Recipes live in recipes/ (e.g. recipes/default.yaml).")
+        raise TandemError(
+            f"Recipe file {path} does not exist. Recipes live in recipes/ (e.g. recipes/default.yaml)."
+        )
     try:
         tree = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
@@ -70,7 +72,9 @@ def _build(cls: type, tree: dict[str, Any], prefix: str) -> Any:
         if is_dataclass(hint):
             sub = tree.get(name, {})
             if not isinstance(sub, dict):
-                raise TandemError(f"Config '{prefix}{name}' is a section; set its keys, e.g. {prefix}{name}.key=value.")
+                raise TandemError(
+                    f"Config '{prefix}{name}' is a section; set its keys, e.g. {prefix}{name}.key=value."
+                )
             values[name] = _build(hint, sub, f"{prefix}{name}.")
         elif name in tree:
             values[name] = _coerce(tree[name], hint, f"{prefix}{name}")

@@ -16,7 +16,9 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-        self.bar = tqdm(total=total_steps, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
+        self.bar = tqdm(
+            total=total_steps, desc="train", unit="step", disable=not progress, dynamic_ncols=True
+        )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")

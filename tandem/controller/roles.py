@@ -43,14 +43,19 @@ def load_split(cfg: Config, files: list[str], split: str, size: int, seed: int) 
     """Prompts from files, or rows of the synthetic task when no file is given."""
     if files:
         return [p for f in files for p in load_prompts(f, cfg.data.prompt_key)], ", ".join(files)
-    rows = TASKS.get(cfg.data.task).make_rows(size, seed=seed, split=split)
+    rows = TASKS.get(cfg.data.task)().make_rows(size, seed=seed, split=split)
     return prompts_from_rows(rows), f"synthetic task {cfg.data.task!r} ({split})"
 
 
 def sampling_params(cfg: Config, temperature: float) -> SamplingParams:
     r = cfg.rollout
-    return SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k,
-                          max_new_tokens=r.max_new_tokens, stop_token_ids=list(r.stop_token_ids))
+    return SamplingParams(
+        temperature=temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_new_tokens=r.max_new_tokens,
+        stop_token_ids=list(r.stop_token_ids),
+    )
 
 
 def build_rollout(cfg: Config) -> tuple[RolloutWorker, int]:
@@ -61,23 +66,30 @@ def build_rollout(cfg: Config) -> tuple[RolloutWorker, int]:
     model_path = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_path)
     if tokenizer.eos_token_id is None:
-        raise TandemError(f"The tokenizer of {cfg.model.path} has no EOS token, so responses could never end.")
+        raise TandemError(
+            f"The tokenizer of {cfg.model.path} has no EOS token, so responses could never end."
+        )
     model = load_model(model_path, dtype=DTYPES[cfg.model.dtype])
     context = model.cfg.max_position_embeddings
     max_prompt = min(cfg.data.max_prompt_length, context - cfg.rollout.max_new_tokens)
     if max_prompt < 1:
-        raise TandemError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt "
-                          f"in the model's context of {context} tokens.")
+        raise TandemError(
+            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt "
+            f"in the model's context of {context} tokens."
+        )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    engine = BuiltinEngine(model, [tokenizer.eos_token_id], pad, max_batch_size=cfg.rollout.max_batch_size,
-                           seed=cfg.run.seed)
+    engine = BuiltinEngine(
+        model, [tokenizer.eos_token_id], pad, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.run.seed
+    )
     return RolloutWorker(engine, tokenizer), max_prompt
 
 
 def build_roles(cfg: Config) -> Roles:
     rollout, max_prompt = build_rollout(cfg)
     tokenizer = rollout.tokenizer
-    train_prompts, train_src = load_split(cfg, cfg.data.train_files, "train", cfg.data.train_size, cfg.run.seed)
+    train_prompts, train_src = load_split(
+        cfg, cfg.data.train_files, "train", cfg.data.train_size, cfg.run.seed
+    )
     val_prompts, val_src = load_split(cfg, cfg.data.val_files, "test", cfg.data.val_size, cfg.run.seed + 1)
     train_ids = encode_prompts(tokenizer, train_prompts, max_prompt, source=train_src)
     val_ids = encode_prompts(tokenizer, val_prompts, max_prompt, source=val_src)
@@ -85,15 +97,23 @@ def build_roles(cfg: Config) -> Roles:
     policy = load_model(resolve_model_path(cfg.model.path), dtype=DTYPES[cfg.model.dtype])
     mini = cfg.train.mini_batch_size or cfg.rollout.batch_size * cfg.rollout.n
     updates_per_step = cfg.train.epochs * -(-cfg.rollout.batch_size * cfg.rollout.n // mini)
-    trainer = TrainWorker(policy, cfg.algo, cfg.train, rollout.engine.pad_token_id,
-                          temperature=cfg.rollout.temperature, total_updates=cfg.run.steps * updates_per_step,
-                          seed=cfg.run.seed)
+    trainer = TrainWorker(
+        policy,
+        cfg.algo,
+        cfg.train,
+        rollout.engine.pad_token_id,
+        temperature=cfg.rollout.temperature,
+        total_updates=cfg.run.steps * updates_per_step,
+        seed=cfg.run.seed,
+    )
     return Roles(
         tokenizer=tokenizer,
         rollout=rollout,
         trainer=trainer,
         reward=reward,
-        train_data=PromptLoader(train_prompts, train_ids, cfg.rollout.batch_size, cfg.data.shuffle, cfg.run.seed),
+        train_data=PromptLoader(
+            train_prompts, train_ids, cfg.rollout.batch_size, cfg.data.shuffle, cfg.run.seed
+        ),
         val_prompts=val_prompts,
         val_ids=val_ids,
         params=sampling_params(cfg, cfg.rollout.temperature),

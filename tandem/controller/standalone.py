@@ -25,5 +25,7 @@ def generate_text(cfg: Config, text: str, chat: bool = True) -> list[str]:
     rollout, max_prompt = build_rollout(cfg)
     prompt = Prompt(messages=[{"role": "user", "content": text}]) if chat else Prompt(text=text)
     ids = encode_prompts(rollout.tokenizer, [prompt], max_prompt, source="the command line")
-    samples = rollout.generate(make_groups([prompt], ids, cfg.rollout.n), sampling_params(cfg, cfg.rollout.temperature))
+    samples = rollout.generate(
+        make_groups([prompt], ids, cfg.rollout.n), sampling_params(cfg, cfg.rollout.temperature)
+    )
     return [s.response_text for s in samples]

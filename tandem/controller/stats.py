@@ -17,5 +17,7 @@ def rollout_stats(samples: list[Sample], max_new_tokens: int) -> dict[str, float
         **_summary("response_length", lengths),
         "response_length/clip_ratio": mean(float(s.finish_reason == "length") for s in samples),
         **_summary("prompt_length", [float(len(s.prompt_ids)) for s in samples]),
-        "staleness/mean": mean(float(max(s.versions, default=0) - min(s.versions, default=0)) for s in samples),
+        "staleness/mean": mean(
+            float(max(s.versions, default=0) - min(s.versions, default=0)) for s in samples
+        ),
     }

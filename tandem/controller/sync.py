@@ -54,14 +54,24 @@ def train_one_step(roles: Roles, cfg: Config, step: int) -> dict[str, float]:
         with timed(timings, "sync"):
             roles.rollout.load_weights(roles.trainer.named_weights(), roles.trainer.version)
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    perf = {"perf/throughput_tokens_per_s": tokens / timings["timing_s/step"],
-            "perf/samples_per_s": len(samples) / timings["timing_s/step"]}
-    return {**rollout_stats(samples, cfg.rollout.max_new_tokens), **reward_metrics, **train_metrics,
-            **timings, **perf, "version": float(roles.trainer.version)}
+    perf = {
+        "perf/throughput_tokens_per_s": tokens / timings["timing_s/step"],
+        "perf/samples_per_s": len(samples) / timings["timing_s/step"],
+    }
+    return {
+        **rollout_stats(samples, cfg.rollout.max_new_tokens),
+        **reward_metrics,
+        **train_metrics,
+        **timings,
+        **perf,
+        "version": float(roles.trainer.version),
+    }
 
 
 def validate(roles: Roles) -> tuple[dict[str, float], list]:
     with_time: dict[str, float] = {}
     with timed(with_time, "val"):
-        metrics, samples = evaluate(roles.rollout, roles.reward, roles.val_prompts, roles.val_ids, roles.val_params)
+        metrics, samples = evaluate(
+            roles.rollout, roles.reward, roles.val_prompts, roles.val_ids, roles.val_params
+        )
     return {**metrics, **with_time}, samples

@@ -6,7 +6,9 @@ from tandem.sample import Prompt
 
 
 class PromptLoader:
-    def __init__(self, prompts: list[Prompt], prompt_ids: list[list[int]], batch_size: int, shuffle: bool, seed: int):
+    def __init__(
+        self, prompts: list[Prompt], prompt_ids: list[list[int]], batch_size: int, shuffle: bool, seed: int
+    ):
         self.prompts, self.prompt_ids = prompts, prompt_ids
         self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
         self.epoch, self.cursor = 0, 0

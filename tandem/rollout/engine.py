@@ -70,7 +70,9 @@ class BuiltinEngine:
         stopped = torch.zeros(b, dtype=torch.bool)
         done = torch.zeros(b, dtype=torch.bool)  # per live row
         for step in range(params.max_new_tokens):
-            tokens, logprobs = sample_next(logits, params.temperature, params.top_k, params.top_p, self.generator)
+            tokens, logprobs = sample_next(
+                logits, params.temperature, params.top_k, params.top_p, self.generator
+            )
             tokens, logprobs = tokens.cpu(), logprobs.cpu()
             live = ~done
             out_tokens[rows[live], step] = tokens[live]

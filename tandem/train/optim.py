@@ -6,9 +6,7 @@ import torch
 from torch import nn
 
 
-def make_optimizer(
-    model: nn.Module, lr: float, betas: list[float], weight_decay: float
-) -> torch.optim.AdamW:
+def make_optimizer(model: nn.Module, lr: float, betas: list[float], weight_decay: float) -> torch.optim.AdamW:
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=lr, betas=(betas[0], betas[1]), weight_decay=weight_decay)
 

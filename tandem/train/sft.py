@@ -44,7 +44,7 @@ def fresh_model(cfg: Config, tokenizer) -> CausalLM:
 
 def demonstrations(cfg: Config, tokenizer, n: int) -> list[Sample]:
     """Prompt + response samples from the task generator; response ends with EOS."""
-    task = TASKS.get(cfg.data.task)
+    task = TASKS.get(cfg.data.task)()
     rows = task.make_rows(n, seed=cfg.run.seed, split="train")
     prompts = prompts_from_rows(rows)
     ids = encode_prompts(tokenizer, prompts, cfg.data.max_prompt_length, source=f"task {task.name}")
@@ -54,8 +54,9 @@ def demonstrations(cfg: Config, tokenizer, n: int) -> list[Sample]:
         flawed = rng.random() < cfg.sft.flawed_fraction
         text = task.flawed_solution(row, rng) if flawed else task.solution(row)
         response = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
-        samples.append(Sample(prompt=prompt, prompt_ids=prompt_ids, response_ids=response,
-                              loss_mask=[1] * len(response)))
+        samples.append(
+            Sample(prompt=prompt, prompt_ids=prompt_ids, response_ids=response, loss_mask=[1] * len(response))
+        )
     return samples
 
 
@@ -89,7 +90,9 @@ def run_sft(cfg: Config) -> Path:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % 200 == 0 or step == s.steps - 1:
-            print(f"sft step {step:5d}  loss {loss.item():.4f}  {time.perf_counter() - start:6.1f}s", flush=True)
+            print(
+                f"sft step {step:5d}  loss {loss.item():.4f}  {time.perf_counter() - start:6.1f}s", flush=True
+            )
     out = Path(s.out)
     save_model(model, out)
     tokenizer.save_pretrained(str(out))

@@ -96,20 +96,27 @@ class TrainWorker:
         updates = 0
         for _ in range(self.cfg.epochs):
             for rows in self._mini_batches(len(samples)):
-                stats = self._update([samples[i] for i in rows], old[rows], ref[rows] if ref is not None else None,
-                                     adv[rows], mask[rows])
+                stats = self._update(
+                    [samples[i] for i in rows],
+                    old[rows],
+                    ref[rows] if ref is not None else None,
+                    adv[rows],
+                    mask[rows],
+                )
                 for k, v in stats.items():
                     sums[k] += v
                 updates += 1
         self.version += 1
         metrics = {k: v / updates for k, v in sums.items()}
         diff = (old - behaviour).abs()[mask > 0]
-        metrics.update({
-            "actor/lr": self.scheduler.get_last_lr()[0],
-            "actor/skipped_steps": float(self.skipped_steps),
-            "mismatch/logprob_abs_diff_max": float(diff.max()) if diff.numel() else 0.0,
-            "mismatch/logprob_abs_diff_mean": float(diff.mean()) if diff.numel() else 0.0,
-        })
+        metrics.update(
+            {
+                "actor/lr": self.scheduler.get_last_lr()[0],
+                "actor/skipped_steps": float(self.skipped_steps),
+                "mismatch/logprob_abs_diff_max": float(diff.max()) if diff.numel() else 0.0,
+                "mismatch/logprob_abs_diff_mean": float(diff.mean()) if diff.numel() else 0.0,
+            }
+        )
         return metrics
 
     def _mini_batches(self, n: int) -> list[Tensor]:
@@ -117,12 +124,16 @@ class TrainWorker:
         order = torch.randperm(n, generator=self.generator) if size < n else torch.arange(n)
         return [order[i : i + size] for i in range(0, n, size)]
 
-    def _update(self, samples: list[Sample], old: Tensor, ref: Tensor | None, adv: Tensor, mask: Tensor
-                ) -> dict[str, float]:
+    def _update(
+        self, samples: list[Sample], old: Tensor, ref: Tensor | None, adv: Tensor, mask: Tensor
+    ) -> dict[str, float]:
         """Accumulate gradients over micro-batches, then one optimizer step (or a counted skip)."""
         a = self.algo
-        counts = dict(global_tokens=float(mask.sum()), global_seqs=float((mask.sum(-1) > 0).sum()),
-                      norm_len=float(mask.shape[1]))
+        counts = dict(
+            global_tokens=float(mask.sum()),
+            global_seqs=float((mask.sum(-1) > 0).sum()),
+            norm_len=float(mask.shape[1]),
+        )
         loss_fn = POLICY_LOSSES.get(a.policy_loss)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = defaultdict(float)
@@ -132,14 +143,25 @@ class TrainWorker:
             r = c.resp_mask.shape[1]
             m = mask[idx, :r].to(self.device)
             logp, entropy = self._forward(self.model, c, with_entropy=True)
-            pg, stats = loss_fn(logp, old[idx, :r].to(self.device), adv[idx, :r].to(self.device), m,
-                                clip_low=a.clip_low, clip_high=a.clip_high, clip_c=a.clip_c)
+            pg, stats = loss_fn(
+                logp,
+                old[idx, :r].to(self.device),
+                adv[idx, :r].to(self.device),
+                m,
+                clip_low=a.clip_low,
+                clip_high=a.clip_high,
+                clip_c=a.clip_c,
+            )
             pg_loss = aggregate(a.loss_agg, pg, m, **counts)
             ent = aggregate(a.loss_agg, entropy, m, **counts)
             loss = pg_loss - a.entropy_coef * ent
             if ref is not None:
-                kl = aggregate(a.loss_agg, KL_ESTIMATORS.get(a.kl_estimator)(logp, ref[idx, :r].to(self.device)),
-                               m, **counts)
+                kl = aggregate(
+                    a.loss_agg,
+                    KL_ESTIMATORS.get(a.kl_estimator)(logp, ref[idx, :r].to(self.device)),
+                    m,
+                    **counts,
+                )
                 loss = loss + a.kl_coef * kl
                 sums["actor/kl_loss"] += float(kl.detach())
             loss.backward()
@@ -148,7 +170,9 @@ class TrainWorker:
             sums["actor/entropy"] += float((entropy.detach() * m).sum()) / max(counts["global_tokens"], 1.0)
             for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
                 if key in stats:
-                    sums[f"actor/{key}"] += float((stats[key].detach() * m).sum() / m.sum().clamp(min=1)) * share
+                    sums[f"actor/{key}"] += (
+                        float((stats[key].detach() * m).sum() / m.sum().clamp(min=1)) * share
+                    )
         sums["actor/grad_norm"] = self._optimizer_step()
         return sums
 

@@ -1,0 +1,256 @@
+"""Synthetic verifiable tasks: short prompts a character-level model can learn, with exact answers.
+
+Each task writes rows in verl's columns and knows its correct response (`solution`) and a
+systematically wrong but well-formed one (`flawed_solution`, to warm-start a weak policy that RL
+then has to improve). Responses are exactly the text the model should write before eos.
+
+| task      | prompt           | solution  | ground_truth                            |
+|-----------|------------------|-----------|-----------------------------------------|
+| addition  | "23+58="         | "81"      | "81"                                    |
+| countdown | "3 7 12 -> 33"   | "3*7+12"  | {"target": 33, "numbers": [3, 7, 12]}   |
+| reverse   | "reverse: abcde" | "edcba"   | "edcba"                                 |
+
+Train and test are disjoint by construction: a problem is in "test" when the md5 of its canonical
+text is 0 mod 10 (about 10% of problems), else in "train", and `make_rows` draws only problems of
+the split asked for. Canonical text makes a+b and b+a (and countdown's number orders) one problem.
+Rows are drawn with replacement, so a large n may repeat a problem.
+"""
+
+import hashlib
+import os
+import random
+from collections.abc import Callable
+from typing import Any
+
+from tandem.data.dataset import save_rows
+from tandem.errors import TandemError
+from tandem.registry import Registry
+from tandem.sample import Prompt
+
+SPLITS = ("train", "test")
+TEST_BUCKETS = 10  # one problem in TEST_BUCKETS goes to "test"
+
+
+class Task:
+    """A generator of verifiable problems. Subclasses set `name` and implement `draw` and `solution`."""
+
+    name: str = ""
+
+    def draw(self, rng: random.Random) -> tuple[str, Any, str]:
+        """One random problem: (prompt text, ground truth, canonical text used for the split)."""
+        raise NotImplementedError
+
+    def solution(self, row: dict[str, Any] | Prompt) -> str:
+        """The correct response text (what the model should write before eos)."""
+        raise NotImplementedError
+
+    def flawed_solution(self, row: dict[str, Any] | Prompt, rng: random.Random) -> str:
+        """A well-formed response that is systematically wrong."""
+        raise NotImplementedError
+
+    def make_rows(self, n: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
+        """n rows of `split`, deterministic in (task arguments, n, seed, split), in verl's columns."""
+        if split not in SPLITS:
+            raise TandemError(
+                f"Unknown split {split!r} for task {self.name!r}. Valid splits: {', '.join(SPLITS)}."
+            )
+        if n < 1:
+            raise TandemError(f"Task {self.name!r}: the number of rows must be at least 1, got {n}.")
+        rng = random.Random(seed)
+        rows: list[dict[str, Any]] = []
+        for _ in range(1000 * n + 10_000):  # bounded: a split with no problems must not hang
+            text, ground_truth, canonical = self.draw(rng)
+            if split_of(canonical) != split:
+                continue
+            rows.append(
+                {
+                    "data_source": self.name,
+                    "prompt": [{"role": "user", "content": text}],
+                    "reward_model": {"style": "rule", "ground_truth": ground_truth},
+                    "extra_info": {"split": split, "index": len(rows)},
+                }
+            )
+            if len(rows) == n:
+                return rows
+        raise TandemError(f"Task {self.name!r} found too few {split} problems; give it larger problems.")
+
+
+def split_of(canonical: str) -> str:
+    """ "test" for about one canonical problem text in TEST_BUCKETS, else "train"; stable across runs."""
+    bucket = int(hashlib.md5(canonical.encode("utf-8")).hexdigest(), 16) % TEST_BUCKETS
+    return "test" if bucket == 0 else "train"
+
+
+TASKS: Registry[Callable[..., Task]] = Registry("task")
+
+
+@TASKS.register("addition")
+class Addition(Task):
+    """ "a+b=" -> "a+b". Each operand has 1..max_digits digits (digit count uniform, then the value
+    uniform; 1-digit operands include 0). With max_digits=2 about 53% of problems have a carry
+    (max_digits=1: 45%, 3: 59%), so the carry-dropping flawed solution is wrong about half the time."""
+
+    name = "addition"
+
+    def __init__(self, max_digits: int = 2):
+        if max_digits < 1:
+            raise TandemError(f"Task 'addition': max_digits must be at least 1, got {max_digits}.")
+        self.max_digits = max_digits
+
+    def draw(self, rng: random.Random) -> tuple[str, Any, str]:
+        a, b = self._operand(rng), self._operand(rng)
+        return f"{a}+{b}=", str(a + b), f"{min(a, b)}+{max(a, b)}="
+
+    def _operand(self, rng: random.Random) -> int:
+        digits = rng.randint(1, self.max_digits)
+        return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+
+    def solution(self, row: dict[str, Any] | Prompt) -> str:
+        a, b = _operands(row)
+        return str(a + b)
+
+    def flawed_solution(self, row: dict[str, Any] | Prompt, rng: random.Random) -> str:
+        """The digit-wise sum with every carry dropped: 58+67 -> "15". Wrong exactly when a carry occurs."""
+        a, b = _operands(row)
+        digits, place = 0, 1
+        while a or b:
+            digits += (a % 10 + b % 10) % 10 * place
+            a, b, place = a // 10, b // 10, place * 10
+        return str(digits)
+
+
+def _operands(row: dict[str, Any] | Prompt) -> tuple[int, int]:
+    a, b = _content(row).removesuffix("=").split("+")
+    return int(a), int(b)
+
+
+@TASKS.register("countdown")
+class Countdown(Task):
+    """ "3 7 12 -> 33": write an expression with + - * that uses every number exactly once and
+    equals the target, e.g. "3*7+12" (no spaces). The target is the value of a random expression over
+    all the numbers, kept only when it is a positive integer, so every problem is solvable."""
+
+    name = "countdown"
+
+    def __init__(self, count: int = 3, max_number: int = 20):
+        if count < 2 or max_number < 1:
+            raise TandemError(
+                f"Task 'countdown': need count >= 2 and max_number >= 1, got {count} and {max_number}."
+            )
+        self.count, self.max_number = count, max_number
+
+    def draw(self, rng: random.Random) -> tuple[str, Any, str]:
+        while True:
+            numbers = [rng.randint(1, self.max_number) for _ in range(self.count)]
+            pool = [_Expr(n, str(n), _ATOM) for n in numbers]
+            while len(pool) > 1:
+                left = pool.pop(rng.randrange(len(pool)))
+                right = pool.pop(rng.randrange(len(pool)))
+                pool.append(_combine(left, rng.choice("+-*"), right))
+            if pool[0].value >= 1:
+                break
+        target = pool[0].value
+        text = f"{' '.join(map(str, numbers))} -> {target}"
+        canonical = f"{' '.join(map(str, sorted(numbers)))} -> {target}"
+        return text, {"target": target, "numbers": numbers}, canonical
+
+    def solution(self, row: dict[str, Any] | Prompt) -> str:
+        """The first expression found by exhaustive search (deterministic), e.g. "3*7+12"."""
+        truth = _ground_truth(row)
+        found = _solve([_Expr(n, str(n), _ATOM) for n in truth["numbers"]], truth["target"])
+        if found is None:
+            raise TandemError(f"Countdown problem {_content(row)!r} has no solution with + - *.")
+        return found
+
+    def flawed_solution(self, row: dict[str, Any] | Prompt, rng: random.Random) -> str:
+        """The numbers joined with "+" in the given order: well-formed, usually the wrong value."""
+        return "+".join(map(str, _ground_truth(row)["numbers"]))
+
+
+_ATOM, _PRODUCT, _SUM = 3, 2, 1  # operator precedence of an expression's outermost operation
+
+
+class _Expr:
+    """An integer expression: its value, its text with minimal parentheses, and its precedence."""
+
+    def __init__(self, value: int, text: str, precedence: int):
+        self.value, self.text, self.precedence = value, text, precedence
+
+
+def _combine(left: _Expr, op: str, right: _Expr) -> _Expr:
+    if op == "+":  # a + (b - c) == a + b - c: "+" never needs parentheses
+        return _Expr(left.value + right.value, f"{left.text}+{right.text}", _SUM)
+    if op == "-":
+        r = f"({right.text})" if right.precedence == _SUM else right.text
+        return _Expr(left.value - right.value, f"{left.text}-{r}", _SUM)
+    lt, rt = (f"({e.text})" if e.precedence == _SUM else e.text for e in (left, right))
+    return _Expr(left.value * right.value, f"{lt}*{rt}", _PRODUCT)
+
+
+def _solve(items: list[_Expr], target: int) -> str | None:
+    """Text of an expression combining all `items` with + - * that equals target, or None."""
+    if len(items) == 1:
+        return items[0].text if items[0].value == target else None
+    for i, left in enumerate(items):
+        for j, right in enumerate(items):
+            if i == j:
+                continue
+            rest = [e for k, e in enumerate(items) if k not in (i, j)]
+            for op in "+-*":
+                if op != "-" and j < i:  # + and * commute: one order is enough
+                    continue
+                found = _solve([_combine(left, op, right), *rest], target)
+                if found is not None:
+                    return found
+    return None
+
+
+@TASKS.register("reverse")
+class Reverse(Task):
+    """ "reverse: abcde" -> "edcba", lowercase strings of min_length..max_length letters."""
+
+    name = "reverse"
+    prefix = "reverse: "
+
+    def __init__(self, min_length: int = 3, max_length: int = 6):
+        if not 1 <= min_length <= max_length:
+            raise TandemError(
+                f"Task 'reverse': need 1 <= min_length <= max_length, got {min_length}, {max_length}."
+            )
+        self.min_length, self.max_length = min_length, max_length
+
+    def draw(self, rng: random.Random) -> tuple[str, Any, str]:
+        length = rng.randint(self.min_length, self.max_length)
+        word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(length))
+        return self.prefix + word, word[::-1], word
+
+    def solution(self, row: dict[str, Any] | Prompt) -> str:
+        return _content(row).removeprefix(self.prefix)[::-1]
+
+    def flawed_solution(self, row: dict[str, Any] | Prompt, rng: random.Random) -> str:
+        """The word unchanged, or with only its first and last letters swapped (right for length 3)."""
+        word = _content(row).removeprefix(self.prefix)
+        if len(word) < 2 or rng.random() < 0.5:
+            return word
+        return word[-1] + word[1:-1] + word[0]
+
+
+def _content(row: dict[str, Any] | Prompt) -> str:
+    """The problem text: the last message's content (chat) or the plain text."""
+    if isinstance(row, Prompt):
+        return row.messages[-1]["content"] if row.messages else (row.text or "")
+    prompt = row["prompt"]
+    return prompt if isinstance(prompt, str) else prompt[-1]["content"]
+
+
+def _ground_truth(row: dict[str, Any] | Prompt) -> Any:
+    if isinstance(row, Prompt):
+        return row.ground_truth
+    return row["reward_model"]["ground_truth"]
+
+
+def make_dataset(task: str, out: str, n: int = 1000, seed: int = 0, split: str = "train") -> str:
+    """Write n rows of `task` (default arguments) to `out` (.jsonl / .json / .parquet); return `out`."""
+    rows = TASKS.get(task)().make_rows(n, seed, split)
+    save_rows(rows, out)
+    return os.fspath(out)

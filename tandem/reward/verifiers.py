@@ -1,0 +1,142 @@
+"""Rule-based verifiers: `fn(solution_str, ground_truth, extra_info) -> float` in [0, 1].
+
+Each is registered in `VERIFIERS` under the `data_source` name that the "auto" reward dispatches on.
+"""
+
+import ast
+import logging
+import re
+from collections.abc import Callable
+from fractions import Fraction
+from typing import Any
+
+from tandem.registry import Registry
+
+Verifier = Callable[[str, Any, dict], float]
+VERIFIERS: Registry[Verifier] = Registry("verifier")
+
+_INT = re.compile(r"-?\d+")
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+# A run of the characters a countdown expression may use; '=' and newlines end a run, so
+# "(3+4)*4 = 28" yields the runs "(3+4)*4 " and " 28".
+_EXPR_RUN = re.compile(r"[0-9+\-*/() \t]+")
+_MAX_EXPR_CHARS = 300  # longer is never a real answer and could make `ast.parse` recurse deeply
+_OPS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.USub)
+
+
+@VERIFIERS.register("addition")
+def addition(solution_str: str, ground_truth: Any, extra_info: dict) -> float:
+    """1.0 when the last integer in the response equals the sum `ground_truth` (str or int)."""
+    found = _INT.findall(solution_str)
+    return float(bool(found) and int(found[-1]) == int(str(ground_truth).strip()))
+
+
+@VERIFIERS.register("reverse")
+def reverse(solution_str: str, ground_truth: Any, extra_info: dict) -> float:
+    """1.0 when the stripped response is exactly the reversed string `ground_truth`."""
+    return float(solution_str.strip() == ground_truth)
+
+
+@VERIFIERS.register("exact_match")
+def exact_match(solution_str: str, ground_truth: Any, extra_info: dict) -> float:
+    """1.0 when the stripped response equals `str(ground_truth)` stripped."""
+    return float(solution_str.strip() == str(ground_truth).strip())
+
+
+@VERIFIERS.register("countdown")
+def countdown(solution_str: str, ground_truth: Any, extra_info: dict) -> float:
+    """1.0 when the answer expression uses each of `ground_truth["numbers"]` exactly once and
+    evaluates to `ground_truth["target"]` (within 1e-6).
+
+    The answer is the last `<answer>...</answer>` if there is one, else the whole response; within
+    it, the expression is the last run of `0-9 + - * / ( )` and spaces holding two or more numbers
+    (or, failing that, the last holding one), so a trailing "= 28" or prose around it is ignored.
+    """
+    expr = _countdown_expression(solution_str)
+    if expr is None:
+        return 0.0
+    try:
+        tree = ast.parse(expr.strip(), mode="eval")
+        literals = sorted(_int_literals(tree))
+        if literals != sorted(int(n) for n in ground_truth["numbers"]):
+            return 0.0
+        value = _evaluate(tree.body)
+    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
+        return 0.0
+    return float(abs(value - Fraction(ground_truth["target"])) <= 1e-6)
+
+
+def _countdown_expression(solution_str: str) -> str | None:
+    tagged = _ANSWER_TAG.findall(solution_str)
+    text = (tagged[-1] if tagged else solution_str).replace("×", "*").replace("÷", "/")
+    runs = [r for r in _EXPR_RUN.findall(text) if len(r) <= _MAX_EXPR_CHARS]
+    several = [r for r in runs if len(_INT.findall(r)) >= 2]
+    single = [r for r in runs if _INT.search(r)]
+    return (several or single or [None])[-1]
+
+
+def _int_literals(tree: ast.AST) -> list[int]:
+    """The integer literals of a countdown expression; ValueError on any other kind of node."""
+    literals = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant):
+            if type(node.value) is not int:
+                raise ValueError(f"not an integer literal: {node.value!r}")
+            literals.append(node.value)
+        elif not isinstance(node, (ast.Expression, ast.BinOp, ast.UnaryOp, *_OPS)):
+            raise ValueError(f"not allowed in a countdown expression: {type(node).__name__}")
+    return literals
+
+
+def _evaluate(node: ast.AST) -> Fraction:
+    """Exact value of an expression already checked by `_int_literals` (no code is executed)."""
+    if isinstance(node, ast.Constant):
+        return Fraction(node.value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_evaluate(node.operand)
+    if isinstance(node, ast.BinOp):
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Add):
+            return left + right
+        if isinstance(node.op, ast.Sub):
+            return left - right
+        if isinstance(node.op, ast.Mult):
+            return left * right
+        if isinstance(node.op, ast.Div):
+            return left / right  # Fraction raises ZeroDivisionError on 0
+    raise ValueError(f"not allowed in a countdown expression: {type(node).__name__}")
+
+
+@VERIFIERS.register("math")
+def math_equal(solution_str: str, ground_truth: Any, extra_info: dict) -> float:
+    """1.0 when math-verify finds the response's answer equivalent to `ground_truth`
+    ("0.5" ~ "1/2" ~ "\\frac{1}{2}").
+
+    A bare ground truth is parsed as `\\boxed{...}` because math-verify reads bare "2x" as 2.
+    Its signal-based timeouts are off: they fail outside the main thread, and RewardPool already
+    kills a call that runs past its timeout.
+    """
+    from math_verify import parse, verify  # imports sympy: slow, so only when used
+
+    _quiet_math_verify()
+    gold_text = str(ground_truth).strip()
+    gold = []
+    if "$" not in gold_text and "\\boxed" not in gold_text:
+        gold = parse("\\boxed{" + gold_text + "}", parsing_timeout=None)
+    gold = gold or parse(gold_text, parsing_timeout=None)
+    pred = parse(solution_str, parsing_timeout=None)
+    if not gold or not pred:
+        return 0.0
+    return float(verify(gold, pred, timeout_seconds=None))
+
+
+def _quiet_math_verify() -> None:
+    """Drop math-verify's one-off "Timeout is disabled" warning: the pool enforces the timeout."""
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logger = logging.getLogger(name)
+        if _drop_timeout_warning not in logger.filters:
+            logger.addFilter(_drop_timeout_warning)
+
+
+def _drop_timeout_warning(record: logging.LogRecord) -> bool:
+    return "Timeout is disabled" not in str(record.msg)
