@@ -6,4 +6,13 @@ from tandem.model.decoder import CausalLM, init_weights
 from tandem.model.kv_cache import KVCache
 from tandem.model.logprobs import token_logprobs
 
-__all__ = ["CausalLM", "KVCache", "ModelConfig", "init_weights", "load_model", "resolve_model_path", "save_model", "token_logprobs"]
+__all__ = [
+    "CausalLM",
+    "KVCache",
+    "ModelConfig",
+    "init_weights",
+    "load_model",
+    "resolve_model_path",
+    "save_model",
+    "token_logprobs",
+]

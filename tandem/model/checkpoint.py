@@ -22,10 +22,14 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         return tensors
     if (path / "model.safetensors").is_file():
         return load_file(str(path / "model.safetensors"))
-    raise TandemError(f"No model.safetensors or {INDEX} in {path}: expected a Hugging Face checkpoint directory.")
+    raise TandemError(
+        f"No model.safetensors or {INDEX} in {path}: expected a Hugging Face checkpoint directory."
+    )
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> CausalLM:
     """A CausalLM with the checkpoint's weights, cast to `dtype`, on `device`."""
     path = Path(path)
     if not path.is_dir():
@@ -81,7 +85,9 @@ def save_model(model: CausalLM, path: str | Path, max_shard_mb: float | None = N
         save_file(shard, str(path / file), metadata=meta)
         weight_map.update(dict.fromkeys(shard, file))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (path / INDEX).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
 
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"

@@ -25,11 +25,11 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """positions (B, T) -> cos, sin (B, 1, T, D) for rotate-half RoPE."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
-    freqs = positions[..., None].float() * inv_freq  # (B, T, D/2)
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
+def rope_table(max_positions: int, head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos, sin (max_positions, D) for rotate-half RoPE: angle(p, i) = p / theta^(2i/D)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    freqs = torch.arange(max_positions, device=device).float()[:, None] * inv_freq  # (P, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
 
 
@@ -112,6 +112,17 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self._rope: tuple[Tensor, Tensor] | None = None  # built on first use, on the model's device
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """positions (B, T) -> cos, sin (B, 1, T, D)."""
+        needed = int(positions.max()) + 1
+        if self._rope is None or self._rope[0].device != positions.device or self._rope[0].shape[0] < needed:
+            c = self.cfg
+            size = max(c.max_position_embeddings, needed)  # RoPE itself has no length limit
+            self._rope = rope_table(size, c.head_dim, c.rope_theta, positions.device)
+        cos, sin = self._rope
+        return cos[positions][:, None], sin[positions][:, None]
 
     def forward(
         self, input_ids: Tensor, positions: Tensor, token_mask: Tensor, cache: KVCache | None = None
@@ -133,7 +144,7 @@ class CausalLM(nn.Module):
         causal = slots[None, :] <= query_slots[:, None]  # (T, S)
         own = slots[None, :] == query_slots[:, None]
         mask = ((causal & key_mask[:, None, :]) | own)[:, None]  # (B, 1, T, S)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        cos, sin = self.rope(positions)
         x = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, mask, i, cache)
