@@ -67,10 +67,18 @@ def write_tiny_checkpoint(path, max_positions: int = 64, seed: int = 0):
     from tandem.model import save_model
 
     tokenizer = build_char_tokenizer()
-    cfg = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      max_position_embeddings=max_positions, eos_token_id=tokenizer.eos_token_id,
-                      pad_token_id=tokenizer.pad_token_id)
+    cfg = ModelConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=max_positions,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     model = CausalLM(cfg)
     init_weights(model, seed)
     save_model(model, path)

@@ -10,8 +10,15 @@ from helpers import write_tiny_checkpoint
 from tandem.cli.main import main
 from tandem.data import save_rows
 
-FAST = ["rollout.batch_size=4", "rollout.n=2", "rollout.max_new_tokens=4", "data.val_size=8",
-        "data.train_size=64", "reward.num_workers=1", "run.progress=false"]
+FAST = [
+    "rollout.batch_size=4",
+    "rollout.n=2",
+    "rollout.max_new_tokens=4",
+    "data.val_size=8",
+    "data.train_size=64",
+    "reward.num_workers=1",
+    "run.progress=false",
+]
 
 
 @pytest.fixture(scope="module")
@@ -26,15 +33,34 @@ def run_cli(args, capsys) -> tuple[int, str, str]:
 
 
 def test_train_writes_config_metrics_and_a_transformers_checkpoint(ckpt, tmp_path, capsys):
-    code, out, err = run_cli(["train", f"model.path={ckpt}", f"run.out_dir={tmp_path}", "run.steps=2",
-                              "run.tensorboard=true", *FAST], capsys)
+    code, out, err = run_cli(
+        [
+            "train",
+            f"model.path={ckpt}",
+            f"run.out_dir={tmp_path}",
+            "run.steps=2",
+            "run.tensorboard=true",
+            *FAST,
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert "held-out accuracy" in out
     run = tmp_path / "default"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
-    for key in ("critic/score/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",
-                "actor/grad_norm", "response_length/mean", "timing_s/gen", "timing_s/train", "val/accuracy"):
+    for key in (
+        "critic/score/mean",
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "actor/grad_norm",
+        "response_length/mean",
+        "timing_s/gen",
+        "timing_s/train",
+        "val/accuracy",
+    ):
         assert key in records[-1], key
     assert "val/accuracy" in records[0]
     assert (run / "config.yaml").is_file() and list((run / "tensorboard").iterdir())
@@ -47,40 +73,66 @@ def test_train_writes_config_metrics_and_a_transformers_checkpoint(ckpt, tmp_pat
 
 
 def test_eval_generate_and_data_make(ckpt, tmp_path, capsys):
-    code, out, _ = run_cli(["data", "make", "reverse", "--out", str(tmp_path / "rev.parquet"), "--n", "5"], capsys)
+    code, out, _ = run_cli(
+        ["data", "make", "reverse", "--out", str(tmp_path / "rev.parquet"), "--n", "5"], capsys
+    )
     assert code == 0 and (tmp_path / "rev.parquet").is_file()
-    code, out, err = run_cli(["eval", "--model", str(ckpt), "--data", str(tmp_path / "rev.parquet"),
-                              "reward.num_workers=1"], capsys)
+    code, out, err = run_cli(
+        ["eval", "--model", str(ckpt), "--data", str(tmp_path / "rev.parquet"), "reward.num_workers=1"],
+        capsys,
+    )
     assert code == 0, err
     assert json.loads(out)["val/size"] == 5.0
-    code, out, err = run_cli(["generate", "12+30=", "--model", str(ckpt), "--n", "2", "--max-new-tokens", "3"],
-                             capsys)
+    code, out, err = run_cli(
+        ["generate", "12+30=", "--model", str(ckpt), "--n", "2", "--max-new-tokens", "3"], capsys
+    )
     assert code == 0, err
     assert out.startswith("[0] ") and "[1] " in out
 
 
 def bad_input_cases(ckpt, tmp_path):
-    save_rows([{"prompt": "1+1=", "answer": "2"}, {"question": "2+2=", "answer": "4"}], str(tmp_path / "noprompt.jsonl"))
+    save_rows(
+        [{"prompt": "1+1=", "answer": "2"}, {"question": "2+2=", "answer": "4"}],
+        str(tmp_path / "noprompt.jsonl"),
+    )
     save_rows([{"prompt": "9" * 200, "answer": "2"}], str(tmp_path / "long.jsonl"))
     m = f"model.path={ckpt}"
     return {
         "missing dataset": (["train", m, f"data.train_files=[{tmp_path}/nope.jsonl]"], "nope.jsonl"),
-        "row without prompt": (["train", m, f"data.train_files=[{tmp_path}/noprompt.jsonl]"],
-                               "row 1.*has no 'prompt' column.*question"),
-        "prompt too long": (["train", m, f"data.train_files=[{tmp_path}/long.jsonl]"],
-                            "row 0.*200 tokens.*data.max_prompt_length"),
+        "row without prompt": (
+            ["train", m, f"data.train_files=[{tmp_path}/noprompt.jsonl]"],
+            "row 1.*has no 'prompt' column.*question",
+        ),
+        "prompt too long": (
+            ["train", m, f"data.train_files=[{tmp_path}/long.jsonl]"],
+            "row 0.*200 tokens.*data.max_prompt_length",
+        ),
         "unknown key": (["train", m, "rollout.temprature=1.0"], "Unknown config key 'rollout.temprature'"),
         "wrong type": (["train", m, "rollout.n=many"], "'rollout.n' must be an integer, got 'many'"),
         "unknown algorithm": (["train", m, "algo.adv_estimator=ppo2"], "advantage estimator.*grpo, .*rloo"),
-        "unknown task": (["data", "make", "sudoku", "--out", f"{tmp_path}/s.jsonl"], "task 'sudoku'.*addition"),
+        "unknown task": (
+            ["data", "make", "sudoku", "--out", f"{tmp_path}/s.jsonl"],
+            "task 'sudoku'.*addition",
+        ),
         "unknown reward": (["train", m, "reward.fn=no_such_module:score"], "no_such_module"),
         "missing model": (["train", f"model.path={tmp_path}/nomodel"], "nomodel"),
     }
 
 
-@pytest.mark.parametrize("case", ["missing dataset", "row without prompt", "prompt too long", "unknown key",
-                                  "wrong type", "unknown algorithm", "unknown task", "unknown reward",
-                                  "missing model"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing dataset",
+        "row without prompt",
+        "prompt too long",
+        "unknown key",
+        "wrong type",
+        "unknown algorithm",
+        "unknown task",
+        "unknown reward",
+        "missing model",
+    ],
+)
 def test_bad_input_is_one_clear_paragraph(case, ckpt, tmp_path, capsys):
     import re
 

@@ -100,9 +100,10 @@ def resolve_model_path(spec: str) -> Path:
     name = spec.split(":", 1)[1]
     path = ASSETS / f"warmstart-{name}"
     if not path.is_dir():
-        shipped = sorted(p.name.removeprefix("warmstart-") for p in ASSETS.glob("warmstart-*"))
+        names = sorted(p.name.removeprefix("warmstart-") for p in ASSETS.glob("warmstart-*"))
+        shipped = ", ".join(f"builtin:{n}" for n in names)
         raise TandemError(
-            f"No built-in model {spec!r}. Built-in models: {', '.join(f'builtin:{n}' for n in shipped) or 'none'}; "
-            f"make one with `tandem sft recipes/sft-{name}.yaml` or point model.path at a checkpoint directory."
+            f"No built-in model {spec!r}. Built-in models: {shipped or 'none'}; make one with "
+            f"`tandem sft recipes/sft-{name}.yaml` or point model.path at a checkpoint directory."
         )
     return path

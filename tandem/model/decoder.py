@@ -25,7 +25,9 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_table(max_positions: int, head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
+def rope_table(
+    max_positions: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[Tensor, Tensor]:
     """cos, sin (max_positions, D) for rotate-half RoPE: angle(p, i) = p / theta^(2i/D)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
     freqs = torch.arange(max_positions, device=device).float()[:, None] * inv_freq  # (P, D/2)
