@@ -105,7 +105,11 @@ def bad_input_cases(ckpt, tmp_path):
         ),
         "prompt too long": (
             ["train", m, f"data.train_files=[{tmp_path}/long.jsonl]"],
-            "row 0.*200 tokens.*data.max_prompt_length",
+            "row 0.*200 tokens.*limit of 56 set by the model's context of 64 tokens",
+        ),
+        "prompt over max_prompt_length": (
+            ["train", m, f"data.train_files=[{tmp_path}/long.jsonl]", "data.max_prompt_length=5"],
+            "row 0.*200 tokens long, more than the limit of 5 set by data.max_prompt_length=5",
         ),
         "unknown key": (["train", m, "rollout.temprature=1.0"], "Unknown config key 'rollout.temprature'"),
         "wrong type": (["train", m, "rollout.n=many"], "'rollout.n' must be an integer, got 'many'"),
@@ -125,6 +129,7 @@ def bad_input_cases(ckpt, tmp_path):
         "missing dataset",
         "row without prompt",
         "prompt too long",
+        "prompt over max_prompt_length",
         "unknown key",
         "wrong type",
         "unknown algorithm",

@@ -6,6 +6,7 @@ anything else is a bug and keeps its traceback.
 
 import argparse
 import json
+import os
 import sys
 
 from tandem.errors import TandemError
@@ -31,11 +32,17 @@ def cmd_train(ns: argparse.Namespace) -> None:
     from tandem.controller import run_sync
 
     summary = run_sync(load_config(*split_args(ns.args)))
-    print(
-        f"held-out accuracy: {100 * summary['val/accuracy_start']:.1f}% at the start -> "
-        f"{100 * summary['val/accuracy_final']:.1f}% at the end "
-        f"({summary['val/accuracy_gain_points']:+.1f} points)"
-    )
+    if "val/accuracy_start" in summary:
+        print(
+            f"held-out accuracy: {100 * summary['val/accuracy_start']:.1f}% at the start -> "
+            f"{100 * summary['val/accuracy_final']:.1f}% at the end "
+            f"({summary['val/accuracy_gain_points']:+.1f} points)"
+        )
+    else:
+        print(
+            f"final mean training score: {summary['critic/score/mean_final']:.3f} (no validation data: "
+            "set data.val_files for held-out accuracy)"
+        )
 
 
 def cmd_sft(ns: argparse.Namespace) -> None:
@@ -121,6 +128,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = parser().parse_args(argv)
+    # As `python -m` would: reward functions named `my_pkg.rewards:score` resolve from the current dir.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         ns.fn(ns)
     except TandemError as e:

@@ -13,6 +13,7 @@ from tandem.config.schema import Config
 from tandem.errors import TandemError
 
 TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+LIST_EXAMPLES = {int: "1, 2", float: "0.9, 0.999", str: "a.jsonl, b.jsonl"}
 
 
 def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -92,7 +93,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         return _coerce(value, next(a for a in args if a is not type(None)), key)
     if origin is list:
         if not isinstance(value, list):
-            raise _type_error(key, value, f"a list (of {TYPE_NAMES.get(args[0], args[0].__name__)} items)")
+            raise _type_error(key, value, f"a list, e.g. [{LIST_EXAMPLES.get(args[0], '...')}]")
         return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)

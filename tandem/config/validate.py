@@ -33,6 +33,9 @@ def validate(cfg: Config) -> None:
     _check(0 < cfg.rollout.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {cfg.rollout.top_p}.")
     _check(cfg.rollout.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off).")
     _check(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1.")
+    _check(cfg.rollout.max_batch_size >= 1, "rollout.max_batch_size", "must be >= 1.")
+    _check(cfg.run.save_every >= 0, "run.save_every", "must be >= 0 (0 = only the final checkpoint).")
+    _check(cfg.train.warmup_steps >= 0, "train.warmup_steps", "must be >= 0.")
     _check(cfg.data.max_prompt_length >= 1, "data.max_prompt_length", "must be >= 1.")
     if not cfg.data.train_files:
         _one_of(cfg.data.task, TASKS.names(), "data.task", "task")
@@ -42,7 +45,8 @@ def validate(cfg: Config) -> None:
     _one_of(cfg.algo.policy_loss, POLICY_LOSSES.names(), "algo.policy_loss", "policy loss")
     _one_of(cfg.algo.kl_estimator, KL_ESTIMATORS.names(), "algo.kl_estimator", "KL estimator")
     _one_of(cfg.algo.loss_agg, LOSS_AGGS.names(), "algo.loss_agg", "loss aggregation")
-    _check(cfg.algo.clip_low >= 0 and cfg.algo.clip_high >= 0, "algo.clip_low/clip_high", "must be >= 0.")
+    _check(0 <= cfg.algo.clip_low < 1, "algo.clip_low", f"must be in [0, 1), got {cfg.algo.clip_low}.")
+    _check(cfg.algo.clip_high >= 0, "algo.clip_high", f"must be >= 0, got {cfg.algo.clip_high}.")
     _check(cfg.algo.clip_c is None or cfg.algo.clip_c > 1, "algo.clip_c", "must be > 1 (or null to disable).")
     _check(cfg.train.lr > 0, "train.lr", "must be > 0.")
     _one_of(cfg.train.schedule, SCHEDULES, "train.schedule", "LR schedule")
@@ -51,3 +55,18 @@ def validate(cfg: Config) -> None:
     _check(cfg.train.mini_batch_size >= 0, "train.mini_batch_size", "must be >= 0 (0 = whole batch).")
     _check(cfg.train.micro_batch_tokens >= 1, "train.micro_batch_tokens", "must be >= 1.")
     _check(0 <= cfg.sft.flawed_fraction <= 1, "sft.flawed_fraction", "must be in [0, 1].")
+    _check(
+        1 <= cfg.sft.batch_size <= cfg.data.train_size,
+        "sft.batch_size",
+        f"must be between 1 and data.train_size={cfg.data.train_size}.",
+    )
+    _check(
+        cfg.sft.hidden_size % cfg.sft.num_attention_heads == 0,
+        "sft.hidden_size",
+        "must be divisible by sft.num_attention_heads.",
+    )
+    _check(
+        cfg.sft.num_attention_heads % cfg.sft.num_key_value_heads == 0,
+        "sft.num_key_value_heads",
+        "must divide sft.num_attention_heads.",
+    )

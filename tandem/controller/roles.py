@@ -58,7 +58,18 @@ def sampling_params(cfg: Config, temperature: float) -> SamplingParams:
     )
 
 
-def build_rollout(cfg: Config) -> tuple[RolloutWorker, int]:
+@dataclass
+class PromptLimit:
+    """The longest prompt allowed, and why: data.max_prompt_length or the model's context."""
+
+    tokens: int
+    reason: str = ""
+
+    def encode(self, tokenizer, prompts: list[Prompt], source: str) -> list[list[int]]:
+        return encode_prompts(tokenizer, prompts, self.tokens, source=source, limit_reason=self.reason)
+
+
+def build_rollout(cfg: Config) -> tuple[RolloutWorker, PromptLimit]:
     """The rollout worker for cfg.model, and the longest prompt its context leaves room for."""
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
@@ -71,28 +82,36 @@ def build_rollout(cfg: Config) -> tuple[RolloutWorker, int]:
         )
     model = load_model(model_path, dtype=DTYPES[cfg.model.dtype])
     context = model.cfg.max_position_embeddings
-    max_prompt = min(cfg.data.max_prompt_length, context - cfg.rollout.max_new_tokens)
-    if max_prompt < 1:
+    room = context - cfg.rollout.max_new_tokens
+    if room < 1:
         raise TandemError(
             f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt "
             f"in the model's context of {context} tokens."
+        )
+    limit = PromptLimit(cfg.data.max_prompt_length)
+    if room < cfg.data.max_prompt_length:
+        limit = PromptLimit(
+            room,
+            f"the model's context of {context} tokens less rollout.max_new_tokens="
+            f"{cfg.rollout.max_new_tokens} (lower rollout.max_new_tokens or use a longer-context model)",
         )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     engine = BuiltinEngine(
         model, [tokenizer.eos_token_id], pad, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.run.seed
     )
-    return RolloutWorker(engine, tokenizer), max_prompt
+    return RolloutWorker(engine, tokenizer), limit
 
 
 def build_roles(cfg: Config) -> Roles:
-    rollout, max_prompt = build_rollout(cfg)
+    rollout, limit = build_rollout(cfg)
     tokenizer = rollout.tokenizer
-    train_prompts, train_src = load_split(
-        cfg, cfg.data.train_files, "train", cfg.data.train_size, cfg.run.seed
-    )
-    val_prompts, val_src = load_split(cfg, cfg.data.val_files, "test", cfg.data.val_size, cfg.run.seed + 1)
-    train_ids = encode_prompts(tokenizer, train_prompts, max_prompt, source=train_src)
-    val_ids = encode_prompts(tokenizer, val_prompts, max_prompt, source=val_src)
+    d = cfg.data
+    train_prompts, train_src = load_split(cfg, d.train_files, "train", d.train_size, cfg.run.seed)
+    train_ids = limit.encode(tokenizer, train_prompts, train_src)
+    val_prompts, val_ids = [], []
+    if d.val_files or not d.train_files:  # own training data and no val files: no validation
+        val_prompts, val_src = load_split(cfg, d.val_files, "test", d.val_size, cfg.run.seed + 1)
+        val_ids = limit.encode(tokenizer, val_prompts, val_src)
     reward = RewardPool(cfg.reward.fn, cfg.reward.num_workers, cfg.reward.timeout_s)
     policy = load_model(resolve_model_path(cfg.model.path), dtype=DTYPES[cfg.model.dtype])
     mini = cfg.train.mini_batch_size or cfg.rollout.batch_size * cfg.rollout.n
@@ -105,6 +124,7 @@ def build_roles(cfg: Config) -> Roles:
         temperature=cfg.rollout.temperature,
         total_updates=cfg.run.steps * updates_per_step,
         seed=cfg.run.seed,
+        norm_len=cfg.rollout.max_new_tokens,
     )
     return Roles(
         tokenizer=tokenizer,

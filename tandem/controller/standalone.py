@@ -3,16 +3,15 @@
 from tandem.config import Config
 from tandem.controller.evaluation import evaluate
 from tandem.controller.roles import build_rollout, load_split, sampling_params
-from tandem.data import encode_prompts
 from tandem.reward import RewardPool
 from tandem.rollout import make_groups
 from tandem.sample import Prompt
 
 
 def evaluate_checkpoint(cfg: Config, show: int = 0) -> dict[str, float]:
-    rollout, max_prompt = build_rollout(cfg)
+    rollout, limit = build_rollout(cfg)
     prompts, source = load_split(cfg, cfg.data.val_files, "test", cfg.data.val_size, cfg.run.seed + 1)
-    ids = encode_prompts(rollout.tokenizer, prompts, max_prompt, source=source)
+    ids = limit.encode(rollout.tokenizer, prompts, source)
     with RewardPool(cfg.reward.fn, cfg.reward.num_workers, cfg.reward.timeout_s) as reward:
         params = sampling_params(cfg, cfg.rollout.val_temperature)
         metrics, samples = evaluate(rollout, reward, prompts, ids, params)
@@ -22,9 +21,9 @@ def evaluate_checkpoint(cfg: Config, show: int = 0) -> dict[str, float]:
 
 
 def generate_text(cfg: Config, text: str, chat: bool = True) -> list[str]:
-    rollout, max_prompt = build_rollout(cfg)
+    rollout, limit = build_rollout(cfg)
     prompt = Prompt(messages=[{"role": "user", "content": text}]) if chat else Prompt(text=text)
-    ids = encode_prompts(rollout.tokenizer, [prompt], max_prompt, source="the command line")
+    ids = limit.encode(rollout.tokenizer, [prompt], "the command line")
     samples = rollout.generate(
         make_groups([prompt], ids, cfg.rollout.n), sampling_params(cfg, cfg.rollout.temperature)
     )

@@ -9,9 +9,11 @@ def _summary(prefix: str, values: list[float]) -> dict[str, float]:
     return {f"{prefix}/mean": mean(values), f"{prefix}/max": max(values), f"{prefix}/min": min(values)}
 
 
-def rollout_stats(samples: list[Sample], max_new_tokens: int) -> dict[str, float]:
+def rollout_stats(samples: list[Sample]) -> dict[str, float]:
     lengths = [float(len(s.response_ids)) for s in samples]
+    parts = sorted({k for s in samples for k in s.reward_parts})  # e.g. a verl function's extra keys
     return {
+        **{f"reward/{k}/mean": mean(float(s.reward_parts.get(k, 0.0)) for s in samples) for k in parts},
         **_summary("critic/score", [s.reward for s in samples]),
         **_summary("critic/advantages", [s.advantage for s in samples]),
         **_summary("response_length", lengths),

@@ -12,19 +12,22 @@ from tandem.rollout import make_groups
 
 
 def run_sync(cfg: Config) -> dict[str, float]:
-    """Train for cfg.run.steps steps; returns the summary (accuracy before and after)."""
+    """Train for cfg.run.steps steps; returns the summary (held-out accuracy before and after)."""
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     roles = build_roles(cfg)
     log = MetricsLogger(run_dir, cfg.run.steps, cfg.run.tensorboard, cfg.run.progress)
     try:
-        start, _ = validate(roles)
+        start = validate(roles)
         log.log(0, start)
         for step in range(1, cfg.run.steps + 1):
-            metrics = train_one_step(roles, cfg, step)
+            metrics = train_one_step(roles, cfg)
             if step == cfg.run.steps or (cfg.run.val_every and step % cfg.run.val_every == 0):
-                metrics.update(validate(roles)[0])
+                metrics.update(validate(roles))
+            if step == cfg.run.steps:
+                summary = summarize(start, metrics)
+                metrics.update(summary)
             if cfg.run.save_every and step % cfg.run.save_every == 0:
                 save_checkpoint(roles, run_dir / "checkpoints" / f"step_{step}")
             log.log(step, metrics)
@@ -32,16 +35,24 @@ def run_sync(cfg: Config) -> dict[str, float]:
     finally:
         log.close()
         roles.close()
-    summary = {
-        "val/accuracy_start": start["val/accuracy"],
-        "val/accuracy_final": metrics["val/accuracy"],
-        "val/accuracy_gain_points": 100 * (metrics["val/accuracy"] - start["val/accuracy"]),
-    }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
-def train_one_step(roles: Roles, cfg: Config, step: int) -> dict[str, float]:
+def summarize(start: dict[str, float], end: dict[str, float]) -> dict[str, float]:
+    summary = {"critic/score/mean_final": end["critic/score/mean"]}
+    if "val/accuracy" in start:
+        summary.update(
+            {
+                "val/accuracy_start": start["val/accuracy"],
+                "val/accuracy_final": end["val/accuracy"],
+                "val/accuracy_gain_points": 100 * (end["val/accuracy"] - start["val/accuracy"]),
+            }
+        )
+    return summary
+
+
+def train_one_step(roles: Roles, cfg: Config) -> dict[str, float]:
     timings: dict[str, float] = {}
     with timed(timings, "step"):
         prompts, ids = roles.train_data.next_batch()
@@ -59,7 +70,7 @@ def train_one_step(roles: Roles, cfg: Config, step: int) -> dict[str, float]:
         "perf/samples_per_s": len(samples) / timings["timing_s/step"],
     }
     return {
-        **rollout_stats(samples, cfg.rollout.max_new_tokens),
+        **rollout_stats(samples),
         **reward_metrics,
         **train_metrics,
         **timings,
@@ -68,10 +79,11 @@ def train_one_step(roles: Roles, cfg: Config, step: int) -> dict[str, float]:
     }
 
 
-def validate(roles: Roles) -> tuple[dict[str, float], list]:
-    with_time: dict[str, float] = {}
-    with timed(with_time, "val"):
-        metrics, samples = evaluate(
-            roles.rollout, roles.reward, roles.val_prompts, roles.val_ids, roles.val_params
-        )
-    return {**metrics, **with_time}, samples
+def validate(roles: Roles) -> dict[str, float]:
+    """Held-out metrics of the current policy; empty when the run has no validation prompts."""
+    if not roles.val_prompts:
+        return {}
+    timings: dict[str, float] = {}
+    with timed(timings, "val"):
+        metrics, _ = evaluate(roles.rollout, roles.reward, roles.val_prompts, roles.val_ids, roles.val_params)
+    return {**metrics, **timings}

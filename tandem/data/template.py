@@ -34,22 +34,29 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> str:
 
 
 def encode_prompts(
-    tokenizer: PreTrainedTokenizerBase, prompts: list[Prompt], max_prompt_length: int, source: str = ""
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[Prompt],
+    max_prompt_length: int,
+    source: str = "",
+    limit_reason: str = "",
 ) -> list[list[int]]:
     """Token ids of each rendered prompt, without added special tokens.
 
     Raises TandemError naming the row, its length, the limit and `source` (the dataset file) when a
     prompt has more than `max_prompt_length` tokens, since truncating it would silently change the task.
+    `limit_reason` says where the limit comes from when it is not data.max_prompt_length.
     """
     texts = [render_prompt(tokenizer, p) for p in prompts]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     for row, row_ids in enumerate(ids):
         if len(row_ids) > max_prompt_length:
             where = f" of {source}" if source else ""
-            raise TandemError(
-                f"Prompt at row {row}{where} is {len(row_ids)} tokens long, more than "
+            reason = limit_reason or (
                 f"data.max_prompt_length={max_prompt_length}. Raise data.max_prompt_length (the model's "
-                "context length, the prompt plus the response, is the upper limit), or remove or "
-                "shorten the long prompts in the dataset."
+                "context length, the prompt plus the response, is the upper limit)"
+            )
+            raise TandemError(
+                f"Prompt at row {row}{where} is {len(row_ids)} tokens long, more than the limit of "
+                f"{max_prompt_length} set by {reason}, or remove or shorten the long prompts in the dataset."
             )
     return [list(row_ids) for row_ids in ids]

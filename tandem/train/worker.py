@@ -31,6 +31,7 @@ class TrainWorker:
         temperature: float = 1.0,
         total_updates: int = 1,
         seed: int = 0,
+        norm_len: int | None = None,
     ):
         self.model = model.train()
         self.algo, self.cfg = algo, train
@@ -46,6 +47,9 @@ class TrainWorker:
         self.generator = torch.Generator().manual_seed(seed)
         self.version = 0
         self.skipped_steps = 0
+        # seq-mean-token-sum-norm divides by a constant length (Dr. GRPO); the longest response
+        # allowed, when known, so the scale does not drift with each batch's longest response.
+        self.norm_len = norm_len
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Parameters by Hugging Face name, for weight sync and checkpoints."""
@@ -132,7 +136,7 @@ class TrainWorker:
         counts = dict(
             global_tokens=float(mask.sum()),
             global_seqs=float((mask.sum(-1) > 0).sum()),
-            norm_len=float(mask.shape[1]),
+            norm_len=float(self.norm_len or mask.shape[1]),
         )
         loss_fn = POLICY_LOSSES.get(a.policy_loss)
         self.optimizer.zero_grad(set_to_none=True)
