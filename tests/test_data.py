@@ -34,7 +34,7 @@ def tok():
 
 
 def test_char_tokenizer_ids_and_round_trip(tok):
-    assert len(tok) == 101
+    assert len(tok) == 261
     for token, i in SPECIALS.items():
         assert tok.convert_tokens_to_ids(token) == i
         assert tok(token, add_special_tokens=False)["input_ids"] == [i]
@@ -51,13 +51,26 @@ def test_char_tokenizer_ids_and_round_trip(tok):
     assert ids[0] == 2 and ids.count(3) == 1 and len(ids) == 2 + len("user\nhi there\n")
     assert tok.decode(ids) == mixed
     assert tok.decode(ids, skip_special_tokens=True) == "user\nhi there\n"
-    assert tok("é")["input_ids"] == [4]
+    assert tok("é")["input_ids"] == [5 + b for b in "é".encode()]  # byte-level: two tokens, no unk
+    assert tok.decode(tok("héllo 日本")["input_ids"]) == "héllo 日本"
 
 
-def test_char_tokenizer_is_deterministic_and_reloads_through_auto_tokenizer(tok, tmp_path):
+@pytest.mark.parametrize("model_type", [None, "qwen2", "qwen3", "llama"])
+def test_char_tokenizer_is_deterministic_and_reloads_through_auto_tokenizer(tok, tmp_path, model_type):
+    """Also beside a model's config.json, where transformers picks the tokenizer class by model type."""
+    import json
+
     assert build_char_tokenizer().get_vocab() == tok.get_vocab()
     path = save_tokenizer(tok, str(tmp_path / "tok"))
+    if model_type:
+        (tmp_path / "tok" / "config.json").write_text(json.dumps({"model_type": model_type}))
     loaded = load_tokenizer(path)
+    texts = ["<|im_start|>user\n12+9=<|im_end|>\n<|im_start|>assistant\n", " two  spaces\n\n", "3 7 12 -> 33"]
+    for text in texts:
+        assert (
+            loaded(text, add_special_tokens=False)["input_ids"]
+            == tok(text, add_special_tokens=False)["input_ids"]
+        )
     assert loaded.get_vocab() == tok.get_vocab()
     assert (loaded.pad_token_id, loaded.eos_token_id) == (0, 3)
     s = "Hello,  world!\n<|im_end|>"

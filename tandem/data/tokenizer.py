@@ -1,12 +1,14 @@
-"""Tokenizers: the built-in character-level one, and loading/saving any tokenizer through `transformers`.
+"""Tokenizers: the built-in byte-level one, and loading/saving any tokenizer through `transformers`.
 
-The built-in tokenizer lets tandem run with no download: one token per character of printable
-ASCII (32..126) plus "\\n", and five special tokens, with fixed ids:
+The built-in tokenizer lets tandem run with no download. It is a byte-level BPE with no merges —
+Qwen2's tokenizer format with an empty merge list — so every byte of the UTF-8 text is one token
+(one token per character for ASCII), and `transformers.AutoTokenizer` rebuilds exactly the same
+tokenizer from a checkpoint whose config says `qwen2`. Fixed ids:
 
     0 <|pad|>   1 <|endoftext|> (bos)   2 <|im_start|>   3 <|im_end|> (eos)   4 <|unk|>
-    5 "\\n"      6..100 chr(32)..chr(126)
+    5 + b       byte b (0..255), written as GPT-2's printable byte characters ("\n" is "Ċ")
 
-101 tokens in all. A response ends at eos `<|im_end|>`, as in Qwen's ChatML. Encoding adds no
+261 tokens in all. A response ends at eos `<|im_end|>`, as in Qwen's ChatML. Encoding adds no
 special tokens by itself; only the chat template writes `<|im_start|>` / `<|im_end|>`.
 """
 
@@ -22,7 +24,9 @@ if TYPE_CHECKING:  # transformers takes seconds to import; only the functions th
 
 PAD, BOS, IM_START, IM_END, UNK = "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"
 SPECIAL_TOKENS = [PAD, BOS, IM_START, IM_END, UNK]
-CHARACTERS = ["\n"] + [chr(c) for c in range(32, 127)]
+# Qwen2's pre-tokenizer split; with no merges it changes no token, but matching it keeps the
+# tokenizer identical to the one transformers builds for a qwen2 checkpoint.
+SPLIT_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 
 # Qwen-style ChatML with no default system message, so a prompt is only what the dataset wrote.
 CHATML_TEMPLATE = (
@@ -33,15 +37,34 @@ CHATML_TEMPLATE = (
 )
 
 
+def byte_characters() -> list[str]:
+    """GPT-2's map of the 256 bytes to printable characters: byte b -> byte_characters()[b]."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:  # bytes that are not printable move past 255, in order
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """The built-in character-level tokenizer (ids in the module docstring) with a ChatML template."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    """The built-in byte-level tokenizer (ids in the module docstring) with a ChatML template."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every char
-    core.decoder = decoders.Fuse()  # join tokens with no separator
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + byte_characters())}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
+    core.normalizer = normalizers.NFC()
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    core.decoder = decoders.ByteLevel()
     core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     return PreTrainedTokenizerFast(
         tokenizer_object=core,
@@ -77,7 +100,8 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
             "tokenizer_config.json), or a Hugging Face model id."
         )
     try:
-        return AutoTokenizer.from_pretrained(path)
+        # Nothing is downloaded at run time: a name that is not a local directory must be in the cache.
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises OSError, ValueError or others for a bad directory
         names = sorted(os.listdir(path)) if local else []
         held = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
