@@ -26,7 +26,10 @@ PAD, BOS, IM_START, IM_END, UNK = "<|pad|>", "<|endoftext|>", "<|im_start|>", "<
 SPECIAL_TOKENS = [PAD, BOS, IM_START, IM_END, UNK]
 # Qwen2's pre-tokenizer split; with no merges it changes no token, but matching it keeps the
 # tokenizer identical to the one transformers builds for a qwen2 checkpoint.
-SPLIT_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 # Qwen-style ChatML with no default system message, so a prompt is only what the dataset wrote.
 CHATML_TEMPLATE = (
