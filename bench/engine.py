@@ -20,7 +20,10 @@ from tandem.rollout import BuiltinEngine, SamplingParams, make_groups
 
 
 def prompt_batch(tokenizer, batch: int) -> tuple[list, list[list[int]]]:
-    prompts = prompts_from_rows(TASKS.get("addition")().make_rows(batch, seed=1, split="test"))
+    """`batch` distinct held-out addition prompts (distinct, so no engine can share a prefill)."""
+    rows = TASKS.get("addition")().make_rows(4 * batch, seed=1, split="test")
+    distinct = list({r["prompt"][0]["content"]: r for r in rows}.values())[:batch]
+    prompts = prompts_from_rows(distinct)
     return prompts, encode_prompts(tokenizer, prompts, 64)
 
 

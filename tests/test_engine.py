@@ -100,3 +100,17 @@ def test_top_k_and_top_p_keep_the_right_tokens():
     kept = torch.isfinite(filter_top_k_top_p(logits, 0, 0.8)).tolist()
     assert kept == [[True, True, False, False]] and probs[0] < 0.8 <= probs[:2].sum()
     assert torch.isfinite(filter_top_k_top_p(logits, 0, 0.5)).tolist() == [[True, False, False, False]]
+
+
+def test_a_group_shares_its_prefill_and_matches_separate_prompts():
+    model = tiny_model(std=0.3)
+    ids = prompts(3)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=7)
+    grouped = run(BuiltinEngine(model, [EOS], 0), ids, greedy, n=4)
+    alone = run(BuiltinEngine(model, [EOS], 0), ids, greedy, n=1)
+    for g, single in enumerate(alone):
+        group = [s for s in grouped if s.group_id == g]
+        assert len(group) == 4
+        for s in group:
+            assert s.response_ids == single.response_ids
+            torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(single.logprobs), atol=1e-6, rtol=0)

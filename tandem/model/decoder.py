@@ -20,9 +20,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # Normalise in fp32 whatever the weights' dtype, as Hugging Face does, so logits match.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def rope_table(

@@ -48,20 +48,31 @@ class BuiltinEngine:
         return samples
 
     @torch.inference_mode()
-    def _generate_batch(self, samples: list[Sample], params: SamplingParams) -> None:
-        b = len(samples)
-        width = max(len(s.prompt_ids) for s in samples)
-        ids = torch.full((b, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(b, width, dtype=torch.bool)
-        for i, s in enumerate(samples):
-            ids[i, width - len(s.prompt_ids) :] = torch.tensor(s.prompt_ids)
-            mask[i, width - len(s.prompt_ids) :] = True
+    def _prefill(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[Tensor, Tensor, KVCache]:
+        """Left-pad and prefill the prompts -> last logits (U, V), next positions (U,), the cache."""
+        u, width = len(prompts), max(map(len, prompts))
+        ids = torch.full((u, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(u, width, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = True
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
         dtype = next(self.model.parameters()).dtype
-        cache = KVCache(self.model.cfg, b, width + params.max_new_tokens, dtype, self.device)
+        cache = KVCache(self.model.cfg, u, width + max_new_tokens, dtype, self.device)
         logits = self.model(ids, positions, mask, cache)[:, -1]
-        next_pos = mask.sum(-1)  # (B,)
+        return logits, mask.sum(-1), cache
+
+    @torch.inference_mode()
+    def _generate_batch(self, samples: list[Sample], params: SamplingParams) -> None:
+        b = len(samples)
+        # The n samples of a prompt (a GRPO group) share one prefill: its cache rows are copied.
+        unique: dict[tuple[int, ...], int] = {}
+        owner = [unique.setdefault(tuple(s.prompt_ids), len(unique)) for s in samples]
+        logits, next_pos, cache = self._prefill([list(p) for p in unique], params.max_new_tokens)
+        expand = torch.tensor(owner, device=self.device)
+        cache.keep(expand)
+        logits, next_pos = logits[expand], next_pos[expand]  # (B, V), (B,)
         stop = torch.tensor([] if params.ignore_eos else self.eos_token_ids + params.stop_token_ids)
         rows = torch.arange(b)  # sample index of each live batch row
         out_tokens = torch.zeros(b, params.max_new_tokens, dtype=torch.long)

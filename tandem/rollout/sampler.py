@@ -29,12 +29,12 @@ def sample_next(
     """
     logits = logits.float()
     if temperature == 0:
-        tokens = logits.argmax(-1)
-        return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
-    scaled = logits / temperature
-    logp = torch.log_softmax(scaled, dim=-1)
-    probs = torch.softmax(filter_top_k_top_p(scaled, top_k, top_p), dim=-1)
-    # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i.
-    race = torch.empty_like(probs).exponential_(generator=generator)
-    tokens = (probs / race).argmax(-1)
+        logp = torch.log_softmax(logits, dim=-1)
+        tokens = logp.argmax(-1)
+    else:
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        scores = filter_top_k_top_p(logp, top_k, top_p) if top_k > 0 or top_p < 1.0 else logp
+        # Gumbel-max: argmax_i(log p_i - log E_i) with E_i ~ Exp(1) draws i with probability p_i.
+        noise = torch.empty_like(scores).exponential_(generator=generator).log_()
+        tokens = (scores - noise).argmax(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
