@@ -11,7 +11,7 @@ class RunConfig:
     name: str = "default"
     out_dir: str = "runs"
     seed: int = 0
-    steps: int = 40  # controller steps (one rollout batch and one train step each)
+    steps: int = 50  # controller steps (one rollout batch and one train step each)
     mode: str = "sync"
     val_every: int = 10  # steps between validations; 0 = only before the first and after the last step
     save_every: int = 0  # steps between checkpoints; 0 = only the final one
@@ -77,7 +77,7 @@ class AlgoConfig:
 
 @dataclass
 class TrainConfig:
-    lr: float = 2e-5
+    lr: float = 1e-4  # suits the few-million-parameter built-in model; billion-parameter models want ~1e-6
     warmup_steps: int = 0
     schedule: str = "constant"  # constant | linear | cosine
     min_lr_ratio: float = 0.0
