@@ -4,6 +4,8 @@
 
 Prints tokens/s of both at batch 8 and 64 and their ratio. Both sample (temperature 1) and ignore
 EOS so they produce exactly batch x new-tokens tokens; the two runs alternate, best of --repeats.
+Then the RL workload of the default run — 32 prompts x 8 samples that stop at EOS — in responses/s
+(`num_return_sequences` for transformers; the built-in engine prefills each prompt once).
 """
 
 import argparse
@@ -59,6 +61,32 @@ def time_hf(hf, ids: list[list[int]], pad: int, new_tokens: int) -> float:
     return len(ids) * new_tokens / elapsed
 
 
+def time_groups(engine: BuiltinEngine, hf, prompts, ids, pad: int, eos: int, n: int, new_tokens: int):
+    """The RL workload: n samples per prompt, stopping at EOS -> (tandem, hf) responses per second."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+    start = time.perf_counter()
+    engine.generate(make_groups(prompts, ids, n=n), params)
+    ours = len(ids) * n / (time.perf_counter() - start)
+    width = max(map(len, ids))
+    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        hf.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=new_tokens,
+            num_return_sequences=n,
+            pad_token_id=pad,
+            eos_token_id=eos,
+        )
+    return ours, len(ids) * n / (time.perf_counter() - start)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="builtin:addition")
@@ -87,6 +115,16 @@ def main() -> None:
             {f"tokens_per_s_b{b}": ours, f"hf_tokens_per_s_b{b}": theirs, f"ratio_b{b}": ours / theirs}
         )
         print(f"{b:>6} {ours:>14.0f} {theirs:>12.0f} {ours / theirs:>6.2f}x")
+    prompts, ids = prompt_batch(tokenizer, 32)
+    ours, theirs = 0.0, 0.0
+    for _ in range(args.repeats):
+        o, h = time_groups(engine, hf, prompts, ids, pad, tokenizer.eos_token_id, n=8, new_tokens=8)
+        ours, theirs = max(ours, o), max(theirs, h)
+    figures.update({"rl_responses_per_s": ours, "hf_rl_responses_per_s": theirs, "rl_ratio": ours / theirs})
+    print(
+        f"RL workload (32 prompts x 8 samples, stop at EOS): {ours:.0f} vs {theirs:.0f} responses/s, "
+        f"{ours / theirs:.2f}x"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)
