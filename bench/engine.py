@@ -39,7 +39,8 @@ def time_tandem(engine: BuiltinEngine, prompts, ids, new_tokens: int) -> float:
     return len(samples) * new_tokens / elapsed
 
 
-def time_hf(hf, ids: list[list[int]], pad: int, new_tokens: int) -> float:
+def hf_generate(hf, ids: list[list[int]], pad: int, new_tokens: int, **extra) -> tuple[torch.Tensor, float]:
+    """transformers' generate on left-padded prompts, sampling at temperature 1 -> (output, seconds)."""
     width = max(map(len, ids))
     input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
     mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
@@ -53,11 +54,15 @@ def time_hf(hf, ids: list[list[int]], pad: int, new_tokens: int) -> float:
             top_k=0,
             top_p=1.0,
             max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
             pad_token_id=pad,
+            **extra,
         )
-    elapsed = time.perf_counter() - start
-    assert out.shape[1] - width == new_tokens
+    return out[:, width:], time.perf_counter() - start
+
+
+def time_hf(hf, ids: list[list[int]], pad: int, new_tokens: int) -> float:
+    out, elapsed = hf_generate(hf, ids, pad, new_tokens, min_new_tokens=new_tokens)
+    assert out.shape[1] == new_tokens
     return len(ids) * new_tokens / elapsed
 
 
@@ -67,24 +72,8 @@ def time_groups(engine: BuiltinEngine, hf, prompts, ids, pad: int, eos: int, n: 
     start = time.perf_counter()
     engine.generate(make_groups(prompts, ids, n=n), params)
     ours = len(ids) * n / (time.perf_counter() - start)
-    width = max(map(len, ids))
-    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
-    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
-    start = time.perf_counter()
-    with torch.inference_mode():
-        hf.generate(
-            input_ids=input_ids,
-            attention_mask=mask,
-            do_sample=True,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            max_new_tokens=new_tokens,
-            num_return_sequences=n,
-            pad_token_id=pad,
-            eos_token_id=eos,
-        )
-    return ours, len(ids) * n / (time.perf_counter() - start)
+    _, elapsed = hf_generate(hf, ids, pad, new_tokens, num_return_sequences=n, eos_token_id=eos)
+    return ours, len(ids) * n / elapsed
 
 
 def main() -> None:

@@ -10,18 +10,22 @@ from tandem.sample import Prompt, Sample, Status
 VOCAB = 50
 
 
-def tiny_model(seed: int = 0, std: float = 0.1) -> CausalLM:
-    cfg = ModelConfig(
-        vocab_size=VOCAB,
+def tiny_config(vocab_size: int = VOCAB, max_positions: int = 64, **ids) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
-        max_position_embeddings=64,
+        max_position_embeddings=max_positions,
+        **ids,
     )
-    model = CausalLM(cfg)
+
+
+def tiny_model(seed: int = 0, std: float = 0.1) -> CausalLM:
+    model = CausalLM(tiny_config())
     init_weights(model, seed, std=std)
     return model
 
@@ -62,20 +66,14 @@ def grads(model: CausalLM) -> dict[str, torch.Tensor]:
 
 
 def write_tiny_checkpoint(path, max_positions: int = 64, seed: int = 0):
-    """A tiny random Qwen2-shaped checkpoint with tandem's character tokenizer, as `tandem sft` writes."""
+    """A tiny random Qwen2-shaped checkpoint with tandem's byte-level tokenizer, as `tandem sft` writes."""
     from tandem.data import build_char_tokenizer
     from tandem.model import save_model
 
     tokenizer = build_char_tokenizer()
-    cfg = ModelConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=max_positions,
+    cfg = tiny_config(
+        len(tokenizer),
+        max_positions,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )

@@ -20,8 +20,16 @@ def test_default_train_learns(tmp_path, capsys):
 
 def test_a_short_run_from_the_warm_start_learns_to_carry(tmp_path, capsys):
     """The fast-suite version of the default run: fewer steps, a larger LR, one validation at each end."""
-    args = ["train", f"run.out_dir={tmp_path}", "run.progress=false", "run.steps=10", "run.val_every=0",
-            "train.lr=3e-4", "data.val_size=128", "data.train_size=2000"]
+    args = [
+        "train",
+        f"run.out_dir={tmp_path}",
+        "run.progress=false",
+        "run.steps=10",
+        "run.val_every=0",
+        "train.lr=3e-4",
+        "data.val_size=128",
+        "data.train_size=2000",
+    ]
     assert main(args) == 0
     summary = json.loads((tmp_path / "default" / "summary.json").read_text())
     assert summary["val/accuracy_gain_points"] >= 20, summary

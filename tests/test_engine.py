@@ -113,4 +113,6 @@ def test_a_group_shares_its_prefill_and_matches_separate_prompts():
         assert len(group) == 4
         for s in group:
             assert s.response_ids == single.response_ids
-            torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(single.logprobs), atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(s.logprobs), torch.tensor(single.logprobs), atol=1e-5, rtol=0
+            )
