@@ -56,14 +56,12 @@ class TrainWorker:
         for name, p in self.model.named_parameters():
             yield name, p.detach()
 
-    def _forward(self, model: CausalLM, c: Collated, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-        """-> logp (b, R) of the response tokens, and their entropy (b, R) when asked."""
+    def _forward(self, model: CausalLM, c: Collated) -> tuple[Tensor, Tensor]:
+        """-> logp (b, R) of the response tokens, and the logits that predicted them (b, R, V)."""
         positions = torch.arange(c.ids.shape[1], device=self.device).expand_as(c.ids)
         logits = model(c.ids, positions, c.mask)  # (b, T, V)
         logits = logits.gather(1, c.resp_index[..., None].expand(-1, -1, logits.shape[-1]))  # (b, R, V)
-        logp = token_logprobs(logits, c.resp_tokens, self.temperature)
-        entropy = entropy_from_logits(logits / self.temperature) if with_entropy else None
-        return logp, entropy
+        return token_logprobs(logits, c.resp_tokens, self.temperature), logits
 
     @torch.no_grad()
     def compute_logprobs(self, samples: list[Sample], model: CausalLM | None = None) -> Tensor:
@@ -74,7 +72,7 @@ class TrainWorker:
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
         for idx in micro_batches(lengths, self.cfg.micro_batch_tokens):
             c = collate([samples[i] for i in idx], self.pad_token_id, self.device)
-            logp, _ = self._forward(model, c, with_entropy=False)
+            logp, _ = self._forward(model, c)
             out[idx, : logp.shape[1]] = logp.cpu() * c.resp_mask.cpu()
         return out
 
@@ -146,7 +144,9 @@ class TrainWorker:
             c = collate([samples[i] for i in idx], self.pad_token_id, self.device)
             r = c.resp_mask.shape[1]
             m = mask[idx, :r].to(self.device)
-            logp, entropy = self._forward(self.model, c, with_entropy=True)
+            logp, logits = self._forward(self.model, c)
+            # Entropy is always logged; it joins the graph only when it is part of the loss.
+            entropy = entropy_from_logits((logits if a.entropy_coef else logits.detach()) / self.temperature)
             pg, stats = loss_fn(
                 logp,
                 old[idx, :r].to(self.device),
@@ -169,14 +169,12 @@ class TrainWorker:
                 loss = loss + a.kl_coef * kl
                 sums["actor/kl_loss"] += float(kl.detach())
             loss.backward()
-            share = float(m.sum()) / max(counts["global_tokens"], 1.0)  # token-weighted metric means
             sums["actor/pg_loss"] += float(pg_loss.detach())
-            sums["actor/entropy"] += float((entropy.detach() * m).sum()) / max(counts["global_tokens"], 1.0)
+            tokens = max(counts["global_tokens"], 1.0)  # per-token metrics: means over the mini-batch
+            sums["actor/entropy"] += float((entropy.detach() * m).sum()) / tokens
             for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
                 if key in stats:
-                    sums[f"actor/{key}"] += (
-                        float((stats[key].detach() * m).sum() / m.sum().clamp(min=1)) * share
-                    )
+                    sums[f"actor/{key}"] += float((stats[key].detach() * m).sum()) / tokens
         sums["actor/grad_norm"] = self._optimizer_step()
         return sums
 
