@@ -1,8 +1,10 @@
-"""tandem.data: the character tokenizer, chat rendering, dataset loading in verl/TRL columns, tasks."""
+"""tandem.data: the byte-level tokenizer, chat rendering, dataset loading in verl/TRL columns, tasks."""
 
 import json
+import os
 import random
 import string
+from pathlib import Path
 
 import pytest
 
@@ -64,7 +66,7 @@ def test_char_tokenizer_is_deterministic_and_reloads_through_auto_tokenizer(tok,
     path = save_tokenizer(tok, str(tmp_path / "tok"))
     if model_type:
         (tmp_path / "tok" / "config.json").write_text(json.dumps({"model_type": model_type}))
-    loaded = load_tokenizer(path)
+    loaded = load_tokenizer(Path(os.path.relpath(path)))  # a relative Path, as a checkpoint dir often is
     texts = ["<|im_start|>user\n12+9=<|im_end|>\n<|im_start|>assistant\n", " two  spaces\n\n", "3 7 12 -> 33"]
     for text in texts:
         assert (

@@ -88,13 +88,14 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: str) -> str:
     return out_dir
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
     """Load a tokenizer with `AutoTokenizer.from_pretrained(path)`: a saved directory or a Hugging Face id.
 
     Raises TandemError naming `path` when it is missing or holds no loadable tokenizer.
     """
     from transformers import AutoTokenizer
 
+    path = os.fspath(path)
     local = os.path.isabs(path) or path.startswith(".") or os.path.exists(path)
     if local and not os.path.isdir(path):
         raise TandemError(
