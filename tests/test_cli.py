@@ -146,3 +146,42 @@ def test_bad_input_is_one_clear_paragraph(case, ckpt, tmp_path, capsys):
     assert code == 2
     assert "Traceback" not in err and err.startswith("error: ") and err.count("\n") == 1
     assert re.search(pattern, err), err
+
+
+def test_train_on_trl_and_verl_files_with_a_user_reward(ckpt, tmp_path, capsys):
+    """Own data in TRL's columns (plain prompt, `solution` column) and verl's, scored by a user function."""
+    (tmp_path / "my_reward.py").write_text(
+        "def score(prompts, completions, solution, **kwargs):\n"
+        "    pairs = zip(completions, solution)\n"
+        "    return [float(c.strip() == s) + 0.5 * float(len(c) > 0) for c, s in pairs]\n"
+    )
+    save_rows([{"prompt": f"{i}+1=", "solution": str(i + 1)} for i in range(8)], str(tmp_path / "trl.jsonl"))
+    verl = [
+        {
+            "data_source": "mine",
+            "prompt": [{"role": "user", "content": f"{i}+2="}],
+            "reward_model": {"ground_truth": str(i + 2)},
+            "solution": str(i + 2),
+        }
+        for i in range(4)
+    ]
+    save_rows(verl, str(tmp_path / "verl.parquet"))
+    code, out, err = run_cli(
+        [
+            "train",
+            f"model.path={ckpt}",
+            f"run.out_dir={tmp_path}",
+            "run.steps=1",
+            f"data.train_files=[{tmp_path}/trl.jsonl]",
+            f"data.val_files=[{tmp_path}/verl.parquet]",
+            f"reward.fn={tmp_path}/my_reward.py:score",
+            *FAST,
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    last = [json.loads(line) for line in (tmp_path / "default" / "metrics.jsonl").read_text().splitlines()][
+        -1
+    ]
+    assert last["reward/errors"] == 0 and last["critic/score/max"] >= 0.5  # the user function ran
+    assert "val/accuracy" in last and "held-out accuracy" in out
