@@ -25,7 +25,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class Roles:
-    tokenizer: object
     rollout: RolloutWorker
     trainer: TrainWorker
     reward: RewardPool
@@ -127,7 +126,6 @@ def build_roles(cfg: Config) -> Roles:
         norm_len=cfg.rollout.max_new_tokens,
     )
     return Roles(
-        tokenizer=tokenizer,
         rollout=rollout,
         trainer=trainer,
         reward=reward,
@@ -146,4 +144,4 @@ def save_checkpoint(roles: Roles, path: Path) -> None:
     from tandem.model import save_model
 
     save_model(roles.trainer.model, path)
-    roles.tokenizer.save_pretrained(str(path))
+    roles.rollout.tokenizer.save_pretrained(str(path))

@@ -9,7 +9,9 @@ def _summary(prefix: str, values: list[float]) -> dict[str, float]:
     return {f"{prefix}/mean": mean(values), f"{prefix}/max": max(values), f"{prefix}/min": min(values)}
 
 
-def rollout_stats(samples: list[Sample]) -> dict[str, float]:
+def rollout_stats(samples: list[Sample], trained_version: int) -> dict[str, float]:
+    """`trained_version` is the policy version the samples are trained against (staleness is the
+    gap to the oldest version that produced a sample's tokens; 0 in sync mode)."""
     lengths = [float(len(s.response_ids)) for s in samples]
     parts = sorted({k for s in samples for k in s.reward_parts})  # e.g. a verl function's extra keys
     return {

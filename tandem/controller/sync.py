@@ -54,6 +54,7 @@ def summarize(start: dict[str, float], end: dict[str, float]) -> dict[str, float
 
 def train_one_step(roles: Roles, cfg: Config) -> dict[str, float]:
     timings: dict[str, float] = {}
+    trained_version = roles.trainer.version
     with timed(timings, "step"):
         prompts, ids = roles.train_data.next_batch()
         with timed(timings, "gen"):
@@ -70,7 +71,7 @@ def train_one_step(roles: Roles, cfg: Config) -> dict[str, float]:
         "perf/samples_per_s": len(samples) / timings["timing_s/step"],
     }
     return {
-        **rollout_stats(samples),
+        **rollout_stats(samples, trained_version),
         **reward_metrics,
         **train_metrics,
         **timings,
