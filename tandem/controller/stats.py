@@ -21,7 +21,7 @@ def rollout_stats(samples: list[Sample], trained_version: int) -> dict[str, floa
         **_summary("response_length", lengths),
         "response_length/clip_ratio": mean(float(s.finish_reason == "length") for s in samples),
         **_summary("prompt_length", [float(len(s.prompt_ids)) for s in samples]),
-        "staleness/mean": mean(
-            float(max(s.versions, default=0) - min(s.versions, default=0)) for s in samples
+        **_summary(
+            "staleness", [float(trained_version - s.version_span[0]) for s in samples if s.versions] or [0.0]
         ),
     }
