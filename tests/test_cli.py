@@ -63,6 +63,7 @@ def test_train_writes_config_metrics_and_a_transformers_checkpoint(ckpt, tmp_pat
     ):
         assert key in records[-1], key
     assert "val/accuracy" in records[0]
+    assert records[-1]["staleness/max"] == 0.0  # sync mode is strictly on-policy
     assert (run / "config.yaml").is_file() and list((run / "tensorboard").iterdir())
     summary = json.loads((run / "summary.json").read_text())
     assert summary["val/accuracy_final"] == records[-1]["val/accuracy"]
