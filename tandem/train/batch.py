@@ -38,6 +38,13 @@ def collate(samples: list[Sample], pad_token_id: int, device: torch.device | str
     return Collated(*(t.to(device) for t in (ids, mask, resp_index, resp_tokens, resp_mask)))
 
 
+def response_logits(model, c: Collated) -> Tensor:
+    """One forward over prompt + response -> the logits that predict each response token (b, R, V)."""
+    positions = torch.arange(c.ids.shape[1], device=c.ids.device).expand_as(c.ids)
+    logits = model(c.ids, positions, c.mask)  # (b, T, V)
+    return logits.gather(1, c.resp_index[..., None].expand(-1, -1, logits.shape[-1]))
+
+
 def pad_rows(rows: list[list[float]], width: int) -> Tensor:
     """Ragged per-token lists -> (B, width) float tensor, zero-padded."""
     out = torch.zeros(len(rows), width)

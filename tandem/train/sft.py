@@ -16,7 +16,7 @@ from tandem.data import build_char_tokenizer, encode_prompts, load_tokenizer, pr
 from tandem.data.tasks import TASKS
 from tandem.model import CausalLM, ModelConfig, init_weights, load_model, resolve_model_path, save_model
 from tandem.sample import Sample
-from tandem.train.batch import collate
+from tandem.train.batch import collate, response_logits
 from tandem.train.optim import lr_factor
 
 
@@ -80,9 +80,7 @@ def run_sft(cfg: Config) -> Path:
         for group in opt.param_groups:
             group["lr"] = s.lr * lr_factor(step, s.warmup_steps, s.steps, "cosine", 0.05)
         c = collate(rng.sample(data, s.batch_size), pad)
-        positions = torch.arange(c.ids.shape[1]).expand_as(c.ids)
-        logits = model(c.ids, positions, c.mask)
-        logits = logits.gather(1, c.resp_index[..., None].expand(-1, -1, logits.shape[-1]))  # (b, R, V)
+        logits = response_logits(model, c)  # (b, R, V)
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), c.resp_tokens, reduction="none")
         loss = (nll * c.resp_mask).sum() / c.resp_mask.sum()
         opt.zero_grad(set_to_none=True)

@@ -17,7 +17,7 @@ from tandem.algo import ADV_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, aggregate,
 from tandem.config import AlgoConfig, TrainConfig
 from tandem.model import CausalLM, token_logprobs
 from tandem.sample import Sample
-from tandem.train.batch import Collated, collate, micro_batches, pad_rows
+from tandem.train.batch import Collated, collate, micro_batches, pad_rows, response_logits
 from tandem.train.optim import make_optimizer, make_scheduler
 
 
@@ -58,9 +58,7 @@ class TrainWorker:
 
     def _forward(self, model: CausalLM, c: Collated) -> tuple[Tensor, Tensor]:
         """-> logp (b, R) of the response tokens, and the logits that predicted them (b, R, V)."""
-        positions = torch.arange(c.ids.shape[1], device=self.device).expand_as(c.ids)
-        logits = model(c.ids, positions, c.mask)  # (b, T, V)
-        logits = logits.gather(1, c.resp_index[..., None].expand(-1, -1, logits.shape[-1]))  # (b, R, V)
+        logits = response_logits(model, c)
         return token_logprobs(logits, c.resp_tokens, self.temperature), logits
 
     @torch.no_grad()
