@@ -1,13 +1,16 @@
-"""The built-in engine: greedy equals a plain argmax loop, logprobs match the trainer, stops work."""
+"""The built-in engine: greedy equals a plain argmax loop, logprobs match the trainer, stops work;
+partial responses continue exactly; in-flight updates and aborts follow their policy."""
+
+import threading
 
 import pytest
 import torch
-from helpers import VOCAB, tiny_model
+from helpers import VOCAB, clone_model, tiny_model
 
-from tandem.model import token_logprobs
-from tandem.rollout import BuiltinEngine, SamplingParams, make_groups
+from tandem.model import KVCache, token_logprobs
+from tandem.rollout import BuiltinEngine, RolloutWorker, SamplingParams, make_groups
 from tandem.rollout.sampler import filter_top_k_top_p
-from tandem.sample import Prompt, Status
+from tandem.sample import Prompt, Sample, Status
 
 EOS = 2
 
@@ -116,3 +119,274 @@ def test_a_group_shares_its_prefill_and_matches_separate_prompts():
             torch.testing.assert_close(
                 torch.tensor(s.logprobs), torch.tensor(single.logprobs), atol=1e-5, rtol=0
             )
+
+
+# --- partial rollouts, in-flight weight updates, abort ------------------------------------------
+
+
+def at_step(j, action):
+    """An on_step hook that runs `action()` once, after the batch's j-th decode step."""
+
+    def hook(step):
+        if step == j:
+            action()
+
+    return hook
+
+
+def copy_into(engine, source):
+    """The `apply` of a pending update: copy `source`'s weights into the engine's model."""
+    pairs = list(zip(engine.model.parameters(), source.parameters(), strict=True))
+    return lambda: [p.copy_(q) for p, q in pairs]
+
+
+def same_weights(a, b):
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def assert_aligned(s):
+    n = len(s.response_ids)
+    assert len(s.logprobs) == len(s.versions) == len(s.loss_mask) == n and s.loss_mask == [1] * n
+
+
+def partial(s, j):
+    """A copy of sample `s` cut after its first j tokens, as an aborted call would return it."""
+    return Sample(
+        prompt=s.prompt,
+        prompt_ids=list(s.prompt_ids),
+        group_id=s.group_id,
+        index=s.index,
+        response_ids=s.response_ids[:j],
+        logprobs=s.logprobs[:j],
+        versions=s.versions[:j],
+        loss_mask=s.loss_mask[:j],
+        status=Status.ABORTED,
+        finish_reason="abort",
+    )
+
+
+def test_on_update_must_be_a_known_policy():
+    with pytest.raises(ValueError, match="drain, abort, continue"):
+        BuiltinEngine(tiny_model(), [EOS], 0, on_update="swap")
+
+
+def test_an_aborted_and_continued_call_equals_one_uninterrupted_call():
+    model = tiny_model(std=0.3)
+    ids, greedy = prompts(5), SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+    whole = run(BuiltinEngine(model, [EOS], 0), ids, greedy)
+    engine = BuiltinEngine(model, [EOS], 0)
+    engine.on_step = at_step(4, engine.abort)
+    parts = run(engine, ids, greedy)
+    assert all(s.status is Status.ABORTED and s.finish_reason == "abort" for s in parts)
+    assert all(len(s.response_ids) == 4 and s.versions == [0] * 4 for s in parts)
+    engine.on_step = None
+    engine.set_pending_update(1, lambda: None)  # same weights, new version: versions show the seam
+    engine.generate(parts, greedy)
+    for s, w in zip(parts, whole, strict=True):
+        assert s.status is Status.FINISHED and s.finish_reason == "length"
+        assert s.response_ids == w.response_ids and s.versions == [0] * 4 + [1] * 6
+        assert_aligned(s)
+        torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
+
+
+def test_partials_that_need_no_token_finish_as_they_are():
+    engine = BuiltinEngine(tiny_model(std=0.3), [EOS], 0)
+    base = make_groups([Prompt(text="p")], prompts(1), 3)[0]
+    base.response_ids, base.logprobs, base.versions, base.loss_mask = [5, 6, 7], [-1.0] * 3, [0] * 3, [1] * 3
+    at_limit, ends_on_eos = partial(base, 3), partial(base, 3)
+    ends_on_eos.response_ids = [5, 6, EOS]
+    engine.generate([at_limit, ends_on_eos], SamplingParams(max_new_tokens=3))
+    assert (at_limit.finish_reason, ends_on_eos.finish_reason) == ("length", "stop")
+    assert at_limit.response_ids == [5, 6, 7] and ends_on_eos.response_ids == [5, 6, EOS]
+    assert {at_limit.status, ends_on_eos.status} == {Status.FINISHED}
+    broken = partial(base, 3)
+    broken.versions = [0]
+    with pytest.raises(ValueError, match="1 versions"):
+        engine.generate([broken], SamplingParams())
+
+
+def test_a_group_continues_partials_of_different_lengths_in_one_call():
+    model = tiny_model(std=0.3)
+    ids, greedy = prompts(2), SamplingParams(temperature=0.0, max_new_tokens=9, ignore_eos=True)
+    whole = run(BuiltinEngine(model, [EOS], 0), ids, greedy)
+    cuts = [0, 3, 3, 6, 9]  # two samples share a prefix of 3 tokens; one is already complete
+    samples = [partial(w, j) for w in whole for j in cuts]
+    engine = BuiltinEngine(model, [EOS], 0)
+    prefill_rows = []
+    forward = engine.model.forward
+    engine.model.forward = lambda ids, *a: (prefill_rows.append(len(ids)), forward(ids, *a))[1]
+    engine.generate(samples, greedy)
+    assert prefill_rows[0] == 2 * 3  # one prefill per distinct prompt + partial (9 needs none)
+    for k, s in enumerate(samples):
+        w = whole[k // len(cuts)]
+        assert s.status is Status.FINISHED and s.response_ids == w.response_ids
+        assert_aligned(s)
+        torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
+
+
+def stepwise_logprobs(model, new_weights, prompt_ids, response_ids, swap_after):
+    """Reference for the "continue" policy: decode response_ids one token at a time with a cache,
+    loading `new_weights` after the first `swap_after` tokens were sampled -> greedy tokens and
+    logprobs the loop would produce. Keys already cached stay as the old weights computed them."""
+    model = clone_model(model)
+    cache = KVCache(model.cfg, 1, len(prompt_ids) + len(response_ids), torch.float32, torch.device("cpu"))
+    ids = torch.tensor(prompt_ids)[None]
+    logits = model(ids, torch.arange(ids.shape[1])[None], torch.ones_like(ids, dtype=torch.bool), cache)
+    tokens, logprobs = [], []
+    for i, token in enumerate(response_ids):
+        logp = torch.log_softmax(logits[0, -1], -1)
+        tokens.append(int(logp.argmax()))
+        logprobs.append(float(logp[token]))
+        if i + 1 == swap_after:
+            model.load_state_dict(new_weights.state_dict())
+        pos = torch.tensor([[len(prompt_ids) + i]])
+        logits = model(torch.tensor([[token]]), pos, torch.ones(1, 1, dtype=torch.bool), cache)
+    return tokens, torch.tensor(logprobs)
+
+
+@torch.no_grad()
+def test_continue_swaps_weights_between_decode_steps_and_versions_switch_at_the_next_token():
+    old, new = tiny_model(std=0.3), tiny_model(seed=5, std=0.3)
+    ids, greedy = prompts(3), SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+    engine = BuiltinEngine(clone_model(old), [EOS], 0, on_update="continue")
+    engine.on_step = at_step(4, lambda: engine.set_pending_update(1, copy_into(engine, new)))
+    samples = run(engine, ids, greedy)
+    assert engine.version == 1 and same_weights(engine.model, new)
+    for s in samples:
+        # Tokens 0..3 were sampled from logits of the old weights; the swap came before the forward
+        # of token 3, whose logits (new weights) gave token 4.
+        assert s.status is Status.FINISHED and s.versions == [0] * 4 + [1] * 6
+        tokens, expected = stepwise_logprobs(old, new, s.prompt_ids, s.response_ids, swap_after=4)
+        assert s.response_ids == tokens
+        torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-5, rtol=0)
+        # The weights did change, and the old keys were kept rather than recomputed.
+        on_old = full_forward_logprobs(old, s.prompt_ids, s.response_ids)
+        on_new = full_forward_logprobs(new, s.prompt_ids, s.response_ids)
+        torch.testing.assert_close(expected[:4], on_old[:4], atol=1e-5, rtol=0)
+        assert (expected[4:] - on_old[4:]).abs().max() > 1e-3
+        assert (expected[4:] - on_new[4:]).abs().max() > 1e-3
+
+
+def test_abort_policy_returns_partials_that_finish_on_the_new_weights_when_resubmitted():
+    old, new = tiny_model(std=0.3), tiny_model(seed=5, std=0.3)
+    engine = BuiltinEngine(clone_model(old), [EOS], 0, seed=3, on_update="abort")
+    engine.on_step = at_step(3, lambda: engine.set_pending_update(1, copy_into(engine, new)))
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=list(range(3, 12)))
+    samples = run(engine, prompts(6), params, n=2)
+    assert engine.version == 0 and same_weights(engine.model, old)  # applied at the next call
+    assert {s.status for s in samples} == {Status.FINISHED, Status.ABORTED}
+    for s in samples:
+        assert_aligned(s)
+        assert s.versions == [0] * len(s.response_ids)
+        if s.status is Status.ABORTED:
+            assert s.finish_reason == "abort" and len(s.response_ids) == 3
+        else:
+            assert s.finish_reason == "stop" and len(s.response_ids) <= 3
+    before = [(list(s.response_ids), list(s.logprobs), s.status) for s in samples]
+    engine.on_step = None
+    engine.generate(samples, params)
+    assert engine.version == 1 and same_weights(engine.model, new)
+    for s, (ids, logprobs, status) in zip(samples, before, strict=True):
+        assert s.status is Status.FINISHED and s.response_ids[: len(ids)] == ids
+        assert s.logprobs[: len(ids)] == logprobs and len(s.response_ids) <= 8
+        assert s.versions == [0] * len(ids) + [1] * (len(s.response_ids) - len(ids))
+        assert_aligned(s)
+        if status is Status.ABORTED:  # its new tokens come from the new weights on the whole prefix
+            with torch.no_grad():
+                expected = full_forward_logprobs(new, s.prompt_ids, s.response_ids)
+            torch.testing.assert_close(torch.tensor(s.logprobs[3:]), expected[3:], atol=1e-5, rtol=0)
+
+
+def test_drain_finishes_on_the_old_weights_and_the_next_call_uses_the_new():
+    old, new = tiny_model(std=0.3), tiny_model(seed=5, std=0.3)
+    ids, params = prompts(4), SamplingParams(max_new_tokens=8)
+    engine = BuiltinEngine(clone_model(old), [EOS], 0, seed=2)  # on_update="drain" by default
+    engine.on_step = at_step(2, lambda: engine.set_pending_update(1, copy_into(engine, new)))
+    samples = run(engine, ids, params, n=2)
+    assert engine.version == 0 and same_weights(engine.model, old)
+    for s in samples:
+        assert s.status is Status.FINISHED and s.versions == [0] * len(s.response_ids)
+        with torch.no_grad():
+            expected = full_forward_logprobs(old, s.prompt_ids, s.response_ids)
+        torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-5, rtol=0)
+    engine.on_step = None
+    after = run(engine, ids, params)
+    assert engine.version == 1 and same_weights(engine.model, new)
+    assert all(s.versions == [1] * len(s.response_ids) for s in after)
+
+
+def test_abort_stops_only_the_running_call():
+    engine = BuiltinEngine(tiny_model(std=0.3), [EOS], 0)
+    ids, params = prompts(4), SamplingParams(max_new_tokens=6, ignore_eos=True)
+    engine.abort()  # idle: nothing to stop, and nothing carried over
+    assert all(s.finish_reason == "length" for s in run(engine, ids, params))
+    engine.on_step = at_step(2, engine.abort)
+    assert all(len(s.response_ids) == 2 for s in run(engine, ids, params))
+    engine.on_step = at_step(6, engine.abort)  # never reached: no step follows the 6th token
+    after = run(engine, ids, params)
+    assert all(s.status is Status.FINISHED and len(s.response_ids) == 6 for s in after)
+
+
+def test_abort_and_an_update_from_another_thread():
+    engine = BuiltinEngine(tiny_model(std=0.3), [EOS], 0, on_update="continue")
+    reached, released = threading.Event(), threading.Event()
+
+    def hook(step):
+        if step == 3:
+            reached.set()
+            assert released.wait(timeout=30)  # a safety net for a broken test, never a delay
+
+    def other_thread():
+        assert reached.wait(timeout=30)
+        engine.set_pending_update(7, lambda: None)
+        engine.abort()
+        released.set()
+
+    engine.on_step = hook
+    helper = threading.Thread(target=other_thread)
+    helper.start()
+    samples = run(engine, prompts(3), SamplingParams(max_new_tokens=8, ignore_eos=True))
+    helper.join()
+    assert all(s.status is Status.ABORTED and s.versions == [0, 0, 0] for s in samples)
+    assert engine.version == 0  # abort wins: the update waits for the next call
+    assert engine.apply_pending() == 7 and engine.version == 7 and engine.apply_pending() is None
+
+
+def test_a_later_pending_update_replaces_an_earlier_one():
+    engine = BuiltinEngine(tiny_model(), [EOS], 0)
+    applied = []
+    engine.set_pending_update(1, lambda: applied.append(1))
+    engine.set_pending_update(2, lambda: applied.append(2))
+    s = run(engine, prompts(1), SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
+    assert applied == [2] and engine.version == 2 and s.versions == [2, 2, 2]
+
+
+def test_the_worker_passes_updates_and_aborts_through_and_decodes_partials():
+    class Digits:
+        def decode(self, ids, skip_special_tokens):
+            return " ".join(map(str, ids))
+
+    engine = BuiltinEngine(tiny_model(std=0.3), [EOS], 0)
+    worker = RolloutWorker(engine, Digits())
+    engine.on_step = at_step(2, worker.abort)
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    samples = worker.generate(make_groups([Prompt(text="p")], prompts(1), 2), params)
+    assert all(s.status is Status.ABORTED and len(s.response_text.split()) == 2 for s in samples)
+    worker.set_pending_update(4, lambda: None)
+    assert worker.apply_pending() == 4 and worker.version == 4
+    engine.on_step = None
+    worker.generate(samples, params)
+    assert all(s.response_text == " ".join(map(str, s.response_ids)) for s in samples)
+    assert all(len(s.response_ids) == 5 and s.versions == [0, 0, 4, 4, 4] for s in samples)
+
+
+def test_an_abort_also_returns_the_batches_not_yet_started():
+    engine = BuiltinEngine(tiny_model(std=0.3), [EOS], 0, max_batch_size=2)
+    engine.on_step = at_step(2, engine.abort)
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    samples = run(engine, prompts(5), params)
+    assert [len(s.response_ids) for s in samples] == [2, 2, 0, 0, 0]
+    assert all(s.status is Status.ABORTED and s.finish_reason == "abort" for s in samples)
+    engine.on_step = None
+    engine.generate(samples, params)
+    assert all(s.status is Status.FINISHED and len(s.response_ids) == 5 for s in samples)

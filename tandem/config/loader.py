@@ -90,7 +90,13 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        return _coerce(value, next(a for a in args if a is not type(None)), key)
+        options = [a for a in args if a is not type(None)]
+        for option in options[:-1]:  # e.g. list[str] | str: the first type the value fits
+            try:
+                return _coerce(value, option, key)
+            except TandemError:
+                pass
+        return _coerce(value, options[-1], key)
     if origin is list:
         if not isinstance(value, list):
             raise _type_error(key, value, f"a list, e.g. [{LIST_EXAMPLES.get(args[0], '...')}]")

@@ -1,6 +1,14 @@
-"""The controller: builds the roles and drives the loop (sync mode today)."""
+"""The controller: placement of roles on Ray, the modes' event loop, validation, metrics, timeline.
 
-from tandem.controller.roles import Roles, build_roles
-from tandem.controller.sync import run_sync
+Ray is imported only when a run starts, so `tandem.controller.placement` and friends load without it.
+"""
 
-__all__ = ["Roles", "build_roles", "run_sync"]
+
+def run_training(cfg, on_step=None) -> dict[str, float]:
+    """See `tandem.controller.run.run_training`."""
+    from tandem.controller.run import run_training as run
+
+    return run(cfg, on_step)
+
+
+__all__ = ["run_training"]

@@ -20,13 +20,15 @@ class PromptLoader:
             random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
         return order
 
-    def next_batch(self) -> tuple[list[Prompt], list[list[int]]]:
+    def next_batch(self, count: int | None = None) -> tuple[list[Prompt], list[list[int]]]:
+        """The next `count` prompts (default batch_size), continuing into the next epoch as needed."""
+        count = self.batch_size if count is None else count
         picked: list[int] = []
-        while len(picked) < self.batch_size:
+        while len(picked) < count:
             if self.cursor == len(self._order):
                 self.epoch, self.cursor = self.epoch + 1, 0
                 self._order = self._permutation()
-            take = self._order[self.cursor : self.cursor + self.batch_size - len(picked)]
+            take = self._order[self.cursor : self.cursor + count - len(picked)]
             picked += take
             self.cursor += len(take)
         return [self.prompts[i] for i in picked], [self.prompt_ids[i] for i in picked]

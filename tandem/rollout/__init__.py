@@ -2,7 +2,14 @@
 
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups
-from tandem.rollout.protocol import RolloutEngine, SamplingParams
+from tandem.rollout.protocol import ON_UPDATE_POLICIES, RolloutEngine, SamplingParams
 from tandem.rollout.worker import RolloutWorker
 
-__all__ = ["BuiltinEngine", "RolloutEngine", "RolloutWorker", "SamplingParams", "make_groups"]
+__all__ = [
+    "ON_UPDATE_POLICIES",
+    "BuiltinEngine",
+    "RolloutEngine",
+    "RolloutWorker",
+    "SamplingParams",
+    "make_groups",
+]

@@ -1,16 +1,21 @@
 """The built-in engine: batched generation with a KV cache on the one tandem decoder.
 
-Prompts are left-padded so every row decodes at the same cache slot; rows that finish leave the
-batch (the cache is compacted) once enough of them have, so short answers stop costing compute.
+Each sample's prompt and any partial response it already has are left-padded so every row decodes
+at the same cache slot; rows that finish leave the batch (the cache is compacted) once enough of
+them have, so short answers stop costing compute. Between two decode steps the engine honours what
+another thread asked for: `abort()`, or a pending weight update under the `on_update` policy.
+docs/rollout.md states which weight version every token records.
 """
 
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from tandem.model import CausalLM, KVCache
-from tandem.rollout.protocol import SamplingParams
+from tandem.rollout.protocol import ON_UPDATE_POLICIES, SamplingParams
 from tandem.rollout.sampler import sample_next
 from tandem.sample import Sample, Status
 
@@ -18,6 +23,15 @@ COMPACT_FRACTION = 0.25  # compact the cache once this share of the live rows ha
 
 
 class BuiltinEngine:
+    """Generates on `model`; thread-safe `abort`, `set_pending_update`; the rest from one thread.
+
+    on_update: what a running `generate` call does with a weight update that arrives mid-call —
+        "drain" finishes on the old weights, "abort" returns partials, "continue" swaps the weights
+        between two decode steps. Every call first applies whatever update is pending.
+    on_step: a test hook, called between decode steps with the number of decode steps the current
+        batch has taken (1, 2, ...), just before the engine checks for an abort or an update.
+    """
+
     def __init__(
         self,
         model: CausalLM,
@@ -26,34 +40,128 @@ class BuiltinEngine:
         max_batch_size: int = 512,
         seed: int = 0,
         version: int = 0,
+        on_update: str = "drain",
+        on_step: Callable[[int], None] | None = None,
     ):
+        if on_update not in ON_UPDATE_POLICIES:
+            raise ValueError(f"on_update={on_update!r}; valid: {', '.join(ON_UPDATE_POLICIES)}")
         self.model = model.eval().requires_grad_(False)
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.generator = torch.Generator().manual_seed(seed)
-        self.version = version
         self.device = next(model.parameters()).device
+        self.on_update = on_update
+        self.on_step = on_step
+        self._version = version
+        self._lock = threading.Lock()  # guards the three fields below, shared with other threads
+        self._pending: tuple[int, Callable[[], None]] | None = None
+        self._running = False
+        self._abort_requested = False
+
+    @property
+    def version(self) -> int:
+        """The version of the weights now in `self.model`."""
+        return self._version
+
+    def set_pending_update(self, version: int, apply: Callable[[], None]) -> None:
+        """Any thread: `apply()` will copy staged weights of `version` into the model (replaces an
+        earlier update not yet applied). It runs on the generating thread, per `on_update`."""
+        with self._lock:
+            self._pending = (version, apply)
+
+    def apply_pending(self) -> int | None:
+        """Generate thread, while idle: apply the pending update now -> its version, or None."""
+        with self._lock:
+            if self._running:
+                raise RuntimeError("apply_pending() was called while generate() is running")
+        return self._apply_pending()
+
+    def abort(self) -> None:
+        """Any thread: the running generate call stops at its next decode step; no-op when idle."""
+        with self._lock:
+            if self._running:
+                self._abort_requested = True
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """While idle: copy the parameters (Hugging Face names) now; replaces any pending update."""
         params = dict(self.model.named_parameters())
-        with torch.no_grad():
+
+        def apply() -> None:
             for name, tensor in named_tensors:
                 params[name].copy_(tensor)
-        self.version = version
+
+        self.set_pending_update(version, apply)
+        self.apply_pending()
 
     def generate(self, samples: list[Sample], params: SamplingParams) -> list[Sample]:
-        for start in range(0, len(samples), self.max_batch_size):
-            self._generate_batch(samples[start : start + self.max_batch_size], params)
+        """Extend each sample's response (empty, or a partial from an aborted call) to its end.
+
+        Appends to response_ids, logprobs, versions and loss_mask, and sets status and
+        finish_reason: FINISHED "stop" / "length", or ABORTED "abort" when the call was stopped.
+        """
+        for s in samples:
+            _check_aligned(s)
+        self._enter()
+        try:
+            self._apply_pending()  # a new call always starts on the newest weights
+            stop_ids = [] if params.ignore_eos else self.eos_token_ids + params.stop_token_ids
+            stop = torch.tensor(stop_ids, dtype=torch.long)
+            todo = [s for s in samples if not _finish_if_complete(s, params, stop_ids)]
+            for start in range(0, len(todo), self.max_batch_size):
+                chunk = todo[start : start + self.max_batch_size]
+                if self._between_steps():  # stopped in an earlier chunk, or just now
+                    _mark_aborted(chunk)
+                else:
+                    self._generate_batch(chunk, params, stop)
+        finally:
+            self._leave()
         return samples
 
+    def _enter(self) -> None:
+        with self._lock:
+            if self._running:
+                raise RuntimeError("generate() is already running; calls must come one at a time")
+            self._running, self._abort_requested = True, False
+
+    def _leave(self) -> None:
+        with self._lock:
+            # An abort() that came too late to stop this call must not stop the next one.
+            self._running, self._abort_requested = False, False
+
+    def _apply_pending(self) -> int | None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        version, apply = pending
+        # Outside inference mode, so tensors that apply() creates stay ordinary tensors.
+        with torch.inference_mode(False), torch.no_grad():
+            apply()
+        self._version = version
+        return version
+
+    def _between_steps(self) -> bool:
+        """True when the running call must stop now: abort() was called, or an update is pending
+        under on_update="abort". Under "continue" a pending update is applied here."""
+        with self._lock:
+            if self._abort_requested:
+                return True
+            pending = self._pending is not None
+        if not pending or self.on_update == "drain":
+            return False
+        if self.on_update == "abort":
+            return True
+        self._apply_pending()
+        return False
+
     @torch.inference_mode()
-    def _prefill(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[Tensor, Tensor, KVCache]:
-        """Left-pad and prefill the prompts -> last logits (U, V), next positions (U,), the cache."""
-        u, width = len(prompts), max(map(len, prompts))
+    def _prefill(self, prefixes: list[list[int]], max_new_tokens: int) -> tuple[Tensor, Tensor, KVCache]:
+        """Left-pad and prefill the prefixes -> last logits (U, V), next positions (U,), the cache."""
+        u, width = len(prefixes), max(map(len, prefixes))
         ids = torch.full((u, width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros(u, width, dtype=torch.bool)
-        for i, p in enumerate(prompts):
+        for i, p in enumerate(prefixes):
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = True
         ids, mask = ids.to(self.device), mask.to(self.device)
@@ -63,49 +171,135 @@ class BuiltinEngine:
         logits = self.model(ids, positions, mask, cache)[:, -1]
         return logits, mask.sum(-1), cache
 
-    @torch.inference_mode()
-    def _generate_batch(self, samples: list[Sample], params: SamplingParams) -> None:
-        b = len(samples)
-        # The n samples of a prompt (a GRPO group) share one prefill: its cache rows are copied.
+    def _shared_prefill(self, samples: list[Sample], max_new_tokens: int) -> tuple[Tensor, Tensor, KVCache]:
+        """One prefill per distinct prompt + partial response, its cache rows copied to every sample
+        that shares it (a GRPO group) -> logits (B, V), next positions (B,), a cache of B rows."""
         unique: dict[tuple[int, ...], int] = {}
-        owner = [unique.setdefault(tuple(s.prompt_ids), len(unique)) for s in samples]
-        logits, next_pos, cache = self._prefill([list(p) for p in unique], params.max_new_tokens)
+        owner = [unique.setdefault((*s.prompt_ids, *s.response_ids), len(unique)) for s in samples]
+        logits, next_pos, cache = self._prefill([list(p) for p in unique], max_new_tokens)
         expand = torch.tensor(owner, device=self.device)
         cache.keep(expand)
-        logits, next_pos = logits[expand], next_pos[expand]  # (B, V), (B,)
-        stop = torch.tensor([] if params.ignore_eos else self.eos_token_ids + params.stop_token_ids)
-        rows = torch.arange(b)  # sample index of each live batch row
-        out_tokens = torch.zeros(b, params.max_new_tokens, dtype=torch.long)
-        out_logprobs = torch.zeros(b, params.max_new_tokens)
-        lengths = torch.zeros(b, dtype=torch.long)
-        stopped = torch.zeros(b, dtype=torch.bool)
-        done = torch.zeros(b, dtype=torch.bool)  # per live row
-        for step in range(params.max_new_tokens):
+        return logits[expand], next_pos[expand], cache
+
+    @torch.inference_mode()
+    def _generate_batch(self, samples: list[Sample], params: SamplingParams, stop: Tensor) -> None:
+        budget = torch.tensor([params.max_new_tokens - len(s.response_ids) for s in samples])
+        version = self._version  # of the weights behind `logits`: the prefill's, then each step's
+        logits, next_pos, cache = self._shared_prefill(samples, int(budget.max()))
+        run = _Decode.start(budget)
+        while True:
             tokens, logprobs = sample_next(
                 logits, params.temperature, params.top_k, params.top_p, self.generator
             )
-            tokens, logprobs = tokens.cpu(), logprobs.cpu()
-            live = ~done
-            out_tokens[rows[live], step] = tokens[live]
-            out_logprobs[rows[live], step] = logprobs[live]
-            lengths[rows[live]] += 1
-            hit = live & torch.isin(tokens, stop)
-            stopped[rows[hit]] = True
-            done |= hit
-            if step == params.max_new_tokens - 1 or bool(done.all()):
+            tokens = tokens.cpu()
+            run.record(tokens, logprobs.cpu(), version, stop)
+            if run.all_done:
                 break
-            if done.float().mean() >= COMPACT_FRACTION:
-                keep = (~done).nonzero().squeeze(-1)
-                cache.keep(keep.to(self.device))
-                rows, tokens, next_pos, done = rows[keep], tokens[keep], next_pos[keep], done[keep]
-            step_mask = torch.ones(len(rows), 1, dtype=torch.bool, device=self.device)
+            if self.on_step is not None:
+                self.on_step(len(run.step_versions))
+            # An update applied here ("continue") is used by the forward of the token just sampled,
+            # so the NEXT token is the first of the new version; the cached keys stay as computed.
+            if self._between_steps():
+                break
+            tokens, next_pos = run.compact(tokens, next_pos, cache)
+            version = self._version
+            step_mask = torch.ones(len(tokens), 1, dtype=torch.bool, device=self.device)
             logits = self.model(tokens[:, None].to(self.device), next_pos[:, None], step_mask, cache)[:, -1]
             next_pos = next_pos + 1
+        run.write_back(samples)
+
+
+@dataclass
+class _Decode:
+    """The decode state of one batch of B samples; `rows` / `done` cover the L rows in the cache."""
+
+    budget: Tensor  # (B,) new tokens each sample may take
+    tokens: Tensor  # (B, S) new tokens, S = max budget
+    logprobs: Tensor  # (B, S) their behaviour logprobs
+    lengths: Tensor  # (B,) new tokens so far
+    stopped: Tensor  # (B,) ended on a stop token
+    rows: Tensor  # (L,) sample index of each cache row
+    done: Tensor  # (L,) the row's sample has ended
+    step_versions: list[int] = field(default_factory=list)  # weights behind step k's logits
+
+    @classmethod
+    def start(cls, budget: Tensor) -> "_Decode":
+        b, s = len(budget), int(budget.max())
+        return cls(
+            budget=budget,
+            tokens=torch.zeros(b, s, dtype=torch.long),
+            logprobs=torch.zeros(b, s),
+            lengths=torch.zeros(b, dtype=torch.long),
+            stopped=torch.zeros(b, dtype=torch.bool),
+            rows=torch.arange(b),
+            done=torch.zeros(b, dtype=torch.bool),
+        )
+
+    @property
+    def all_done(self) -> bool:
+        return bool(self.done.all())
+
+    def record(self, tokens: Tensor, logprobs: Tensor, version: int, stop: Tensor) -> None:
+        """tokens, logprobs (L,) sampled from logits of weights `version`: keep those of live rows."""
+        step, live = len(self.step_versions), ~self.done
+        at = self.rows[live]
+        self.tokens[at, step] = tokens[live]
+        self.logprobs[at, step] = logprobs[live]
+        self.lengths[at] += 1
+        hit = live & torch.isin(tokens, stop)
+        self.stopped[self.rows[hit]] = True
+        self.done |= hit | (self.lengths[self.rows] >= self.budget[self.rows])
+        self.step_versions.append(version)
+
+    def compact(self, tokens: Tensor, next_pos: Tensor, cache: KVCache) -> tuple[Tensor, Tensor]:
+        """Drop ended rows from the cache once enough have ended -> the kept tokens, positions."""
+        if self.done.float().mean() < COMPACT_FRACTION:
+            return tokens, next_pos
+        keep = (~self.done).nonzero().squeeze(-1)
+        cache.keep(keep.to(next_pos.device))
+        self.rows, self.done = self.rows[keep], self.done[keep]
+        return tokens[keep], next_pos[keep.to(next_pos.device)]
+
+    def write_back(self, samples: list[Sample]) -> None:
+        """Append each sample's new tokens; one that has not ended (the call stopped) is ABORTED.
+        Every sample started at step 0 and took one token a step, so its token k is from step k."""
         for i, s in enumerate(samples):
-            n = int(lengths[i])
-            s.response_ids = out_tokens[i, :n].tolist()
-            s.logprobs = out_logprobs[i, :n].tolist()
-            s.versions = [self.version] * n
-            s.loss_mask = [1] * n
-            s.status = Status.FINISHED
-            s.finish_reason = "stop" if stopped[i] else "length"
+            n = int(self.lengths[i])
+            s.response_ids = s.response_ids + self.tokens[i, :n].tolist()
+            s.logprobs = s.logprobs + self.logprobs[i, :n].tolist()
+            s.versions = s.versions + self.step_versions[:n]
+            s.loss_mask = s.loss_mask + [1] * n
+            if self.stopped[i]:
+                s.status, s.finish_reason = Status.FINISHED, "stop"
+            elif n >= int(self.budget[i]):
+                s.status, s.finish_reason = Status.FINISHED, "length"
+            else:
+                s.status, s.finish_reason = Status.ABORTED, "abort"
+
+
+def _check_aligned(s: Sample) -> None:
+    lists = {"logprobs": s.logprobs, "versions": s.versions, "loss_mask": s.loss_mask}
+    for name, values in lists.items():
+        if len(values) != len(s.response_ids):
+            raise ValueError(
+                f"Sample (group {s.group_id}, index {s.index}) has {len(s.response_ids)} response_ids "
+                f"but {len(values)} {name}; a partial response must keep its per-token lists aligned."
+            )
+
+
+def _finish_if_complete(s: Sample, params: SamplingParams, stop_ids: list[int]) -> bool:
+    """Finish a sample whose response needs no new token (ends on a stop token, or is at the
+    length limit) -> whether it did."""
+    if s.response_ids and s.response_ids[-1] in stop_ids:
+        s.status, s.finish_reason = Status.FINISHED, "stop"
+    elif len(s.response_ids) >= params.max_new_tokens:
+        s.status, s.finish_reason = Status.FINISHED, "length"
+    else:
+        return False
+    return True
+
+
+def _mark_aborted(samples: list[Sample]) -> None:
+    """Samples the call stopped before it reached them: returned as they came, to re-submit."""
+    for s in samples:
+        s.status, s.finish_reason = Status.ABORTED, "abort"

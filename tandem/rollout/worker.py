@@ -1,6 +1,6 @@
 """The rollout role: an engine plus the tokenizer that turns its tokens into response text."""
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from torch import Tensor
 
@@ -9,6 +9,8 @@ from tandem.sample import Sample
 
 
 class RolloutWorker:
+    """Passes calls to the engine (its contracts are in `RolloutEngine`) and decodes responses."""
+
     def __init__(self, engine: RolloutEngine, tokenizer):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -19,9 +21,18 @@ class RolloutWorker:
 
     def generate(self, samples: list[Sample], params: SamplingParams) -> list[Sample]:
         self.engine.generate(samples, params)
-        for s in samples:
+        for s in samples:  # partials too: a continued response must not keep its old text
             s.response_text = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
         return samples
+
+    def set_pending_update(self, version: int, apply: Callable[[], None]) -> None:
+        self.engine.set_pending_update(version, apply)
+
+    def apply_pending(self) -> int | None:
+        return self.engine.apply_pending()
+
+    def abort(self) -> None:
+        self.engine.abort()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         self.engine.load_weights(named_tensors, version)

@@ -1,0 +1,165 @@
+"""The roles as Ray actors. Each wraps the plain role object, times its work as `Span`s, and is
+built from the run's config inside its own process (placement decides its CPUs and threads).
+
+Rollout actors have two concurrency groups: "gen" runs generate calls one after another, "weights"
+receives pushes while generation goes on (they are staged; the engine swaps at a safe point chosen
+by `rollout.on_update`).
+"""
+
+import time
+
+import ray
+import torch
+
+from tandem.config import Config
+from tandem.controller.roles import build_rollout, build_trainer, load_checked_tokenizer, pad_token_id
+from tandem.controller.timeline import Span
+from tandem.model import load_model, resolve_model_path
+from tandem.reward import RewardPool
+from tandem.rollout import SamplingParams
+from tandem.sample import Sample
+from tandem.sync import BucketPlan, StagingBuffer, make_transport
+from tandem.sync.dist import init_world, new_group
+from tandem.train.ref import RefWorker
+
+
+class _Timed:
+    name = "worker"
+
+    def _span(self, kind: str, start: float) -> Span:
+        return Span(kind, self.name, start, time.time())
+
+
+class _DistMember:
+    """Joins the run's torch.distributed world: trainers are ranks 0..T-1, rollout workers after."""
+
+    def join(self, rank: int, world: int, addr: str, port: int, trainers: int, sync_ranks: list[int]) -> bool:
+        init_world(rank, world, addr, port, backend="gloo", timeout_s=self.cfg.sync.timeout_s)
+        # new_group is collective over the whole world: every rank creates both, in the same order.
+        self.dp_group = new_group(list(range(trainers)))
+        self.sync_group = new_group(sync_ranks) if len(sync_ranks) > 1 else None
+        return True
+
+
+@ray.remote(concurrency_groups={"gen": 1, "weights": 1})
+class RolloutActor(_Timed, _DistMember):
+    def __init__(self, cfg: Config, rank: int, threads: int):
+        torch.set_num_threads(cfg.run.threads or threads)
+        self.cfg, self.name = cfg, f"rollout/{rank}"
+        self.worker, _ = build_rollout(cfg, rank)
+        params = self.worker.engine.model.named_parameters()
+        self.plan = BucketPlan.from_named(params, cfg.sync.produce_bucket_mb, cfg.sync.consume_bucket_mb)
+        self.staging = StagingBuffer(self.plan)
+        self.transport = None
+
+    @ray.method(concurrency_group="weights")
+    def join(self, *args) -> bool:
+        return _DistMember.join(self, *args)
+
+    @ray.method(concurrency_group="weights")
+    def receive_weights(self, sent, version: int) -> Span:
+        """`sent` is the trainer's (handle, span) for the object store, None for broadcast."""
+        start = time.time()
+        handle = sent[0] if sent is not None else None
+        if self.transport is None:
+            self.transport = make_transport(self.cfg.sync.transport, self.plan, self.name, group=self.sync_group_or_none())
+        self.transport.receive(handle, version, self.staging, self.cfg.sync.timeout_s)
+        params = dict(self.worker.engine.model.named_parameters())
+        self.worker.set_pending_update(version, lambda: self.staging.swap_into(params))
+        return self._span("sync", start)
+
+    def sync_group_or_none(self):
+        return getattr(self, "sync_group", None)
+
+    @ray.method(concurrency_group="gen")
+    def generate(self, samples: list[Sample], params: SamplingParams, kind: str = "generate"):
+        start = time.time()
+        out = self.worker.generate(samples, params)
+        return out, self._span(kind, start)
+
+    @ray.method(concurrency_group="gen")
+    def apply_pending(self) -> int:
+        self.worker.apply_pending()
+        return self.worker.version
+
+    @ray.method(concurrency_group="weights")
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+@ray.remote
+class TrainActor(_Timed, _DistMember):
+    def __init__(self, cfg: Config, rank: int, threads: int, keep_ref: bool):
+        torch.set_num_threads(cfg.run.threads or threads)
+        self.cfg, self.rank, self.name = cfg, rank, f"train/{rank}"
+        self.trainer = build_trainer(cfg, keep_ref=keep_ref)
+        self.tokenizer = load_checked_tokenizer(cfg)
+        params = self.trainer.model.named_parameters()
+        self.plan = BucketPlan.from_named(params, cfg.sync.produce_bucket_mb, cfg.sync.consume_bucket_mb)
+        self.transport = None
+
+    def join(self, *args) -> bool:
+        _DistMember.join(self, *args)
+        if self.cfg.train.num_workers > 1:
+            self.trainer.set_data_parallel(self.dp_group)
+        return True
+
+    def train_step(self, samples: list[Sample]) -> tuple[dict[str, float], list[Span]]:
+        start = time.time()
+        metrics = self.trainer.train_step(samples)
+        end = time.time()
+        spans = [Span("train", self.name, start, end)]
+        logp = metrics.get("timing_s/logp", 0.0)
+        if logp:
+            spans.insert(0, Span("logp", self.name, start, start + logp))
+        return metrics, spans
+
+    def send_weights(self, version: int):
+        """Rank 0 only: push the policy's weights; -> (the transport's handle, span)."""
+        start = time.time()
+        if self.transport is None:
+            group = getattr(self, "sync_group", None)
+            self.transport = make_transport(self.cfg.sync.transport, self.plan, self.name, group=group)
+        handle = self.transport.send(self.trainer.named_weights(), version)
+        return handle, self._span("sync", start)
+
+    def save(self, path: str) -> str:
+        from pathlib import Path
+
+        from tandem.controller.roles import save_checkpoint
+
+        save_checkpoint(self.trainer, self.tokenizer, Path(path))
+        return path
+
+
+@ray.remote
+class RefActor(_Timed):
+    def __init__(self, cfg: Config, threads: int):
+        torch.set_num_threads(cfg.run.threads or threads)
+        self.name = "ref/0"
+        from tandem.controller.roles import DTYPES
+
+        model = load_model(resolve_model_path(cfg.model.path), dtype=DTYPES[cfg.model.dtype])
+        pad = pad_token_id(load_checked_tokenizer(cfg))
+        self.worker = RefWorker(model, pad, cfg.train.micro_batch_tokens, cfg.rollout.temperature)
+
+    def score(self, samples: list[Sample]) -> tuple[list[Sample], Span]:
+        start = time.time()
+        return self.worker.score(samples), self._span("ref", start)
+
+
+@ray.remote
+class RewardActor(_Timed):
+    def __init__(self, cfg: Config):
+        self.name = "reward/0"
+        self.pool = RewardPool(cfg.reward.fn, cfg.reward.num_workers, cfg.reward.timeout_s)
+
+    def score(self, samples: list[Sample], kind: str = "reward"):
+        start = time.time()
+        metrics = self.pool.score(samples)
+        return samples, metrics, self._span(kind, start)
+
+    def close(self) -> None:
+        self.pool.close()

@@ -1,0 +1,334 @@
+"""The controller: one event loop drives every mode over Ray actors.
+
+The driver holds no model. It admits prompt groups into generation as the rollout buffer allows
+(`tandem.buffer`: the staleness rule and the version fence), and reacts to whatever finishes next:
+generated samples go to the reward actor (then the ref worker), rewarded groups into the buffer,
+a full batch to the train workers, new weights out to the rollout workers, validation prompts to
+the rollout workers ahead of training prompts. Modes only change the admission:
+
+    sync          max_staleness=0, whole batches: generate, then train, strictly on-policy
+    one_step_off  max_staleness=k (generate_ahead_steps), whole batches: batch n+k generates while n trains
+    async         max_staleness=k, groups stream in chunks of rollout.chunk_groups
+
+It blocks on `ray.wait` (never sleep-polls) with a timeout that names what it waited for.
+"""
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from tandem.buffer import RolloutBuffer
+from tandem.config import Config
+from tandem.controller.cluster import Cluster
+from tandem.controller.roles import Data, sampling_params
+from tandem.controller.stats import rollout_stats
+from tandem.controller.timeline import Timeline
+from tandem.errors import TandemError
+from tandem.rollout import make_groups
+from tandem.sample import Sample, Status
+
+QUEUED_PER_WORKER = 2  # generate calls handed to one rollout worker at a time (one runs, one waits)
+
+
+@dataclass
+class Call:
+    """An ObjectRef the loop waits on, and what it was for."""
+
+    kind: str  # generate | val | reward | val_reward | ref | train | send | receive
+    worker: str
+    samples: list[Sample] = field(default_factory=list)
+    version: int = -1
+    rank: int = 0  # rollout worker index for generate / val / receive
+
+
+class Loop:
+    def __init__(self, cfg: Config, data: Data, cluster: Cluster):
+        self.cfg, self.data, self.cluster = cfg, data, cluster
+        r = cfg.run
+        staleness = {"sync": 0, "one_step_off": r.generate_ahead_steps, "async": r.max_staleness}[r.mode]
+        self.buffer = RolloutBuffer(cfg.rollout.batch_size, staleness, whole_batches=r.mode != "async")
+        self.params = sampling_params(cfg, cfg.rollout.temperature)
+        self.val_params = sampling_params(cfg, cfg.rollout.val_temperature)
+        self.version = self.published = 0
+        self.pending: dict[Any, Call] = {}
+        self.work: deque[tuple[str, list[Sample], int]] = deque()  # (kind, samples, version) to generate
+        self.queued = [0] * len(cluster.rollouts)  # generate calls outstanding per rollout worker
+        self.syncing = [False] * len(cluster.rollouts)  # a worker being re-synced gets no work
+        self.groups: dict[int, list[Sample]] = {}  # finished samples of groups still generating
+        self.next_group = 0
+        self.training = 0  # train ranks still running the current step
+        self.train_results: list[dict[str, float]] = []
+        self.receiving: dict[int, int] = {}  # version -> rollout workers yet to ack it
+        self.last_handle: Any = None  # the latest push's handle, for re-syncing a restarted worker
+        self.val_due: list[int] = []  # versions to validate once published
+        self.val_samples: dict[int, list[Sample]] = {}
+        self.val_left: dict[int, int] = {}
+        self.step_extra: dict[str, float] = {"rollout/aborted": 0.0, "rollout/restarts": 0.0}
+        self.timeline = Timeline(cluster.names)
+        self.on_step = None  # a callback(version) after each train step (tests use it)
+
+    # -- admission and dispatch ------------------------------------------------------------------
+    def admit(self) -> None:
+        """Start as many new groups as the buffer allows, in chunks for the rollout workers."""
+        b, n = self.cfg.rollout.batch_size, self.cfg.rollout.n
+        room = min(self.buffer.admissible(self.published), self.cfg.run.steps * b - self.buffer.started)
+        chunk = self.cfg.rollout.chunk_groups if self.cfg.run.mode == "async" else -(-b // len(self.queued))
+        while room > 0:
+            prompts, ids = self.data.train.next_batch(min(chunk, room))
+            samples = make_groups(prompts, ids, n, first_group=self.next_group)
+            for g in range(len(prompts)):
+                self.buffer.start(self.next_group + g, self.published)
+            self.next_group += len(prompts)
+            room -= len(prompts)
+            self.work.append(("generate", samples, self.published))
+
+    def dispatch(self) -> None:
+        """Hand queued work to rollout workers with a free slot, least loaded first."""
+        while self.work:
+            free = [i for i, q in enumerate(self.queued) if q < QUEUED_PER_WORKER and not self.syncing[i]]
+            if not free:
+                return
+            i = min(free, key=lambda j: self.queued[j])
+            kind, samples, version = self.work.popleft()
+            params = self.val_params if kind == "val" else self.params
+            ref = self.cluster.rollouts[i].generate.remote(samples, params, kind)
+            self.pending[ref] = Call(kind, f"rollout/{i}", samples, version, rank=i)
+            self.queued[i] += 1
+
+    def maybe_train(self) -> None:
+        if self.training or self.version >= self.cfg.run.steps:
+            return
+        groups = self.buffer.next_batch(self.version)
+        if groups is None:
+            return
+        batch = [s for g in groups for s in g]
+        batch_ref = ray.put(batch)
+        for rank, trainer in enumerate(self.cluster.trainers):
+            call = Call("train", f"train/{rank}", batch, self.version, rank)
+            self.pending[trainer.train_step.remote(batch_ref)] = call
+        self.training = len(self.cluster.trainers)
+        self.train_results = []
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def run(self, log) -> dict[str, float]:
+        """Train for run.steps versions; `log(step, metrics)` gets each step's and validation's metrics."""
+        self.log = log
+        self.started = self.step_start = time.time()
+        self.request_validation(0)
+        while not self.finished():
+            self.admit()
+            self.dispatch()
+            self.maybe_train()
+            ref, call = self.wait()
+            self.handle(ref, call)
+        return self.summary()
+
+    def finished(self) -> bool:
+        return self.version >= self.cfg.run.steps and not self.pending and not self.work and not self.val_due
+
+    def wait(self) -> tuple[Any, Call]:
+        ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=self.cfg.run.timeout_s)
+        if not ready:
+            waiting = ", ".join(sorted({f"{c.kind} on {c.worker} (version {c.version})" for c in self.pending.values()}))
+            raise TandemError(
+                f"Nothing finished in run.timeout_s={self.cfg.run.timeout_s:g} s; waiting for: {waiting}."
+            )
+        return ready[0], self.pending.pop(ready[0])
+
+    def handle(self, ref: Any, call: Call) -> None:
+        try:
+            result = ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            return self.on_worker_died(call, e)
+        except ray.exceptions.RayTaskError as e:
+            raise TandemError(f"{call.kind} on {call.worker} (version {call.version}) failed:\n{e}") from None
+        getattr(self, f"on_{call.kind}")(call, result)
+
+    # -- handlers, one per kind of call ------------------------------------------------------------
+    def on_generate(self, call: Call, result) -> None:
+        samples, span = result
+        self.timeline.add(span)
+        self.queued[call.rank] -= 1
+        partial = [s for s in samples if s.status == Status.ABORTED]
+        if partial:  # re-submitted as prompt + partial response, ahead of new prompts
+            self.step_extra["rollout/aborted"] += len(partial)
+            self.work.appendleft(("generate", partial, call.version))
+        done = []
+        for s in samples:
+            if s.status == Status.FINISHED:
+                group = self.groups.setdefault(s.group_id, [])
+                group.append(s)
+                if len(group) == self.cfg.rollout.n:
+                    done.extend(sorted(self.groups.pop(s.group_id), key=lambda x: x.index))
+        if done:
+            self.pending[self.cluster.reward.score.remote(done)] = Call("reward", "reward/0", version=call.version)
+
+    def on_reward(self, call: Call, result) -> None:
+        samples, metrics, span = result
+        self.timeline.add(span)
+        for k, v in metrics.items():
+            self.step_extra[k] = self.step_extra.get(k, 0.0) + v
+        if self.cluster.ref is not None:
+            self.pending[self.cluster.ref.score.remote(samples)] = Call("ref", "ref/0", version=call.version)
+        else:
+            self.finish_groups(samples)
+
+    def on_ref(self, call: Call, result) -> None:
+        samples, span = result
+        self.timeline.add(span)
+        self.finish_groups(samples)
+
+    def finish_groups(self, samples: list[Sample]) -> None:
+        by_group: dict[int, list[Sample]] = {}
+        for s in samples:
+            by_group.setdefault(s.group_id, []).append(s)
+        for gid, group in by_group.items():
+            self.buffer.finish(gid, group)
+
+    def on_train(self, call: Call, result) -> None:
+        metrics, spans = result
+        self.timeline.add(*spans)
+        self.train_results.append(metrics)
+        self.training -= 1
+        if self.training:
+            return
+        self.version += 1
+        self.log_step(call.samples, self.train_results[0])
+        self.push_weights()
+        if self.version == self.cfg.run.steps or (self.cfg.run.val_every and self.version % self.cfg.run.val_every == 0):
+            self.request_validation(self.version)
+        if self.cfg.run.save_every and self.version % self.cfg.run.save_every == 0:
+            self.save(f"step_{self.version}")
+        if self.on_step is not None:
+            self.on_step(self.version)
+
+    def push_weights(self) -> None:
+        send = self.cluster.trainers[0].send_weights.remote(self.version)
+        self.pending[send] = Call("send", "train/0", version=self.version)
+        # The object store's receivers take the send's result (Ray hands it over once the send is
+        # done); broadcast receivers must run while the send runs, so they take none.
+        self.last_handle = send if self.cfg.sync.transport == "object_store" else None
+        self.receiving[self.version] = len(self.cluster.rollouts)
+        for i, r in enumerate(self.cluster.rollouts):
+            ref = r.receive_weights.remote(self.last_handle, self.version)
+            self.pending[ref] = Call("receive", f"rollout/{i}", version=self.version, rank=i)
+
+    def on_send(self, call: Call, result) -> None:
+        self.timeline.add(result[1])
+
+    def on_receive(self, call: Call, span) -> None:
+        self.timeline.add(span)
+        self.syncing[call.rank] = False
+        self.receiving[call.version] -= 1
+        if self.receiving[call.version] == 0 and call.version > self.published:
+            self.published = call.version
+            for v in [v for v in self.val_due if v <= self.published]:
+                self.val_due.remove(v)
+                self.start_validation(v)
+
+    # -- validation: prompts at the front of the rollout queue, never in training data ------------
+    def request_validation(self, version: int) -> None:
+        if self.data.val_prompts:
+            self.val_due.append(version)
+            if version <= self.published:
+                self.val_due.remove(version)
+                self.start_validation(version)
+
+    def start_validation(self, version: int) -> None:
+        samples = make_groups(self.data.val_prompts, self.data.val_ids, n=1, first_group=-len(self.data.val_ids))
+        per = -(-len(samples) // len(self.cluster.rollouts))
+        chunks = [samples[i : i + per] for i in range(0, len(samples), per)]
+        self.val_samples[version], self.val_left[version] = [], len(chunks)
+        for c in reversed(chunks):
+            self.work.appendleft(("val", c, version))
+
+    def on_val(self, call: Call, result) -> None:
+        samples, span = result
+        self.timeline.add(span)
+        self.queued[call.rank] -= 1
+        version = call.version
+        self.val_samples[version].extend(samples)
+        self.val_left[version] -= 1
+        if self.val_left[version] == 0:
+            del self.val_left[version]
+            batch = self.val_samples.pop(version)
+            ref = self.cluster.reward.score.remote(batch, "val_reward")
+            self.pending[ref] = Call("val_reward", "reward/0", version=version)
+
+    def on_val_reward(self, call: Call, result) -> None:
+        samples, metrics, span = result
+        self.timeline.add(span)
+        acc = sum(s.reward for s in samples) / len(samples)
+        versions = [v for s in samples for v in s.versions]
+        self.val_metrics = getattr(self, "val_metrics", {})
+        self.val_metrics[call.version] = {
+            "val/accuracy": acc,
+            "val/response_length/mean": sum(len(s.response_ids) for s in samples) / len(samples),
+            "val/reward_errors": metrics.get("reward/errors", 0.0) + metrics.get("reward/timeouts", 0.0),
+            "val/version": float(min(versions) if versions else call.version),
+        }
+        self.log(call.version, self.val_metrics[call.version])
+
+    # -- steps, failures, the end ------------------------------------------------------------------
+    def log_step(self, batch: list[Sample], train: dict[str, float]) -> None:
+        now = time.time()
+        wall = now - self.step_start
+        tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch)
+        metrics = {
+            **rollout_stats(batch, self.version - 1),
+            **train,
+            **self.step_extra,
+            **self.buffer.stats(),
+            **self.timeline.idle_ratios(self.step_start, now),
+            "timing_s/step": wall,
+            "perf/samples_per_s": len(batch) / wall,
+            "perf/throughput_tokens_per_s": tokens / wall,
+            "version": float(self.version),
+        }
+        self.step_extra = {"rollout/aborted": 0.0, "rollout/restarts": 0.0}
+        self.step_start = now
+        self.last_metrics = metrics
+        self.log(self.version, metrics)
+
+    def on_worker_died(self, call: Call, error: Exception) -> None:
+        """A dead rollout worker is restarted by Ray: re-sync its weights, re-submit its prompts."""
+        if not call.worker.startswith("rollout/") or self.cfg.sync.transport != "object_store":
+            raise TandemError(f"{call.worker} died during {call.kind} (version {call.version}): {error}") from None
+        i = call.rank
+        if call.kind in ("generate", "val"):
+            self.queued[i] -= 1
+            self.work.appendleft((call.kind, call.samples, call.version))
+        if call.kind == "receive":
+            self.receiving[call.version] -= 1
+        if not self.syncing[i]:
+            self.syncing[i] = True
+            self.step_extra["rollout/restarts"] += 1
+            self.receiving[self.version] = self.receiving.get(self.version, 0) + 1
+            ref = self.cluster.rollouts[i].receive_weights.remote(self.last_handle, self.version)
+            self.pending[ref] = Call("receive", call.worker, version=self.version, rank=i)
+
+    def save(self, name: str) -> None:
+        from pathlib import Path
+
+        path = Path(self.cfg.run.out_dir) / self.cfg.run.name / "checkpoints" / name
+        ray.get(self.cluster.trainers[0].save.remote(str(path)), timeout=self.cfg.run.timeout_s)
+
+    def summary(self) -> dict[str, float]:
+        wall = time.time() - self.started
+        trained = self.cfg.run.steps * self.cfg.rollout.batch_size * self.cfg.rollout.n
+        out = {"critic/score/mean_final": self.last_metrics["critic/score/mean"], "perf/run_samples_per_s": trained / wall}
+        val = getattr(self, "val_metrics", {})
+        if 0 in val and self.cfg.run.steps in val:
+            start, end = val[0]["val/accuracy"], val[self.cfg.run.steps]["val/accuracy"]
+            out.update(
+                {
+                    "val/accuracy_start": start,
+                    "val/accuracy_final": end,
+                    "val/accuracy_gain_points": 100 * (end - start),
+                }
+            )
+        return out
+
