@@ -46,6 +46,7 @@ class Sample:
     logprobs: list[float] = field(default_factory=list)  # behaviour logprob of each response token
     versions: list[int] = field(default_factory=list)  # policy version that produced each token
     loss_mask: list[int] = field(default_factory=list)  # 1 where the token is trained on
+    max_new_tokens: int | None = None  # this request's cap on response tokens; None = the call's
     ref_logprobs: list[float] = field(default_factory=list)  # reference policy's, when a ref worker ran
     reward: float = 0.0
     reward_parts: dict[str, float] = field(default_factory=dict)

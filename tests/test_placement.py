@@ -62,6 +62,8 @@ def test_bad_placement_is_a_clear_error(overrides, message):
 
 
 def test_a_group_with_nothing_to_run_is_an_error():
-    cfg = load_config(None, ["placement.groups=[actor_train,ref_logp,generate]", "placement.ratios=[0.5,0.25,0.25]"])
+    cfg = load_config(
+        None, ["placement.groups=[actor_train,ref_logp,generate]", "placement.ratios=[0.5,0.25,0.25]"]
+    )
     with pytest.raises(TandemError, match="runs nothing"):
         plan(cfg, 4)

@@ -22,7 +22,10 @@ def test_idle_ratio_counts_overlapping_spans_once_and_clips_to_the_window():
 
 def test_trace_is_chrome_format_with_one_track_per_worker(tmp_path):
     t = Timeline({"rollout": ["rollout/0"], "train": ["train/0"]})
-    t.add(Span("generate", "rollout/0", t.start + 1, t.start + 2), Span("train", "train/0", t.start + 2, t.start + 3))
+    t.add(
+        Span("generate", "rollout/0", t.start + 1, t.start + 2),
+        Span("train", "train/0", t.start + 2, t.start + 3),
+    )
     t.write(tmp_path / "timeline.json")
     events = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]

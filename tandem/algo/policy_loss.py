@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from tandem.algo.masked import masked_mean
 from tandem.registry import Registry
 
 PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
@@ -52,6 +53,20 @@ def ppo_clip_loss(
     _check_clip(clip_low, clip_high, clip_c)
     # Clamped as verl does: one far-off logprob must not overflow exp() and turn the batch to inf/nan.
     ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
+    return _clipped_surrogate(ratio, logp, old_logp, advantages, mask, clip_low, clip_high, clip_c)
+
+
+def _clipped_surrogate(
+    ratio: Tensor,
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    clip_c: float | None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The (dual-)clipped surrogate of a (B, T) ratio, and the diagnostics every clipped loss reports."""
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = torch.maximum(unclipped, clipped)
@@ -69,3 +84,37 @@ def ppo_clip_loss(
     }
     metrics = {name: torch.where(keep, value, 0.0) for name, value in metrics.items()}
     return torch.where(keep, loss, 0.0), metrics
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    clip_c: float | None = None,
+    **_,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """logp, old_logp, advantages, mask (B, T) -> loss (B, T), diagnostics {name: (B, T)}.
+
+    GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"), in the paper's token-level
+    stop-gradient form (GSPO-token):
+    s_i     = exp(mean_t (logp - old_logp))                over sequence i's masked tokens
+    s_{i,t} = sg[s_i] · exp(logp_t - sg[logp_t])           value s_i; gradient s_i · ∇logp_t
+    loss    = max(-A·s_{i,t}, -A·clip(s_{i,t}, 1 - clip_low, 1 + clip_high)), dual clip as ppo_clip
+    Every token of a sequence shares one ratio, so the clip keeps or drops whole sequences. A
+    geometric mean of per-token ratios stays far closer to 1 than a token ratio, so GSPO clips far
+    tighter: the paper uses clip_low = 3e-4, clip_high = 4e-4 (the defaults here; the trainer passes
+    algo.clip_low / algo.clip_high, so set those) and averages per sequence (seq-mean-token-mean).
+    Diagnostics as ppo_clip; "ppo_kl" stays per token.
+    """
+    _check_clip(clip_low, clip_high, clip_c)
+    keep = mask.bool()
+    seq_log_ratio = masked_mean(logp - old_logp, keep, dim=-1).detach().clamp(-20.0, 20.0)  # (B,)
+    # where() before exp(): garbage logprobs in the padding never reach the value or the gradient.
+    token_part = torch.where(keep, logp - logp.detach(), 0.0)  # 0 in value, ∇logp in gradient
+    ratio = torch.exp(seq_log_ratio[:, None] + token_part)
+    return _clipped_surrogate(ratio, logp, old_logp, advantages, mask, clip_low, clip_high, clip_c)

@@ -29,9 +29,9 @@ def split_args(args: list[str]) -> tuple[str | None, list[str]]:
 
 def cmd_train(ns: argparse.Namespace) -> None:
     from tandem.config import load_config
-    from tandem.controller import run_sync
+    from tandem.controller import run_training
 
-    summary = run_sync(load_config(*split_args(ns.args)))
+    summary = run_training(load_config(*split_args(ns.args)))
     if "val/accuracy_start" in summary:
         print(
             f"held-out accuracy: {100 * summary['val/accuracy_start']:.1f}% at the start -> "

@@ -12,12 +12,18 @@ class RunConfig:
     out_dir: str = "runs"
     seed: int = 0
     steps: int = 50  # controller steps (one rollout batch and one train step each)
+    # sync: generate then train, on-policy. one_step_off: generation of step n+k overlaps training of
+    # step n (k = generate_ahead_steps), whole batches. async: streaming, groups start while
+    # started <= (version + max_staleness + 1) * batch_size, so no sample is older than max_staleness.
     mode: str = "sync"
+    generate_ahead_steps: int = 1  # one_step_off
+    max_staleness: int = 2  # async
     val_every: int = 10  # steps between validations; 0 = only before the first and after the last step
     save_every: int = 0  # steps between checkpoints; 0 = only the final one
     tensorboard: bool = False
     progress: bool = True
-    threads: int = 0  # torch intra-op threads; 0 = torch's default
+    threads: int = 0  # torch intra-op threads per role; 0 = the CPUs its placement gives it
+    timeout_s: float = 600.0  # longest wait for any one role's result before the run stops with an error
 
 
 @dataclass
@@ -51,6 +57,13 @@ class RolloutConfig:
     max_new_tokens: int = 8
     stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's EOS
     max_batch_size: int = 512  # sequences decoded together by the built-in engine
+    num_workers: int = 1  # rollout workers (Ray actors), each with its own engine
+    on_update: str = "drain"  # in-flight requests on a weight update: drain | abort | continue
+    chunk_groups: int = 4  # prompt groups per generate call in async mode (smaller = finer streaming)
+    # Benchmarks: > 0 keeps each response decoding past its EOS for a Pareto(alpha)-distributed
+    # number of tokens (scale 4, capped at max_new_tokens), emulating reasoning models' heavy-tailed
+    # lengths; tokens past the first EOS are neither scored nor trained on.
+    length_tail_alpha: float = 0.0
     val_temperature: float = 0.0  # 0 = greedy
 
 
@@ -73,6 +86,14 @@ class AlgoConfig:
     kl_coef: float = 0.0  # > 0 adds a KL loss against the reference (initial) policy
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
+    # Off-policy / train-inference mismatch corrections, combined (docs/algorithms.md): tis,
+    # seq_tis, mis (icepop), seq_mask_tis, opsm, decoupled, bypass. [] = none.
+    corrections: list[str] = field(default_factory=list)
+    correction_cap: float | None = 2.0  # C of tis, seq_tis, seq_mask_tis, decoupled; null = no cap
+    mis_low: float = 0.5  # mis / seq_mask_tis keep ratios in [mis_low, mis_high]
+    mis_high: float = 2.0
+    opsm_delta: float = 1e-4  # opsm drops A < 0 sequences with mean log(π_old/π_θ) above this
+    prox_logprob: str = "recompute"  # decoupled's π_prox: recompute | interpolate (no forward pass)
 
 
 @dataclass
@@ -87,6 +108,30 @@ class TrainConfig:
     mini_batch_size: int = 0  # samples per optimizer step; 0 = the whole batch
     epochs: int = 1  # passes over each batch
     micro_batch_tokens: int = 8192  # padded tokens per forward/backward (gradient accumulation)
+    num_workers: int = 1  # data-parallel train workers (torch.distributed, gloo on CPU)
+
+
+@dataclass
+class PlacementConfig:
+    # Task groups sharing resources, e.g. [[logp, actor_train], ref_logp, generate] with ratios
+    # [0.5, 0.25, 0.25] of the CPUs; [] = every role colocated on all of them (time-shared).
+    groups: list[list[str] | str] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)
+    num_cpus: float = 0  # CPUs to place roles on; 0 = all the Ray cluster has
+
+
+@dataclass
+class RayConfig:
+    address: str = ""  # "" = start Ray locally; "auto" = join the running cluster (ray start --head)
+    num_cpus: int = 0  # local Ray only; 0 = every core
+
+
+@dataclass
+class SyncConfig:
+    transport: str = "object_store"  # object_store | broadcast (torch.distributed: gloo / NCCL)
+    produce_bucket_mb: float = 512.0  # the trainer packs weights into buckets of this size
+    consume_bucket_mb: float = 128.0  # rollout workers copy staged weights in chunks of this size
+    timeout_s: float = 60.0  # a push not delivered in time fails naming the worker and the version
 
 
 @dataclass
@@ -115,4 +160,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)

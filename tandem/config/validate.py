@@ -3,10 +3,14 @@
 from tandem.config.schema import Config
 from tandem.errors import TandemError
 
-MODES = ("sync",)
+MODES = ("sync", "one_step_off", "async")
+ON_UPDATE = ("drain", "abort", "continue")
+TRANSPORTS = ("object_store", "broadcast")
+TASKS = ("generate", "actor_train", "logp", "ref_logp")
 ENGINES = ("builtin",)
 SCHEDULES = ("constant", "linear", "cosine")
 DTYPES = ("float32", "bfloat16", "float16")
+PROX_LOGPROBS = ("recompute", "interpolate")
 
 
 def _check(ok: bool, key: str, message: str) -> None:
@@ -23,6 +27,19 @@ def validate(cfg: Config) -> None:
     from tandem.data.tasks import TASKS
 
     _one_of(cfg.run.mode, MODES, "run.mode", "mode")
+    _check(cfg.run.max_staleness >= 0, "run.max_staleness", "must be >= 0 (0 = on-policy).")
+    _check(cfg.run.generate_ahead_steps >= 1, "run.generate_ahead_steps", "must be >= 1.")
+    _check(cfg.run.timeout_s > 0, "run.timeout_s", "must be > 0 seconds.")
+    _check(cfg.rollout.num_workers >= 1, "rollout.num_workers", "must be >= 1.")
+    _check(cfg.rollout.chunk_groups >= 1, "rollout.chunk_groups", "must be >= 1.")
+    _check(cfg.rollout.length_tail_alpha >= 0, "rollout.length_tail_alpha", "must be >= 0 (0 = off).")
+    _one_of(cfg.rollout.on_update, ON_UPDATE, "rollout.on_update", "weight-update policy")
+    _check(cfg.train.num_workers >= 1, "train.num_workers", "must be >= 1.")
+    _one_of(cfg.sync.transport, TRANSPORTS, "sync.transport", "weight transport")
+    _check(cfg.sync.produce_bucket_mb > 0, "sync.produce_bucket_mb", "must be > 0.")
+    _check(cfg.sync.consume_bucket_mb > 0, "sync.consume_bucket_mb", "must be > 0.")
+    _check(cfg.sync.timeout_s > 0, "sync.timeout_s", "must be > 0 seconds.")
+    _check_placement(cfg)
     _check(cfg.run.steps >= 1, "run.steps", f"must be >= 1, got {cfg.run.steps}.")
     _check(cfg.run.val_every >= 0, "run.val_every", "must be >= 0 (0 = validate only at start and end).")
     _one_of(cfg.model.dtype, DTYPES, "model.dtype", "dtype")
@@ -48,6 +65,7 @@ def validate(cfg: Config) -> None:
     _check(0 <= cfg.algo.clip_low < 1, "algo.clip_low", f"must be in [0, 1), got {cfg.algo.clip_low}.")
     _check(cfg.algo.clip_high >= 0, "algo.clip_high", f"must be >= 0, got {cfg.algo.clip_high}.")
     _check(cfg.algo.clip_c is None or cfg.algo.clip_c > 1, "algo.clip_c", "must be > 1 (or null to disable).")
+    _check_corrections(cfg)
     _check(cfg.train.lr > 0, "train.lr", "must be > 0.")
     _one_of(cfg.train.schedule, SCHEDULES, "train.schedule", "LR schedule")
     _check(len(cfg.train.betas) == 2, "train.betas", "must be two numbers, e.g. [0.9, 0.999].")
@@ -70,3 +88,77 @@ def validate(cfg: Config) -> None:
         "sft.num_key_value_heads",
         "must divide sft.num_attention_heads.",
     )
+
+
+def _check_corrections(cfg: Config) -> None:
+    from tandem.algo.corrections import CORRECTIONS, IMPORTANCE_WEIGHTS
+
+    a = cfg.algo
+    for name in a.corrections:
+        _one_of(name, CORRECTIONS.names(), "algo.corrections", "correction")
+    _check(
+        len(set(a.corrections)) == len(a.corrections),
+        "algo.corrections",
+        f"names one twice: {a.corrections}.",
+    )
+    weights = [n for n in a.corrections if n in IMPORTANCE_WEIGHTS]
+    if "bypass" in a.corrections:
+        _check(
+            not weights,
+            "algo.corrections",
+            f"combines bypass with {', '.join(weights)}: bypass makes π_old the engine's logprob μ, so "
+            "there is no π_old/μ left to weight by (decoupled would need π_prox). Keep one.",
+        )
+    _check(
+        len(weights) <= 1,
+        "algo.corrections",
+        f"combines {', '.join(weights)}: each weights the loss by π_old/μ, so together they apply it "
+        "twice. Keep one (opsm combines with any).",
+    )
+    _check(
+        a.correction_cap is None or a.correction_cap > 0,
+        "algo.correction_cap",
+        f"must be > 0 (or null for no cap), got {a.correction_cap}.",
+    )
+    _check(
+        0 <= a.mis_low <= 1 <= a.mis_high,
+        "algo.mis_low",
+        f"and algo.mis_high must satisfy 0 <= mis_low <= 1 <= mis_high so on-policy tokens (ratio 1) "
+        f"are kept, got [{a.mis_low}, {a.mis_high}].",
+    )
+    _check(a.opsm_delta >= 0, "algo.opsm_delta", f"must be >= 0, got {a.opsm_delta}.")
+    _one_of(a.prox_logprob, PROX_LOGPROBS, "algo.prox_logprob", "proximal-logprob method")
+    _check(
+        a.prox_logprob == "recompute" or "decoupled" in a.corrections,
+        "algo.prox_logprob",
+        f"is {a.prox_logprob!r}, which only decoupled PPO uses: add decoupled to algo.corrections.",
+    )
+
+
+def _check_placement(cfg: Config) -> None:
+    p = cfg.placement
+    _check(p.num_cpus >= 0, "placement.num_cpus", "must be >= 0 (0 = all the cluster has).")
+    if not p.groups:
+        _check(not p.ratios, "placement.ratios", "needs placement.groups (one ratio per task group).")
+        return
+    tasks = [t for g in p.groups for t in ([g] if isinstance(g, str) else g)]
+    for t in tasks:
+        _one_of(t, TASKS, "placement.groups", "task")
+    _check(len(tasks) == len(set(tasks)), "placement.groups", f"names a task twice: {p.groups}.")
+    for needed in ("generate", "actor_train"):
+        _check(needed in tasks, "placement.groups", f"must place '{needed}'; got {p.groups}.")
+    if "logp" in tasks:
+        group = next(g for g in p.groups if "logp" in ([g] if isinstance(g, str) else g))
+        _check(
+            "actor_train" in group,
+            "placement.groups",
+            "must put 'logp' in the same group as 'actor_train': the train workers recompute the "
+            "old logprobs on their own weights.",
+        )
+    _check(
+        len(p.ratios) == len(p.groups),
+        "placement.ratios",
+        f"needs one ratio per task group: {len(p.groups)} groups, {len(p.ratios)} ratios.",
+    )
+    _check(all(r > 0 for r in p.ratios), "placement.ratios", f"must all be > 0, got {p.ratios}.")
+    _check(abs(sum(p.ratios) - 1) < 1e-6, "placement.ratios", f"must add up to 1, got {sum(p.ratios)}.")

@@ -18,9 +18,19 @@ from tandem.model import load_model, resolve_model_path
 from tandem.reward import RewardPool
 from tandem.rollout import SamplingParams
 from tandem.sample import Sample
-from tandem.sync import BucketPlan, StagingBuffer, make_transport
-from tandem.sync.dist import init_world, new_group
+from tandem.sync import TRANSPORTS, BucketPlan, StagingBuffer, init_world, new_group
 from tandem.train.ref import RefWorker
+
+
+def _plan(cfg: Config, named) -> BucketPlan:
+    return BucketPlan.from_named_tensors(named, cfg.sync.produce_bucket_mb, cfg.sync.consume_bucket_mb)
+
+
+def _transport(actor, plan: BucketPlan):
+    """The run's weight transport, as seen from this actor (sender or receiver side)."""
+    factory = TRANSPORTS.get(actor.cfg.sync.transport)
+    group = getattr(actor, "sync_group", None)
+    return factory(plan, actor.name, group=group, src_rank=0, timeout_s=actor.cfg.sync.timeout_s)
 
 
 class _Timed:
@@ -47,8 +57,8 @@ class RolloutActor(_Timed, _DistMember):
         torch.set_num_threads(cfg.run.threads or threads)
         self.cfg, self.name = cfg, f"rollout/{rank}"
         self.worker, _ = build_rollout(cfg, rank)
-        params = self.worker.engine.model.named_parameters()
-        self.plan = BucketPlan.from_named(params, cfg.sync.produce_bucket_mb, cfg.sync.consume_bucket_mb)
+        self.params = dict(self.worker.engine.model.named_parameters())
+        self.plan = _plan(cfg, self.params.items())
         self.staging = StagingBuffer(self.plan)
         self.transport = None
 
@@ -62,14 +72,10 @@ class RolloutActor(_Timed, _DistMember):
         start = time.time()
         handle = sent[0] if sent is not None else None
         if self.transport is None:
-            self.transport = make_transport(self.cfg.sync.transport, self.plan, self.name, group=self.sync_group_or_none())
+            self.transport = _transport(self, self.plan)
         self.transport.receive(handle, version, self.staging, self.cfg.sync.timeout_s)
-        params = dict(self.worker.engine.model.named_parameters())
-        self.worker.set_pending_update(version, lambda: self.staging.swap_into(params))
+        self.worker.set_pending_update(version, lambda: self.staging.swap_into(self.params, version))
         return self._span("sync", start)
-
-    def sync_group_or_none(self):
-        return getattr(self, "sync_group", None)
 
     @ray.method(concurrency_group="gen")
     def generate(self, samples: list[Sample], params: SamplingParams, kind: str = "generate"):
@@ -96,8 +102,7 @@ class TrainActor(_Timed, _DistMember):
         self.cfg, self.rank, self.name = cfg, rank, f"train/{rank}"
         self.trainer = build_trainer(cfg, keep_ref=keep_ref)
         self.tokenizer = load_checked_tokenizer(cfg)
-        params = self.trainer.model.named_parameters()
-        self.plan = BucketPlan.from_named(params, cfg.sync.produce_bucket_mb, cfg.sync.consume_bucket_mb)
+        self.plan = _plan(cfg, self.trainer.named_weights())
         self.transport = None
 
     def join(self, *args) -> bool:
@@ -120,8 +125,7 @@ class TrainActor(_Timed, _DistMember):
         """Rank 0 only: push the policy's weights; -> (the transport's handle, span)."""
         start = time.time()
         if self.transport is None:
-            group = getattr(self, "sync_group", None)
-            self.transport = make_transport(self.cfg.sync.transport, self.plan, self.name, group=group)
+            self.transport = _transport(self, self.plan)
         handle = self.transport.send(self.trainer.named_weights(), version)
         return handle, self._span("sync", start)
 

@@ -61,14 +61,16 @@ class Cluster:
         for s in slots:
             on[s.role].append(s)
         strategy = {
-            s.bundle: PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=s.bundle) for s in slots
+            s.bundle: PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=s.bundle)
+            for s in slots
         }
         # A killed rollout worker is restarted by Ray (and re-synced by the controller); with the
         # broadcast transport it could not rejoin the torch.distributed world, so it is not.
         restarts = 1 if cfg.sync.transport == "object_store" else 0
         rollouts = [
-            RolloutActor.options(num_cpus=s.cpus, scheduling_strategy=strategy[s.bundle], max_restarts=restarts)
-            .remote(cfg, s.rank, s.threads)
+            RolloutActor.options(
+                num_cpus=s.cpus, scheduling_strategy=strategy[s.bundle], max_restarts=restarts
+            ).remote(cfg, s.rank, s.threads)
             for s in on["generate"]
         ]
         keep_ref = not on.get("ref_logp")
@@ -81,7 +83,9 @@ class Cluster:
         ref = None
         if on.get("ref_logp"):
             s = on["ref_logp"][0]
-            ref = RefActor.options(num_cpus=s.cpus, scheduling_strategy=strategy[s.bundle]).remote(cfg, s.threads)
+            ref = RefActor.options(num_cpus=s.cpus, scheduling_strategy=strategy[s.bundle]).remote(
+                cfg, s.threads
+            )
         reward = RewardActor.options(num_cpus=0).remote(cfg)
         names = {
             "rollout": [f"rollout/{i}" for i in range(len(rollouts))],
@@ -102,7 +106,9 @@ class Cluster:
         sync_ranks = [0, *range(t, t + len(self.rollouts))] if broadcast else []
         addr = ray.util.get_node_ip_address()
         port = _free_port()
-        refs = [m.join.remote(rank, len(members), addr, port, t, sync_ranks) for rank, m in enumerate(members)]
+        refs = [
+            m.join.remote(rank, len(members), addr, port, t, sync_ranks) for rank, m in enumerate(members)
+        ]
         ray.get(refs, timeout=cfg.sync.timeout_s + 30)
 
     def close(self) -> None:

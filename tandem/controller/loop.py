@@ -13,6 +13,8 @@ the rollout workers ahead of training prompts. Modes only change the admission:
 It blocks on `ray.wait` (never sleep-polls) with a timeout that names what it waited for.
 """
 
+import math
+import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -29,6 +31,7 @@ from tandem.controller.timeline import Timeline
 from tandem.errors import TandemError
 from tandem.rollout import make_groups
 from tandem.sample import Sample, Status
+from tandem.sync import TRANSPORTS
 
 QUEUED_PER_WORKER = 2  # generate calls handed to one rollout worker at a time (one runs, one waits)
 
@@ -51,12 +54,15 @@ class Loop:
         staleness = {"sync": 0, "one_step_off": r.generate_ahead_steps, "async": r.max_staleness}[r.mode]
         self.buffer = RolloutBuffer(cfg.rollout.batch_size, staleness, whole_batches=r.mode != "async")
         self.params = sampling_params(cfg, cfg.rollout.temperature)
+        self.params.decode_past_eos = cfg.rollout.length_tail_alpha > 0
+        self.lengths = random.Random(cfg.run.seed)
         self.val_params = sampling_params(cfg, cfg.rollout.val_temperature)
         self.version = self.published = 0
         self.pending: dict[Any, Call] = {}
         self.work: deque[tuple[str, list[Sample], int]] = deque()  # (kind, samples, version) to generate
         self.queued = [0] * len(cluster.rollouts)  # generate calls outstanding per rollout worker
         self.syncing = [False] * len(cluster.rollouts)  # a worker being re-synced gets no work
+        self.resync_tries = [0] * len(cluster.rollouts)
         self.groups: dict[int, list[Sample]] = {}  # finished samples of groups still generating
         self.next_group = 0
         self.training = 0  # train ranks still running the current step
@@ -79,11 +85,20 @@ class Loop:
         while room > 0:
             prompts, ids = self.data.train.next_batch(min(chunk, room))
             samples = make_groups(prompts, ids, n, first_group=self.next_group)
+            if self.params.decode_past_eos:
+                for s in samples:
+                    s.max_new_tokens = self.heavy_tailed_length()
             for g in range(len(prompts)):
                 self.buffer.start(self.next_group + g, self.published)
             self.next_group += len(prompts)
             room -= len(prompts)
             self.work.append(("generate", samples, self.published))
+
+    def heavy_tailed_length(self) -> int:
+        """A Pareto(alpha) length with scale 4 tokens, capped at rollout.max_new_tokens."""
+        u = 1.0 - self.lengths.random()  # (0, 1]
+        draw = 4 * u ** (-1 / self.cfg.rollout.length_tail_alpha)
+        return min(self.cfg.rollout.max_new_tokens, math.ceil(draw))
 
     def dispatch(self) -> None:
         """Hand queued work to rollout workers with a free slot, least loaded first."""
@@ -130,9 +145,17 @@ class Loop:
         return self.version >= self.cfg.run.steps and not self.pending and not self.work and not self.val_due
 
     def wait(self) -> tuple[Any, Call]:
+        if not self.pending:  # nothing can arrive: a bug in the loop, never a reason to hang
+            raise TandemError(
+                f"The controller has nothing in flight at version {self.version} (published "
+                f"{self.published}): queued work {len(self.work)}, syncing {self.syncing}, "
+                f"queued calls {self.queued}, buffer {self.buffer.stats()}, receiving {self.receiving}."
+            )
         ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=self.cfg.run.timeout_s)
         if not ready:
-            waiting = ", ".join(sorted({f"{c.kind} on {c.worker} (version {c.version})" for c in self.pending.values()}))
+            waiting = ", ".join(
+                sorted({f"{c.kind} on {c.worker} (version {c.version})" for c in self.pending.values()})
+            )
             raise TandemError(
                 f"Nothing finished in run.timeout_s={self.cfg.run.timeout_s:g} s; waiting for: {waiting}."
             )
@@ -164,7 +187,9 @@ class Loop:
                 if len(group) == self.cfg.rollout.n:
                     done.extend(sorted(self.groups.pop(s.group_id), key=lambda x: x.index))
         if done:
-            self.pending[self.cluster.reward.score.remote(done)] = Call("reward", "reward/0", version=call.version)
+            self.pending[self.cluster.reward.score.remote(done)] = Call(
+                "reward", "reward/0", version=call.version
+            )
 
     def on_reward(self, call: Call, result) -> None:
         samples, metrics, span = result
@@ -198,7 +223,9 @@ class Loop:
         self.version += 1
         self.log_step(call.samples, self.train_results[0])
         self.push_weights()
-        if self.version == self.cfg.run.steps or (self.cfg.run.val_every and self.version % self.cfg.run.val_every == 0):
+        if self.version == self.cfg.run.steps or (
+            self.cfg.run.val_every and self.version % self.cfg.run.val_every == 0
+        ):
             self.request_validation(self.version)
         if self.cfg.run.save_every and self.version % self.cfg.run.save_every == 0:
             self.save(f"step_{self.version}")
@@ -210,7 +237,7 @@ class Loop:
         self.pending[send] = Call("send", "train/0", version=self.version)
         # The object store's receivers take the send's result (Ray hands it over once the send is
         # done); broadcast receivers must run while the send runs, so they take none.
-        self.last_handle = send if self.cfg.sync.transport == "object_store" else None
+        self.last_handle = None if TRANSPORTS.get(self.cfg.sync.transport).collective else send
         self.receiving[self.version] = len(self.cluster.rollouts)
         for i, r in enumerate(self.cluster.rollouts):
             ref = r.receive_weights.remote(self.last_handle, self.version)
@@ -221,13 +248,21 @@ class Loop:
 
     def on_receive(self, call: Call, span) -> None:
         self.timeline.add(span)
-        self.syncing[call.rank] = False
-        self.receiving[call.version] -= 1
-        if self.receiving[call.version] == 0 and call.version > self.published:
-            self.published = call.version
+        self.received(call.version)
+
+    def received(self, version: int) -> None:
+        """One rollout worker is done with a push (or died, and gets re-synced): publish when all are."""
+        self.receiving[version] -= 1
+        if self.receiving[version] == 0 and version > self.published:
+            self.published = version
             for v in [v for v in self.val_due if v <= self.published]:
                 self.val_due.remove(v)
                 self.start_validation(v)
+
+    def on_resync(self, call: Call, span) -> None:
+        self.timeline.add(span)
+        self.syncing[call.rank] = False
+        self.resync_tries[call.rank] = 0
 
     # -- validation: prompts at the front of the rollout queue, never in training data ------------
     def request_validation(self, version: int) -> None:
@@ -238,7 +273,9 @@ class Loop:
                 self.start_validation(version)
 
     def start_validation(self, version: int) -> None:
-        samples = make_groups(self.data.val_prompts, self.data.val_ids, n=1, first_group=-len(self.data.val_ids))
+        samples = make_groups(
+            self.data.val_prompts, self.data.val_ids, n=1, first_group=-len(self.data.val_ids)
+        )
         per = -(-len(samples) // len(self.cluster.rollouts))
         chunks = [samples[i : i + per] for i in range(0, len(samples), per)]
         self.val_samples[version], self.val_left[version] = [], len(chunks)
@@ -296,19 +333,27 @@ class Loop:
     def on_worker_died(self, call: Call, error: Exception) -> None:
         """A dead rollout worker is restarted by Ray: re-sync its weights, re-submit its prompts."""
         if not call.worker.startswith("rollout/") or self.cfg.sync.transport != "object_store":
-            raise TandemError(f"{call.worker} died during {call.kind} (version {call.version}): {error}") from None
+            raise TandemError(
+                f"{call.worker} died during {call.kind} (version {call.version}): {error}"
+            ) from None
         i = call.rank
         if call.kind in ("generate", "val"):
             self.queued[i] -= 1
             self.work.appendleft((call.kind, call.samples, call.version))
         if call.kind == "receive":
-            self.receiving[call.version] -= 1
+            self.received(call.version)  # the re-sync below brings it the newest weights
+        if self.syncing[i] and call.kind != "resync":
+            return  # a re-sync is already on its way
         if not self.syncing[i]:
-            self.syncing[i] = True
             self.step_extra["rollout/restarts"] += 1
-            self.receiving[self.version] = self.receiving.get(self.version, 0) + 1
-            ref = self.cluster.rollouts[i].receive_weights.remote(self.last_handle, self.version)
-            self.pending[ref] = Call("receive", call.worker, version=self.version, rank=i)
+        self.syncing[i] = True
+        self.resync_tries[i] += 1
+        if self.resync_tries[i] > 3:
+            raise TandemError(f"{call.worker} died and could not be restarted: {error}") from None
+        # Ray retries the call while the actor restarts (it answers "unavailable" until it is back).
+        resync = self.cluster.rollouts[i].receive_weights.options(max_task_retries=-1)
+        ref = resync.remote(self.last_handle, self.version)
+        self.pending[ref] = Call("resync", call.worker, version=self.version, rank=i)
 
     def save(self, name: str) -> None:
         from pathlib import Path
@@ -319,7 +364,10 @@ class Loop:
     def summary(self) -> dict[str, float]:
         wall = time.time() - self.started
         trained = self.cfg.run.steps * self.cfg.rollout.batch_size * self.cfg.rollout.n
-        out = {"critic/score/mean_final": self.last_metrics["critic/score/mean"], "perf/run_samples_per_s": trained / wall}
+        out = {
+            "critic/score/mean_final": self.last_metrics["critic/score/mean"],
+            "perf/run_samples_per_s": trained / wall,
+        }
         val = getattr(self, "val_metrics", {})
         if 0 in val and self.cfg.run.steps in val:
             start, end = val[0]["val/accuracy"], val[self.cfg.run.steps]["val/accuracy"]
@@ -331,4 +379,3 @@ class Loop:
                 }
             )
         return out
-

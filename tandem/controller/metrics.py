@@ -28,7 +28,7 @@ class MetricsLogger:
                 self.tb.add_scalar(k, v, step)
         shown = {"reward": metrics.get("critic/score/mean"), "val_acc": metrics.get("val/accuracy")}
         self.bar.set_postfix({k: f"{v:.3f}" for k, v in shown.items() if v is not None}, refresh=False)
-        if step > 0:
+        if "critic/score/mean" in metrics:  # a train step (validation lines do not advance the bar)
             self.bar.update(1)
 
     def close(self) -> None:

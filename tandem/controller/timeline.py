@@ -69,7 +69,13 @@ class Timeline:
             events.append({"ph": "M", "name": "process_name", "pid": pids[role], "args": {"name": role}})
             for name in self.workers[role]:
                 events.append(
-                    {"ph": "M", "name": "thread_name", "pid": pids[role], "tid": tids[name], "args": {"name": name}}
+                    {
+                        "ph": "M",
+                        "name": "thread_name",
+                        "pid": pids[role],
+                        "tid": tids[name],
+                        "args": {"name": name},
+                    }
                 )
         for s in self.spans:
             events.append(

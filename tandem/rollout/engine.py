@@ -105,7 +105,8 @@ class BuiltinEngine:
         self._enter()
         try:
             self._apply_pending()  # a new call always starts on the newest weights
-            stop_ids = [] if params.ignore_eos else self.eos_token_ids + params.stop_token_ids
+            past_eos = params.ignore_eos or params.decode_past_eos
+            stop_ids = [] if past_eos else self.eos_token_ids + params.stop_token_ids
             stop = torch.tensor(stop_ids, dtype=torch.long)
             todo = [s for s in samples if not _finish_if_complete(s, params, stop_ids)]
             for start in range(0, len(todo), self.max_batch_size):
@@ -183,7 +184,7 @@ class BuiltinEngine:
 
     @torch.inference_mode()
     def _generate_batch(self, samples: list[Sample], params: SamplingParams, stop: Tensor) -> None:
-        budget = torch.tensor([params.max_new_tokens - len(s.response_ids) for s in samples])
+        budget = torch.tensor([_cap(s, params) - len(s.response_ids) for s in samples])
         version = self._version  # of the weights behind `logits`: the prefill's, then each step's
         logits, next_pos, cache = self._shared_prefill(samples, int(budget.max()))
         run = _Decode.start(budget)
@@ -287,12 +288,17 @@ def _check_aligned(s: Sample) -> None:
             )
 
 
+def _cap(s: Sample, params: SamplingParams) -> int:
+    """The most response tokens this sample may have: its own cap, within the call's."""
+    return min(s.max_new_tokens or params.max_new_tokens, params.max_new_tokens)
+
+
 def _finish_if_complete(s: Sample, params: SamplingParams, stop_ids: list[int]) -> bool:
     """Finish a sample whose response needs no new token (ends on a stop token, or is at the
     length limit) -> whether it did."""
     if s.response_ids and s.response_ids[-1] in stop_ids:
         s.status, s.finish_reason = Status.FINISHED, "stop"
-    elif len(s.response_ids) >= params.max_new_tokens:
+    elif len(s.response_ids) >= _cap(s, params):
         s.status, s.finish_reason = Status.FINISHED, "length"
     else:
         return False

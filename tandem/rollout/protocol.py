@@ -24,6 +24,9 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 16  # per sample, counting the tokens of a partial response it comes with
     stop_token_ids: list[int] = field(default_factory=list)
+    # Keep decoding past EOS to each sample's length cap, but count the response only up to its
+    # first EOS (text, reward and loss mask stop there): emulates long generations in benchmarks.
+    decode_past_eos: bool = False
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
 
 

@@ -21,8 +21,13 @@ class RolloutWorker:
 
     def generate(self, samples: list[Sample], params: SamplingParams) -> list[Sample]:
         self.engine.generate(samples, params)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
         for s in samples:  # partials too: a continued response must not keep its old text
-            s.response_text = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
+            ids = s.response_ids
+            if params.decode_past_eos and eos in ids:  # the response proper ends at its first EOS
+                end = ids.index(eos) + 1
+                ids, s.loss_mask = ids[:end], [1] * end + [0] * (len(ids) - end)
+            s.response_text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return samples
 
     def set_pending_update(self, version: int, apply: Callable[[], None]) -> None:

@@ -1,24 +1,53 @@
 """The train worker: recompute logprobs, compute advantages, and update the policy.
 
-One `train_step` is one RL step: π_old is recomputed for the batch, advantages come from the
-rewards, then each mini-batch is split into micro-batches by a token budget and its gradients
-accumulated, so the result does not depend on the split.
+One `train_step` is one RL step: π_old is recomputed for the batch (unless a correction replaces
+it), advantages come from the rewards, then each mini-batch is split into micro-batches by a token
+budget and its gradients accumulated, so the result does not depend on the split. The off-policy
+corrections (`algo.corrections`, tandem/algo/corrections.py) weight and mask the pg loss.
 """
 
 import copy
 import math
+import time
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from tandem.algo import ADV_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, aggregate, entropy_from_logits
+from tandem.algo import (
+    ADV_ESTIMATORS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    aggregate,
+    apply_corrections,
+    entropy_from_logits,
+    interpolate_prox_logp,
+    mismatch_metrics,
+    old_logprob_source,
+)
+from tandem.algo.corrections import MASKING
 from tandem.config import AlgoConfig, TrainConfig
+from tandem.errors import TandemError
 from tandem.model import CausalLM, token_logprobs
 from tandem.sample import Sample
 from tandem.train.batch import Collated, collate, micro_batches, pad_rows, response_logits
 from tandem.train.optim import make_optimizer, make_scheduler
+
+
+@dataclass
+class MiniBatch:
+    """The rows of one optimizer step: their samples and per-token tensors (b, R), on the CPU."""
+
+    samples: list[Sample]
+    mask: Tensor  # the loss mask
+    adv: Tensor
+    behaviour: Tensor  # μ, the engine's logprobs
+    versions: Tensor  # the policy version that sampled each token
+    old: Tensor | None  # π_old recomputed at step start; None when nothing was recomputed
+    ref: Tensor | None
 
 
 class TrainWorker:
@@ -32,14 +61,18 @@ class TrainWorker:
         total_updates: int = 1,
         seed: int = 0,
         norm_len: int | None = None,
+        keep_ref: bool = True,
     ):
+        """keep_ref=False: a ref worker fills `Sample.ref_logprobs`, so no frozen copy is kept here."""
         self.model = model.train()
         self.algo, self.cfg = algo, train
         self.pad_token_id = pad_token_id
         self.temperature = temperature if temperature > 0 else 1.0
         self.device = next(model.parameters()).device
         # The reference policy is the initial one, frozen; it is only kept when a KL term needs it.
-        self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if algo.kl_coef > 0 else None
+        self.ref_model = None
+        if algo.kl_coef > 0 and keep_ref:
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.optimizer = make_optimizer(model, train.lr, train.betas, train.weight_decay)
         self.scheduler = make_scheduler(
             self.optimizer, train.warmup_steps, total_updates, train.schedule, train.min_lr_ratio
@@ -50,6 +83,29 @@ class TrainWorker:
         # seq-mean-token-sum-norm divides by a constant length (Dr. GRPO); the longest response
         # allowed, when known, so the scale does not drift with each batch's longest response.
         self.norm_len = norm_len
+        # Where the PPO ratio's π_old comes from: the recompute, μ (bypass) or interpolated π_prox.
+        self.old_source = old_logprob_source(algo.corrections, algo.prox_logprob)
+        self.correction_options = dict(
+            cap=algo.correction_cap, low=algo.mis_low, high=algo.mis_high, delta=algo.opsm_delta
+        )
+        self.dp_group, self.rank, self.world = None, 0, 1
+
+    def set_data_parallel(self, group) -> None:
+        """Join a data-parallel group: every rank gets the whole batch, works on its shard of each
+        mini-batch's rows, and gradients are summed over ranks before the step. The losses divide
+        by counts of the whole mini-batch, so the sum is exactly the single-worker gradient."""
+        self.dp_group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+
+    def _shard(self, n: int) -> list[int]:
+        """This rank's rows of n: a contiguous block, so micro-batches stay as packed as one worker's."""
+        per = -(-n // self.world)
+        return list(range(self.rank * per, min(n, (self.rank + 1) * per)))
+
+    def _all_reduce(self, t: Tensor) -> Tensor:
+        if self.dp_group is not None:
+            dist.all_reduce(t, group=self.dp_group)
+        return t
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Parameters by Hugging Face name, for weight sync and checkpoints."""
@@ -67,12 +123,14 @@ class TrainWorker:
         model = model or self.model
         width = max(max(len(s.response_ids) for s in samples), 1)
         out = torch.zeros(len(samples), width)
-        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-        for idx in micro_batches(lengths, self.cfg.micro_batch_tokens):
+        mine = self._shard(len(samples))
+        lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in mine]
+        for part in micro_batches(lengths, self.cfg.micro_batch_tokens):
+            idx = [mine[j] for j in part]
             c = collate([samples[i] for i in idx], self.pad_token_id, self.device)
             logp, _ = self._forward(model, c)
             out[idx, : logp.shape[1]] = logp.cpu() * c.resp_mask.cpu()
-        return out
+        return self._all_reduce(out)  # each row is non-zero on one rank only
 
     def advantages(self, samples: list[Sample], mask: Tensor) -> Tensor:
         """(B, R) advantages from the samples' rewards and groups; also stored on each sample."""
@@ -86,95 +144,209 @@ class TrainWorker:
 
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
         """One RL update on a batch of finished, rewarded samples -> metrics."""
+        self._check_samples(samples)
         width = max(max(len(s.response_ids) for s in samples), 1)
         mask = pad_rows([s.loss_mask for s in samples], width)
         behaviour = pad_rows([s.logprobs for s in samples], width)
-        old = self.compute_logprobs(samples)
-        ref = self.compute_logprobs(samples, self.ref_model) if self.ref_model is not None else None
+        versions = pad_rows([s.versions for s in samples], width)
+        # bypass (π_old = μ) and interpolated π_prox need no forward pass of their own.
+        start = time.perf_counter()
+        old = self.compute_logprobs(samples) if self.old_source == "recompute" else None
+        logp_s = time.perf_counter() - start
+        ref = self._ref_logprobs(samples, width)
         adv = self.advantages(samples, mask)
         sums: dict[str, float] = defaultdict(float)
         updates = 0
         for _ in range(self.cfg.epochs):
             for rows in self._mini_batches(len(samples)):
-                stats = self._update(
+                batch = MiniBatch(
                     [samples[i] for i in rows],
-                    old[rows],
-                    ref[rows] if ref is not None else None,
-                    adv[rows],
                     mask[rows],
+                    adv[rows],
+                    behaviour[rows],
+                    versions[rows],
+                    old[rows] if old is not None else None,
+                    ref[rows] if ref is not None else None,
                 )
-                for k, v in stats.items():
+                for k, v in self._update(batch, first=updates == 0).items():
                     sums[k] += v
                 updates += 1
         self.version += 1
         metrics = {k: v / updates for k, v in sums.items()}
-        diff = (old - behaviour).abs()[mask > 0]
-        metrics.update(
-            {
-                "actor/lr": self.scheduler.get_last_lr()[0],
-                "actor/skipped_steps": float(self.skipped_steps),
-                "mismatch/logprob_abs_diff_max": float(diff.max()) if diff.numel() else 0.0,
-                "mismatch/logprob_abs_diff_mean": float(diff.mean()) if diff.numel() else 0.0,
-            }
-        )
+        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        metrics["actor/skipped_steps"] = float(self.skipped_steps)
+        metrics["timing_s/logp"] = logp_s
+        # Without a recompute (bypass, interpolate) there is no π_old to hold μ against: no mismatch/*.
+        if old is not None:
+            metrics.update(mismatch_metrics(old, behaviour, mask))
         return metrics
+
+    def _ref_logprobs(self, samples: list[Sample], width: int) -> Tensor | None:
+        """(B, R) reference logprobs: from the samples when a ref worker filled them, else computed
+        on the frozen copy; None without a KL term."""
+        if self.algo.kl_coef <= 0:
+            return None
+        if self.ref_model is None:
+            missing = [s for s in samples if len(s.ref_logprobs) != len(s.response_ids)]
+            if missing:
+                raise TandemError(
+                    f"algo.kl_coef={self.algo.kl_coef} and no local reference model, but sample "
+                    f"{missing[0].group_id}/{missing[0].index} has no ref_logprobs from a ref worker."
+                )
+            return pad_rows([s.ref_logprobs for s in samples], width)
+        return self.compute_logprobs(samples, self.ref_model)
+
+    def _check_samples(self, samples: list[Sample]) -> None:
+        """Corrections read μ of every response token, interpolation its version: a gap would read as 0."""
+        for s in samples:
+            n = len(s.response_ids)
+            if self.algo.corrections and len(s.logprobs) != n:
+                raise TandemError(
+                    f"algo.corrections={self.algo.corrections} need the engine's logprob of every response "
+                    f"token; sample {s.group_id}/{s.index} has {len(s.logprobs)} for {n} tokens."
+                )
+            if self.old_source == "interpolate" and len(s.versions) != n:
+                raise TandemError(
+                    "algo.prox_logprob=interpolate needs the policy version of every response token; "
+                    f"sample {s.group_id}/{s.index} has {len(s.versions)} for {n} tokens."
+                )
 
     def _mini_batches(self, n: int) -> list[Tensor]:
         size = self.cfg.mini_batch_size or n
         order = torch.randperm(n, generator=self.generator) if size < n else torch.arange(n)
         return [order[i : i + size] for i in range(0, n, size)]
 
-    def _update(
-        self, samples: list[Sample], old: Tensor, ref: Tensor | None, adv: Tensor, mask: Tensor
-    ) -> dict[str, float]:
+    def _update(self, b: MiniBatch, first: bool) -> dict[str, float]:
         """Accumulate gradients over micro-batches, then one optimizer step (or a counted skip)."""
-        a = self.algo
-        counts = dict(
+        # Every aggregation divides by counts of the whole mini-batch, so the micro-batch losses sum
+        # to the mini-batch loss; the pg term counts only the tokens the corrections keep.
+        pg_mask = self._pg_mask(b, first)
+        counts = {"loss": self._counts(b.mask), "pg": self._counts(pg_mask)}
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = defaultdict(float)
+        if len(b.samples) < self.world:
+            raise TandemError(
+                f"A mini-batch of {len(b.samples)} samples cannot be split over train.num_workers="
+                f"{self.world} ranks; raise train.mini_batch_size or lower train.num_workers."
+            )
+        mine = self._shard(len(b.samples))
+        lengths = [len(b.samples[i].prompt_ids) + len(b.samples[i].response_ids) for i in mine]
+        for part in micro_batches(lengths, self.cfg.micro_batch_tokens):
+            loss, stats = self._micro_loss(b, pg_mask, [mine[j] for j in part], counts)
+            loss.backward()
+            for k, v in stats.items():
+                sums[k] += v
+        if self.dp_group is not None:
+            self._reduce_grads_and_stats(sums)
+        sums["actor/grad_norm"] = self._optimizer_step()
+        return sums
+
+    def _reduce_grads_and_stats(self, sums: dict[str, float]) -> None:
+        """Sum gradients and metric shares over the data-parallel ranks (a rank with no rows adds 0)."""
+        for p in self.model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self._all_reduce(p.grad)
+        keys = sorted(sums)
+        values = self._all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
+        for k, v in zip(keys, values.tolist(), strict=True):
+            sums[k] = v
+
+    def _counts(self, mask: Tensor) -> dict[str, float]:
+        return dict(
             global_tokens=float(mask.sum()),
             global_seqs=float((mask.sum(-1) > 0).sum()),
             norm_len=float(self.norm_len or mask.shape[1]),
         )
-        loss_fn = POLICY_LOSSES.get(a.policy_loss)
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = defaultdict(float)
-        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-        for idx in micro_batches(lengths, self.cfg.micro_batch_tokens):
-            c = collate([samples[i] for i in idx], self.pad_token_id, self.device)
-            r = c.resp_mask.shape[1]
-            m = mask[idx, :r].to(self.device)
-            logp, logits = self._forward(self.model, c)
-            # Entropy is always logged; it joins the graph only when it is part of the loss.
-            entropy = entropy_from_logits((logits if a.entropy_coef else logits.detach()) / self.temperature)
-            pg, stats = loss_fn(
-                logp,
-                old[idx, :r].to(self.device),
-                adv[idx, :r].to(self.device),
-                m,
-                clip_low=a.clip_low,
-                clip_high=a.clip_high,
-                clip_c=a.clip_c,
+
+    def _micro_loss(
+        self, b: MiniBatch, pg_mask: Tensor, idx: list[int], counts: dict[str, dict[str, float]]
+    ) -> tuple[Tensor, dict[str, float]]:
+        """Forward one micro-batch -> its share of the mini-batch loss, and its share of the metrics."""
+        a = self.algo
+        c = collate([b.samples[i] for i in idx], self.pad_token_id, self.device)
+        r = c.resp_mask.shape[1]
+
+        def part(t: Tensor) -> Tensor:
+            return t[idx, :r].to(self.device)
+
+        m, pm, adv, behaviour = part(b.mask), part(pg_mask), part(b.adv), part(b.behaviour)
+        logp, logits = self._forward(self.model, c)
+        # Entropy is always logged; it joins the graph only when it is part of the loss.
+        entropy = entropy_from_logits((logits if a.entropy_coef else logits.detach()) / self.temperature)
+        old = self._old_logprobs(
+            part(b.old) if b.old is not None else None, behaviour, part(b.versions), logp
+        )
+        # The weights are per row; the mask is pg_mask, fixed for the mini-batch before its first micro-batch.
+        weight, _, corrected = apply_corrections(
+            a.corrections, logp, old, behaviour, adv, m, **self.correction_options
+        )
+        pg, stats = POLICY_LOSSES.get(a.policy_loss)(
+            logp, old, adv, pm, clip_low=a.clip_low, clip_high=a.clip_high, clip_c=a.clip_c
+        )
+        pg_loss = aggregate(a.loss_agg, pg * weight, pm, **counts["pg"])
+        loss = pg_loss - a.entropy_coef * aggregate(a.loss_agg, entropy, m, **counts["loss"])
+        # Per-token metrics are means over the mini-batch's tokens (the pg ones over the pg mask's).
+        tokens, pg_tokens = max(counts["loss"]["global_tokens"], 1.0), max(counts["pg"]["global_tokens"], 1.0)
+        out = {
+            "actor/pg_loss": float(pg_loss.detach()),
+            "actor/entropy": float((entropy.detach() * m).sum()) / tokens,
+        }
+        for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+            if key in stats:
+                out[f"actor/{key}"] = float((stats[key].detach() * pm).sum()) / pg_tokens
+        for key, share in corrected.items():  # shares of this micro-batch's tokens
+            out[key] = share * float(m.sum()) / tokens
+        if b.ref is not None:
+            kl = aggregate(
+                a.loss_agg, KL_ESTIMATORS.get(a.kl_estimator)(logp, part(b.ref)), m, **counts["loss"]
             )
-            pg_loss = aggregate(a.loss_agg, pg, m, **counts)
-            ent = aggregate(a.loss_agg, entropy, m, **counts)
-            loss = pg_loss - a.entropy_coef * ent
-            if ref is not None:
-                kl = aggregate(
-                    a.loss_agg,
-                    KL_ESTIMATORS.get(a.kl_estimator)(logp, ref[idx, :r].to(self.device)),
-                    m,
-                    **counts,
-                )
-                loss = loss + a.kl_coef * kl
-                sums["actor/kl_loss"] += float(kl.detach())
-            loss.backward()
-            sums["actor/pg_loss"] += float(pg_loss.detach())
-            tokens = max(counts["global_tokens"], 1.0)  # per-token metrics: means over the mini-batch
-            sums["actor/entropy"] += float((entropy.detach() * m).sum()) / tokens
-            for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
-                if key in stats:
-                    sums[f"actor/{key}"] += float((stats[key].detach() * m).sum()) / tokens
-        sums["actor/grad_norm"] = self._optimizer_step()
-        return sums
+            loss = loss + a.kl_coef * kl
+            out["actor/kl_loss"] = float(kl.detach())
+        return loss, out
+
+    def _old_logprobs(
+        self, old: Tensor | None, behaviour: Tensor, versions: Tensor, logp: Tensor | None
+    ) -> Tensor:
+        """The PPO ratio's π_old (b, R): the recompute, μ (bypass), or decoupled's π_prox interpolated
+        between μ and π_θ (logp)."""
+        if self.old_source == "behaviour":
+            return behaviour
+        if self.old_source == "interpolate":
+            assert logp is not None, "interpolation needs π_θ"
+            # π_prox is the step-start policy (version self.version); π_θ becomes self.version + 1.
+            return interpolate_prox_logp(behaviour, logp, versions, self.version, self.version + 1)
+        assert old is not None, "π_old is recomputed at step start unless bypass or interpolate"
+        return old
+
+    def _pg_mask(self, b: MiniBatch, first: bool) -> Tensor:
+        """The mini-batch's loss mask less what the corrections drop -> (b, R).
+
+        Fixed before the first micro-batch, because the pg loss divides by its counts. When it
+        depends on π_θ (opsm, or any masking entry with interpolated π_prox) that costs a no-grad
+        forward over the mini-batch, except on the step's first update after a recompute, where π_θ
+        is π_old.
+        """
+        names = self.algo.corrections
+        if not any(n in MASKING for n in names):
+            return b.mask  # only weights: every token stays in the pg loss
+        theta = None
+        if "opsm" in names or self.old_source == "interpolate":
+            theta = b.old if first and b.old is not None else self._policy_logprobs(b)
+        old = self._old_logprobs(b.old, b.behaviour, b.versions, theta)
+        # Without theta no entry here reads π_θ (only opsm and interpolation do), so old stands in.
+        logp = theta if theta is not None else old
+        _, mask, _ = apply_corrections(
+            names, logp, old, b.behaviour, b.adv, b.mask, **self.correction_options
+        )
+        return mask
+
+    def _policy_logprobs(self, b: MiniBatch) -> Tensor:
+        """π_θ of the mini-batch's tokens, no grad, at the width of its other tensors -> (b, R)."""
+        out = torch.zeros_like(b.mask)
+        logp = self.compute_logprobs(b.samples)
+        out[:, : logp.shape[1]] = logp
+        return out
 
     def _optimizer_step(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]

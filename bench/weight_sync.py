@@ -1,0 +1,166 @@
+"""Weight sync throughput: every transport, one message per parameter vs bucketed, vs a memcpy.
+
+    python bench/weight_sync.py [--hidden 1024 --layers 2] [--produce-mb 32] [--repeats 5] [--json PATH]
+
+One sender and one receiver actor on local Ray (a gloo world of two for `broadcast`). A push is
+what the driver waits for: the trainer packs and sends version v, the receiver stages all of it
+(timed from the driver: send and receive started together, until both return). The baseline is
+`dst.copy_(src)` of the same number of bytes in one process. Medians of --repeats pushes after one
+warm-up. The default model has the shape of tandem/assets/warmstart-addition (random weights);
+--hidden / --layers make a bigger one (--hidden 1024 --layers 2 is about 90 MB in fp32).
+"""
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+import ray
+import torch
+
+from tandem.model import CausalLM, ModelConfig, init_weights, resolve_model_path
+from tandem.sync import TRANSPORTS, BucketPlan, StagingBuffer
+from tandem.sync import dist as sync_dist
+
+MB = 1 << 20
+
+
+def model_config(hidden: int | None, layers: int | None) -> ModelConfig:
+    """The warm-start model's shape, optionally wider (intermediate = 2.5 x hidden) or deeper."""
+    path = resolve_model_path("builtin:addition") / "config.json"
+    cfg = ModelConfig.from_hf(json.loads(path.read_text()))
+    if hidden:
+        heads = cfg.num_attention_heads
+        cfg = dataclasses.replace(
+            cfg, hidden_size=hidden, intermediate_size=hidden * 5 // 2, head_dim=hidden // heads
+        )
+    if layers:
+        cfg = dataclasses.replace(cfg, num_hidden_layers=layers)
+    return cfg
+
+
+@ray.remote
+class Peer:
+    """The trainer's rank 0 (seed 0) or a rollout worker (another seed), with one transport."""
+
+    def __init__(self, name: str, cfg: ModelConfig, seed: int):
+        torch.set_num_threads(1)  # two actors share the machine's cores
+        self.name = name
+        self.model = CausalLM(cfg)
+        init_weights(self.model, seed)
+
+    def rendezvous(self) -> tuple[str, int]:
+        return "127.0.0.1", sync_dist.free_port()
+
+    def join(self, rank: int, addr: str, port: int) -> None:
+        sync_dist.init_world(rank, 2, addr, port, "gloo", timeout_s=120)
+
+    def use(self, transport: str, produce_mb: float, consume_mb: float) -> int:
+        """A fresh plan, staging buffer and transport -> the number of buckets."""
+        self.plan = BucketPlan.from_named_tensors(self.model.named_parameters(), produce_mb, consume_mb)
+        self.staging = StagingBuffer(self.plan)
+        self.transport = TRANSPORTS.get(transport)(self.plan, self.name, timeout_s=120)
+        self.version = 0
+        return self.plan.num_buckets
+
+    def send(self, version: int):
+        return self.transport.send(((n, p.detach()) for n, p in self.model.named_parameters()), version)
+
+    def receive(self, handle, version: int) -> None:
+        self.transport.receive(handle, version, self.staging, timeout_s=120)
+
+    def swap_seconds(self) -> float:
+        params = dict(self.model.named_parameters())
+        start = time.perf_counter()
+        self.staging.swap_into(params)
+        return time.perf_counter() - start
+
+
+def push_seconds(sender, receiver, version: int, collective: bool) -> float:
+    """Driver-side wall time of one push: send and receive launched together, until both return."""
+    start = time.perf_counter()
+    send = sender.send.remote(version)
+    ray.get([send, receiver.receive.remote(None if collective else send, version)])
+    return time.perf_counter() - start
+
+
+def memcpy_bytes_per_s(nbytes: int, repeats: int) -> float:
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times)
+
+
+def measure(sender, receiver, transport: str, produce_mb: float, consume_mb: float, repeats: int):
+    """-> (buckets, median push bytes/s, median swap bytes/s) for one transport and bucket size."""
+    buckets = ray.get([p.use.remote(transport, produce_mb, consume_mb) for p in (sender, receiver)])[0]
+    collective = TRANSPORTS.get(transport).collective
+    pushes, swaps = [], []
+    for version in range(repeats + 1):  # version 0 warms up
+        seconds = push_seconds(sender, receiver, version, collective)
+        swap = ray.get(receiver.swap_seconds.remote())
+        if version:
+            pushes.append(seconds)
+            swaps.append(swap)
+    return buckets, statistics.median(pushes), statistics.median(swaps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, help="hidden size of a bigger random model")
+    ap.add_argument("--layers", type=int, help="number of layers of a bigger random model")
+    ap.add_argument("--produce-mb", type=float, default=32.0, help="bucketed: sender bucket size")
+    ap.add_argument("--consume-mb", type=float, default=8.0, help="receiver copy chunk size")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", help="write the figures as one flat JSON object")
+    args = ap.parse_args()
+    cfg = model_config(args.hidden, args.layers)
+    torch.set_num_threads(1)  # the memcpy baseline gets one core, as each actor does
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    sender, receiver = Peer.remote("trainer-0", cfg, 0), Peer.remote("rollout-0", cfg, 1)
+    addr, port = ray.get(sender.rendezvous.remote())
+    ray.get([sender.join.remote(0, addr, port), receiver.join.remote(1, addr, port)])
+    probe = CausalLM(cfg)
+    nbytes = BucketPlan.from_named_tensors(probe.named_parameters(), 0, 0).payload_bytes
+    n_tensors = len(list(probe.named_parameters()))
+    memcpy = memcpy_bytes_per_s(nbytes, args.repeats)
+    figures: dict[str, float] = {"model_bytes": nbytes, "memcpy_bytes_per_s": memcpy}
+    print(
+        f"model: {nbytes / MB:.1f} MB in {n_tensors} tensors (hidden {cfg.hidden_size}, "
+        f"{cfg.num_hidden_layers} layers); median of {args.repeats} pushes; 1 sender -> 1 receiver"
+    )
+    print(f"{'transport':<14}{'mode':<12}{'buckets':>8}{'MB/s':>10}{'vs memcpy':>11}{'swap MB/s':>11}")
+    print(f"{'memcpy':<14}{'-':<12}{'-':>8}{memcpy / MB:>10.0f}{1.0:>10.2f}x{'-':>11}")
+    for transport in TRANSPORTS.names():
+        rates = {}
+        for mode, produce_mb in (("per_tensor", 0.0), ("bucketed", args.produce_mb)):
+            buckets, push, swap = measure(
+                sender, receiver, transport, produce_mb, args.consume_mb, args.repeats
+            )
+            rates[mode] = nbytes / push
+            figures[f"{transport}_{mode}_bytes_per_s"] = rates[mode]
+            figures[f"{transport}_{mode}_swap_bytes_per_s"] = nbytes / swap
+            print(
+                f"{transport:<14}{mode:<12}{buckets:>8}{rates[mode] / MB:>10.0f}"
+                f"{rates[mode] / memcpy:>10.3f}x{nbytes / swap / MB:>11.0f}"
+            )
+        figures[f"{transport}_bucketed_vs_memcpy"] = rates["bucketed"] / memcpy
+        figures[f"{transport}_bucketed_vs_per_tensor"] = rates["bucketed"] / rates["per_tensor"]
+    print(
+        "ratios: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in figures.items() if k.endswith(("_memcpy", "_tensor")))
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Runs on Ray in every mode: staleness holds, validation is logged per version, the timeline is
+written, a killed rollout worker is recovered from, and reference logprobs come from their worker."""
+
+import json
+import time
+
+import pytest
+import ray
+
+from tandem.config import load_config
+from tandem.controller import run_training
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+TINY = [
+    "run.progress=false",
+    "run.steps=4",
+    "run.val_every=2",
+    "rollout.batch_size=4",
+    "rollout.n=4",
+    "data.val_size=16",
+    "data.train_size=200",
+    "reward.num_workers=1",
+    "run.timeout_s=120",
+]
+
+
+def train(tmp_path, *overrides, on_step=None):
+    cfg = load_config(None, [*TINY, f"run.out_dir={tmp_path}", *overrides])
+    summary = run_training(cfg, on_step=on_step)
+    lines = (tmp_path / cfg.run.name / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    steps = [r for r in records if "critic/score/mean" in r]
+    vals = [r for r in records if "val/accuracy" in r]
+    return summary, steps, vals
+
+
+def test_sync_mode_is_on_policy_and_leaves_a_timeline(tmp_path):
+    summary, steps, vals = train(tmp_path)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(r["staleness/max"] == 0 for r in steps)
+    assert [r["step"] for r in vals] == [0, 2, 4] and [r["val/version"] for r in vals] == [0, 2, 4]
+    assert {"val/accuracy_start", "val/accuracy_final", "perf/run_samples_per_s"} <= set(summary)
+    assert all(0 <= r["perf/idle_ratio/rollout"] <= 1 and 0 <= r["perf/idle_ratio/train"] <= 1 for r in steps)
+    trace = json.loads((tmp_path / "default" / "timeline.json").read_text())["traceEvents"]
+    names = {e["name"] for e in trace if e["ph"] == "X"}
+    assert {"generate", "reward", "train", "logp", "sync", "val"} <= names
+
+
+@pytest.mark.parametrize(
+    "mode, bound",
+    [
+        (["run.mode=one_step_off", "run.generate_ahead_steps=1"], 1),
+        (
+            ["run.mode=async", "run.max_staleness=2", "rollout.on_update=continue", "rollout.chunk_groups=1"],
+            2,
+        ),
+        (["run.mode=async", "run.max_staleness=1", "rollout.on_update=abort", "rollout.chunk_groups=2"], 1),
+    ],
+    ids=["one_step_off", "async-continue", "async-abort"],
+)
+def test_off_policy_modes_keep_the_staleness_bound(tmp_path, mode, bound):
+    split = ["placement.groups=[actor_train,generate]", "placement.ratios=[0.5,0.5]", "rollout.num_workers=2"]
+    summary, steps, vals = train(tmp_path, *mode, *split, "run.steps=5")
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    assert max(r["staleness/max"] for r in steps) <= bound
+    assert steps[-1]["buffer/consumed"] == 5 * 4  # every admitted group trained, none twice
+    assert [r["step"] for r in vals] == [0, 2, 4, 5]
+    assert vals[-1]["val/version"] == 5
+
+
+def test_a_killed_rollout_worker_is_restarted_and_nothing_is_lost(tmp_path):
+    killed = {}
+
+    def kill_once(loop):
+        if loop.version == 2 and not killed:
+            killed["worker"] = loop.cluster.rollouts[0]
+            killed["at"] = time.time()
+            ray.kill(loop.cluster.rollouts[0], no_restart=False)
+
+    summary, steps, _ = train(
+        tmp_path,
+        "run.mode=async",
+        "run.max_staleness=1",
+        "rollout.num_workers=2",
+        "rollout.chunk_groups=1",
+        "run.steps=5",
+        on_step=kill_once,
+    )
+    assert killed
+    assert sum(r["rollout/restarts"] for r in steps) == 1
+    assert steps[-1]["buffer/consumed"] == 5 * 4
+    assert max(r["staleness/max"] for r in steps) <= 1
+    assert "val/accuracy_final" in summary
+
+
+def test_reference_logprobs_come_from_their_own_worker(tmp_path):
+    placement = ["placement.groups=[actor_train,ref_logp,generate]", "placement.ratios=[0.5,0.25,0.25]"]
+    summary, steps, _ = train(tmp_path, "algo.kl_coef=0.05", *placement, "run.mode=one_step_off")
+    assert all("actor/kl_loss" in r for r in steps)
+    assert all(0 <= r["perf/idle_ratio/ref"] <= 1 for r in steps)
+    trace = json.loads((tmp_path / "default" / "timeline.json").read_text())["traceEvents"]
+    assert any(e["name"] == "ref" for e in trace if e["ph"] == "X")
+
+
+def test_data_parallel_train_workers_and_broadcast_weights(tmp_path):
+    summary, steps, _ = train(
+        tmp_path, "train.num_workers=2", "sync.transport=broadcast", "rollout.num_workers=2", "run.steps=2"
+    )
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["staleness/max"] == 0 for r in steps)
