@@ -292,7 +292,7 @@ def test_micro_batches_give_the_single_batch_loss_and_gradients_with_corrections
     m_whole, m_split = whole.train_step(samples), split.train_step(samples)
     assert m_whole.keys() == m_split.keys()
     assert any(k.startswith("correction/") for k in m_whole) or algo["corrections"] == ["seq_tis"]
-    for key in m_whole:
+    for key in (k for k in m_whole if not k.startswith("timing_s/")):  # wall times differ, of course
         assert m_whole[key] == pytest.approx(m_split[key], rel=1e-5, abs=1e-6), key
     g_whole, g_split = grads(whole.model), grads(split.model)
     for name in g_whole:

@@ -33,6 +33,13 @@ from tandem.rollout import make_groups
 from tandem.sample import Sample, Status
 from tandem.sync import TRANSPORTS
 
+# Counted per train step (reward errors/timeouts come from the reward calls of the step's window).
+STEP_COUNTERS = {
+    "rollout/aborted": 0.0,
+    "rollout/restarts": 0.0,
+    "reward/errors": 0.0,
+    "reward/timeouts": 0.0,
+}
 QUEUED_PER_WORKER = 2  # generate calls handed to one rollout worker at a time (one runs, one waits)
 
 
@@ -72,7 +79,7 @@ class Loop:
         self.val_due: list[int] = []  # versions to validate once published
         self.val_samples: dict[int, list[Sample]] = {}
         self.val_left: dict[int, int] = {}
-        self.step_extra: dict[str, float] = {"rollout/aborted": 0.0, "rollout/restarts": 0.0}
+        self.step_extra = dict(STEP_COUNTERS)
         self.timeline = Timeline(cluster.names)
         self.on_step = None  # a callback(version) after each train step (tests use it)
 
@@ -320,12 +327,13 @@ class Loop:
             **self.step_extra,
             **self.buffer.stats(),
             **self.timeline.idle_ratios(self.step_start, now),
+            **self.timeline.seconds_by_name(self.step_start, now),
             "timing_s/step": wall,
             "perf/samples_per_s": len(batch) / wall,
             "perf/throughput_tokens_per_s": tokens / wall,
             "version": float(self.version),
         }
-        self.step_extra = {"rollout/aborted": 0.0, "rollout/restarts": 0.0}
+        self.step_extra = dict(STEP_COUNTERS)
         self.step_start = now
         self.last_metrics = metrics
         self.log(self.version, metrics)

@@ -1,6 +1,7 @@
 """`tandem train`: check the inputs, start the actors, run the loop, leave the run directory behind."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from tandem.config import Config, save_config
@@ -8,6 +9,21 @@ from tandem.controller.cluster import Cluster
 from tandem.controller.loop import Loop
 from tandem.controller.metrics import MetricsLogger
 from tandem.controller.roles import build_data
+from tandem.reward.user_fn import canonical_spec, load_reward_fn
+
+
+def with_absolute_paths(cfg: Config) -> Config:
+    """Actors may run in another directory (or on another node): give them absolute paths."""
+
+    def absolute(path: str) -> str:
+        return str(Path(path).resolve()) if path and not path.startswith("builtin:") else path
+
+    return replace(
+        cfg,
+        model=replace(cfg.model, path=absolute(cfg.model.path), tokenizer=absolute(cfg.model.tokenizer)),
+        reward=replace(cfg.reward, fn=canonical_spec(cfg.reward.fn)),
+        run=replace(cfg.run, out_dir=absolute(cfg.run.out_dir)),
+    )
 
 
 def run_training(cfg: Config, on_step=None) -> dict[str, float]:
@@ -16,7 +32,9 @@ def run_training(cfg: Config, on_step=None) -> dict[str, float]:
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
+    cfg = with_absolute_paths(cfg)
     data = build_data(cfg)  # bad input fails here, before any actor starts
+    load_reward_fn(cfg.reward.fn)
     cluster = Cluster.start(cfg)
     log = MetricsLogger(run_dir, cfg.run.steps, cfg.run.tensorboard, cfg.run.progress)
     loop = Loop(cfg, data, cluster)

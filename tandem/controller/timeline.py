@@ -59,6 +59,15 @@ class Timeline:
             out[f"perf/idle_ratio/{role}"] = 1.0 - busy / (window * max(len(names), 1))
         return out
 
+    def seconds_by_name(self, since: float, until: float) -> dict[str, float]:
+        """-> {"timing_s/<span name>": worker-seconds spent on it within [since, until]}."""
+        out: dict[str, float] = {}
+        for s in self.spans:
+            if s.end > since and s.start < until:
+                key = f"timing_s/{s.name}"
+                out[key] = out.get(key, 0.0) + min(s.end, until) - max(s.start, since)
+        return out
+
     def write(self, path: Path) -> None:
         """Chrome trace format: one process per role, one thread per worker, complete ("X") events."""
         roles = sorted(self.workers)
