@@ -66,7 +66,7 @@ def plan(cfg: Config, total_cpus: float) -> list[Slot]:
                 f"Placement group {group} gets {share:.2f} CPUs for {actors} actors: too little. "
                 f"Raise its ratio, lower the worker counts, or give Ray more CPUs."
             )
-        threads = max(1, int(total_cpus if colocated else each))
+        threads = max(1, round(total_cpus if colocated else each))
         for task in group:
             for rank in range(counts[task]):
                 slots.append(Slot(task, rank, each, threads, bundle=len(slots)))

@@ -54,14 +54,17 @@ def pad_rows(rows: list[list[float]], width: int) -> Tensor:
 
 
 def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Consecutive index groups whose padded size (count x longest) stays within the budget.
+    """Index groups whose padded size (count x longest) stays within the budget.
 
+    Sequences are taken shortest first, so each micro-batch holds similar lengths and pads little:
+    with heavy-tailed response lengths, padding every row to the longest would multiply the work.
     A sequence longer than the budget gets a micro-batch of its own rather than an error.
     """
     groups: list[list[int]] = []
     current: list[int] = []
     longest = 0
-    for i, n in enumerate(lengths):
+    for i in sorted(range(len(lengths)), key=lambda j: lengths[j]):
+        n = lengths[i]
         if current and (len(current) + 1) * max(longest, n) > token_budget:
             groups.append(current)
             current, longest = [], 0
