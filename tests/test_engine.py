@@ -390,3 +390,27 @@ def test_an_abort_also_returns_the_batches_not_yet_started():
     engine.on_step = None
     engine.generate(samples, params)
     assert all(s.status is Status.FINISHED and len(s.response_ids) == 5 for s in samples)
+
+
+def test_per_sample_caps_and_decoding_past_eos_count_the_response_to_its_first_eos():
+    class Tokenizer:
+        eos_token_id = EOS
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(str(i) for i in ids if i != EOS)
+
+    model = tiny_model(std=0.3)
+    params = SamplingParams(max_new_tokens=12, decode_past_eos=True)
+    samples = make_groups([Prompt(text="p")] * 6, prompts(6), 2)
+    for i, s in enumerate(samples):
+        s.max_new_tokens = [3, 12, 7, 40][i % 4]  # 40: above the call's cap, which still applies
+    worker = RolloutWorker(BuiltinEngine(model, [EOS], pad_token_id=0, seed=1), Tokenizer())
+    worker.generate(samples, params)
+    assert [len(s.response_ids) for s in samples] == [[3, 12, 7, 12][i % 4] for i in range(12)]
+    past = [s for s in samples if EOS in s.response_ids[:-1]]
+    assert past, "some response must run past an EOS for this test to mean anything"
+    for s in samples:
+        end = s.response_ids.index(EOS) + 1 if EOS in s.response_ids else len(s.response_ids)
+        assert s.loss_mask == [1] * end + [0] * (len(s.response_ids) - end)
+        assert s.response_text == Tokenizer().decode(s.response_ids[:end])
+        assert len(s.logprobs) == len(s.versions) == len(s.response_ids)

@@ -79,6 +79,8 @@ class Loop:
         self.val_due: list[int] = []  # versions to validate once published
         self.val_samples: dict[int, list[Sample]] = {}
         self.val_left: dict[int, int] = {}
+        self.val_metrics: dict[int, dict[str, float]] = {}  # by the version validated
+        self.last_metrics: dict[str, float] = {}
         self.step_extra = dict(STEP_COUNTERS)
         self.timeline = Timeline(cluster.names)
         self.on_step = None  # a callback(version) after each train step (tests use it)
@@ -307,7 +309,6 @@ class Loop:
         self.timeline.add(span)
         acc = sum(s.reward for s in samples) / len(samples)
         versions = [v for s in samples for v in s.versions]
-        self.val_metrics = getattr(self, "val_metrics", {})
         self.val_metrics[call.version] = {
             "val/accuracy": acc,
             "val/response_length/mean": sum(len(s.response_ids) for s in samples) / len(samples),
@@ -376,7 +377,7 @@ class Loop:
             "critic/score/mean_final": self.last_metrics["critic/score/mean"],
             "perf/run_samples_per_s": trained / wall,
         }
-        val = getattr(self, "val_metrics", {})
+        val = self.val_metrics
         if 0 in val and self.cfg.run.steps in val:
             start, end = val[0]["val/accuracy"], val[self.cfg.run.steps]["val/accuracy"]
             out.update(
