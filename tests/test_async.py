@@ -6,6 +6,7 @@ import time
 
 import pytest
 import ray
+import torch
 
 from tandem.config import load_config
 from tandem.controller import run_training
@@ -109,3 +110,31 @@ def test_data_parallel_train_workers_and_broadcast_weights(tmp_path):
     )
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["staleness/max"] == 0 for r in steps)
+
+
+@pytest.mark.parametrize("transport", ["object_store", "broadcast"])
+def test_after_a_push_the_engine_holds_the_trainers_weights_bit_for_bit(transport):
+    from helpers import random_samples
+
+    from tandem.controller.cluster import Cluster
+
+    cfg = load_config(
+        None, [*TINY, f"sync.transport={transport}", "sync.produce_bucket_mb=1", "sync.consume_bucket_mb=0.5"]
+    )
+    cluster = Cluster.start(cfg)
+    try:
+        trainer, rollout = cluster.trainers[0], cluster.rollouts[0]
+        samples = random_samples(4, 4)  # token ids within the warm start's vocabulary, mixed rewards
+        before = ray.get(trainer.weights.remote())
+        ray.get(trainer.train_step.remote(samples))
+        after = ray.get(trainer.weights.remote())
+        assert any(not torch.equal(before[n], after[n]) for n in after)
+        send = trainer.send_weights.remote(1)
+        handle = send if transport == "object_store" else None
+        ray.get([send, rollout.receive_weights.remote(handle, 1)], timeout=60)
+        assert ray.get(rollout.apply_pending.remote()) == 1
+        version, engine = ray.get(rollout.weights.remote())
+        assert version == 1 and engine.keys() == after.keys()
+        assert all(torch.equal(engine[n], after[n]) for n in after)
+    finally:
+        cluster.close()

@@ -88,11 +88,10 @@ class RolloutActor(_Timed, _DistMember):
         self.worker.apply_pending()
         return self.worker.version
 
-    @ray.method(concurrency_group="weights")
-    def pid(self) -> int:
-        import os
-
-        return os.getpid()
+    @ray.method(concurrency_group="gen")
+    def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """(version, the engine's parameters): for checks that weights arrived bit for bit."""
+        return self.worker.version, {n: p.detach().clone() for n, p in self.params.items()}
 
 
 @ray.remote
@@ -120,6 +119,9 @@ class TrainActor(_Timed, _DistMember):
         if logp:
             spans.insert(0, Span("logp", self.name, start, start + logp))
         return metrics, spans
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {n: t.clone() for n, t in self.trainer.named_weights()}
 
     def send_weights(self, version: int):
         """Rank 0 only: push the policy's weights; -> (the transport's handle, span)."""
