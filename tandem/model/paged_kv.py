@@ -1,0 +1,115 @@
+"""PagedKVCache: every layer's keys and values in pools of fixed-size blocks, and attention over them.
+
+A sequence's token at position p lives in slot `table[p // block_size] * block_size + p % block_size`
+of each layer's pool; `tandem.rollout.block_manager.BlockManager` decides the tables. Sequences of
+any lengths then share one batch, and blocks shared by several sequences (a forked group, a cached
+prompt prefix) are stored once.
+
+Attention gathers each sequence's blocks into a padded (B, Hkv, S, D) tensor and calls
+`scaled_dot_product_attention`: plain torch, readable, and exact against the contiguous `KVCache`.
+A fused paged kernel can replace `paged_attention` later behind the same signature.
+"""
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tandem.model.config import ModelConfig
+
+
+class PagedKVCache:
+    """Per layer, key and value pools of shape (num_blocks, block_size, Hkv, D)."""
+
+    def __init__(
+        self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ):
+        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    @staticmethod
+    def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes over all layers, keys and values: size num_blocks from a budget."""
+        per_layer = block_size * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+        return 2 * cfg.num_hidden_layers * per_layer
+
+    def write(self, layer: int, slot_mapping: Tensor, k: Tensor, v: Tensor) -> None:
+        """slot_mapping (...), k, v (..., Hkv, D): store each token's key and value in its slot.
+
+        A slot of -1 marks padding, which is not stored.
+        """
+        slots = slot_mapping.reshape(-1)
+        real = slots >= 0
+        for pool, new in ((self.k[layer], k), (self.v[layer], v)):
+            flat = pool.view(-1, *pool.shape[2:])  # (num_blocks * block_size, Hkv, D)
+            flat[slots[real]] = new.reshape(-1, *pool.shape[2:])[real].to(pool.dtype)
+
+    def gather(self, layer: int, block_tables: Tensor, context_lens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """block_tables (B, M), context_lens (B,) -> k, v (B, Hkv, S, D) and key mask (B, S), S = M·bs.
+
+        Slot s of row b holds position s of sequence b; the mask marks s < context_lens[b].
+        """
+        k, v = gather_blocks(self.k[layer], block_tables), gather_blocks(self.v[layer], block_tables)
+        return k, v, key_mask(context_lens, k.shape[2])
+
+    def copy_blocks(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """Copy-on-write: for each (src, dst), block dst of every pool takes block src's contents."""
+        pairs = list(pairs)
+        if not pairs:
+            return
+        device = self.k[0].device
+        src = torch.tensor([s for s, _ in pairs], device=device)
+        dst = torch.tensor([d for _, d in pairs], device=device)
+        for pool in (*self.k, *self.v):
+            pool[dst] = pool[src]
+
+
+def gather_blocks(pool: Tensor, block_tables: Tensor) -> Tensor:
+    """pool (N, bs, Hkv, D), block_tables (B, M) -> (B, Hkv, M·bs, D), each row's blocks in order.
+
+    Table entries below 0 pad short rows; they read block 0, which the key mask hides.
+    """
+    blocks = pool[block_tables.clamp(min=0)]  # (B, M, bs, Hkv, D)
+    return blocks.flatten(1, 2).transpose(1, 2)
+
+
+def key_mask(context_lens: Tensor, width: int) -> Tensor:
+    """context_lens (B,) -> (B, width) bool: slot s holds a key of row b iff s < context_lens[b]."""
+    return torch.arange(width, device=context_lens.device)[None, :] < context_lens[:, None]
+
+
+def paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    query_lens: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """Causal attention of new tokens over the paged keys and values -> (B, H, T, D).
+
+    q (B, H, T, D) rotated queries; k_cache, v_cache (N, bs, Hkv, D) one layer's pools, already
+    holding the new tokens' keys; block_tables (B, M); context_lens (B,) tokens in the cache per row,
+    at least 1; query_lens (B,) new tokens per row (default T for every row).
+
+    Row b's queries are its last query_lens[b] tokens, right-padded to T: query t sits at position
+    p = context_lens[b] - query_lens[b] + t and attends to keys 0..p. One call serves decode (T = 1),
+    prefill (query_lens = context_lens) and prefill after a prefix-cache hit (in between). Padding
+    queries see the whole context, so they stay finite; their outputs mean nothing. GQA: H is a
+    multiple of Hkv.
+    """
+    k, v = gather_blocks(k_cache, block_tables), gather_blocks(v_cache, block_tables)
+    t, s = q.shape[2], k.shape[2]
+    if query_lens is None:
+        query_lens = torch.full_like(context_lens, t)
+    positions = (context_lens - query_lens)[:, None] + torch.arange(t, device=q.device)  # (B, T)
+    slots = torch.arange(s, device=q.device)
+    causal = slots[None, None, :] <= positions[:, :, None]  # (B, T, S)
+    mask = causal & key_mask(context_lens, s)[:, None, :]
+    return F.scaled_dot_product_attention(
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None], scale=scale, enable_gqa=True
+    )
