@@ -47,6 +47,9 @@ class Sample:
     versions: list[int] = field(default_factory=list)  # policy version that produced each token
     loss_mask: list[int] = field(default_factory=list)  # 1 where the token is trained on
     max_new_tokens: int | None = None  # this request's cap on response tokens; None = the call's
+    # Sampling seed of this request: its tokens then do not depend on the rest of its batch. None =
+    # the engine's shared generator. Give the samples of one group different seeds, or they agree.
+    seed: int | None = None
     ref_logprobs: list[float] = field(default_factory=list)  # reference policy's, when a ref worker ran
     reward: float = 0.0
     reward_parts: dict[str, float] = field(default_factory=dict)

@@ -56,6 +56,12 @@ class RolloutConfig:
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 8
     stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's EOS
+    stop: list[str] = field(default_factory=list)  # stop strings; the response text ends before them
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    # The behaviour logprob returned: "raw" = log_softmax(logits / T) of the model, what the trainer
+    # recomputes; "processed" = of the distribution actually sampled (after top-k/top-p/min-p/penalty).
+    logprobs_mode: str = "raw"
     max_batch_size: int = 512  # sequences decoded together by the built-in engine
     num_workers: int = 1  # rollout workers (Ray actors), each with its own engine
     on_update: str = "drain"  # in-flight requests on a weight update: drain | abort | continue

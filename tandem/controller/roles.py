@@ -39,6 +39,10 @@ def sampling_params(cfg: Config, temperature: float) -> SamplingParams:
         top_k=r.top_k,
         max_new_tokens=r.max_new_tokens,
         stop_token_ids=list(r.stop_token_ids),
+        stop=list(r.stop),
+        min_p=r.min_p,
+        repetition_penalty=r.repetition_penalty,
+        logprobs_mode=r.logprobs_mode,
     )
 
 

@@ -4,7 +4,7 @@ Each sample's prompt and any partial response it already has are left-padded so 
 at the same cache slot; rows that finish leave the batch (the cache is compacted) once enough of
 them have, so short answers stop costing compute. Between two decode steps the engine honours what
 another thread asked for: `abort()`, or a pending weight update under the `on_update` policy.
-docs/rollout.md states which weight version every token records.
+docs/rollout.md states which weight version every token records, and how sampling works.
 """
 
 import threading
@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from tandem.model import CausalLM, KVCache
-from tandem.rollout.protocol import ON_UPDATE_POLICIES, SamplingParams
-from tandem.rollout.sampler import sample_next
+from tandem.rollout.protocol import ON_UPDATE_POLICIES, SamplingParams, StopCheck
+from tandem.rollout.sampler import exponential_noise, sample_next
 from tandem.sample import Sample, Status
 
 COMPACT_FRACTION = 0.25  # compact the cache once this share of the live rows has finished
@@ -49,8 +49,9 @@ class BuiltinEngine:
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
-        self.generator = torch.Generator().manual_seed(seed)
         self.device = next(model.parameters()).device
+        # On the model's device: a sampling draw must come from a generator of the noise's device.
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.on_update = on_update
         self.on_step = on_step
         self._version = version
@@ -94,27 +95,38 @@ class BuiltinEngine:
         self.set_pending_update(version, apply)
         self.apply_pending()
 
-    def generate(self, samples: list[Sample], params: SamplingParams) -> list[Sample]:
+    def generate(
+        self, samples: list[Sample], params: SamplingParams, stop_check: StopCheck | None = None
+    ) -> list[Sample]:
         """Extend each sample's response (empty, or a partial from an aborted call) to its end.
 
         Appends to response_ids, logprobs, versions and loss_mask, and sets status and
         finish_reason: FINISHED "stop" / "length", or ABORTED "abort" when the call was stopped.
+        `stop_check` is required with `params.stop` (this engine has no tokenizer): it runs after
+        every decode step on the live responses, which end at the token that completes a stop
+        string, so none decodes past it.
         """
         for s in samples:
             _check_aligned(s)
+        past_eos = params.ignore_eos or params.decode_past_eos
+        if params.stop and not past_eos and stop_check is None:
+            raise ValueError(
+                "SamplingParams.stop needs a stop_check (the engine has no tokenizer): "
+                "generate through RolloutWorker, which builds one."
+            )
+        text = stop_check if params.stop and not past_eos else None
         self._enter()
         try:
             self._apply_pending()  # a new call always starts on the newest weights
-            past_eos = params.ignore_eos or params.decode_past_eos
             stop_ids = [] if past_eos else self.eos_token_ids + params.stop_token_ids
             stop = torch.tensor(stop_ids, dtype=torch.long)
-            todo = [s for s in samples if not _finish_if_complete(s, params, stop_ids)]
+            todo = [s for s in samples if not _finish_if_complete(s, params, stop_ids, text)]
             for start in range(0, len(todo), self.max_batch_size):
                 chunk = todo[start : start + self.max_batch_size]
                 if self._between_steps():  # stopped in an earlier chunk, or just now
                     _mark_aborted(chunk)
                 else:
-                    self._generate_batch(chunk, params, stop)
+                    self._generate_batch(chunk, params, stop, text)
         finally:
             self._leave()
         return samples
@@ -183,15 +195,21 @@ class BuiltinEngine:
         return logits[expand], next_pos[expand], cache
 
     @torch.inference_mode()
-    def _generate_batch(self, samples: list[Sample], params: SamplingParams, stop: Tensor) -> None:
+    def _generate_batch(
+        self, samples: list[Sample], params: SamplingParams, stop: Tensor, text: StopCheck | None
+    ) -> None:
         budget = torch.tensor([_cap(s, params) - len(s.response_ids) for s in samples])
         version = self._version  # of the weights behind `logits`: the prefill's, then each step's
         logits, next_pos, cache = self._shared_prefill(samples, int(budget.max()))
         run = _Decode.start(budget)
+        if params.repetition_penalty != 1.0:
+            run.seen = _seen_tokens(samples, logits.shape[-1], logits.device)
+        if text is not None:
+            run.text = _StopText(text, [_tail(s.response_ids, text.window) for s in samples])
         while True:
-            tokens, logprobs = sample_next(
-                logits, params.temperature, params.top_k, params.top_p, self.generator
-            )
+            noise = self._noise(logits, samples, run) if params.temperature > 0 else None
+            seen = run.seen[run.rows.to(logits.device)] if run.seen is not None else None
+            tokens, logprobs = sample_next(logits, params, noise, seen)
             tokens = tokens.cpu()
             run.record(tokens, logprobs.cpu(), version, stop)
             if run.all_done:
@@ -209,6 +227,37 @@ class BuiltinEngine:
             next_pos = next_pos + 1
         run.write_back(samples)
 
+    def _noise(self, logits: Tensor, samples: list[Sample], run: "_Decode") -> Tensor:
+        """Exp(1) noise (L, V) for the L cache rows: a seeded sample's row from its own generator,
+        at its response position, so its tokens do not depend on the rest of the batch."""
+        seeds = positions = None
+        if any(s.seed is not None for s in samples):
+            step = len(run.step_versions)  # every live sample has taken this many new tokens
+            rows = run.rows.tolist()
+            seeds = [None if d else samples[i].seed for i, d in zip(rows, run.done.tolist(), strict=True)]
+            positions = [len(samples[i].response_ids) + step for i in rows]
+        return exponential_noise(tuple(logits.shape), logits.device, self.generator, seeds, positions)
+
+
+@dataclass
+class _StopText:
+    """Stop strings for one batch: the worker's check, and each sample's response before the call."""
+
+    check: StopCheck
+    prior: list[list[int]]  # (B,) the last `check.window` tokens of each sample's partial response
+
+    def ends(self, at: Tensor, tokens: Tensor, n: int) -> Tensor:
+        """at (L,) samples that just took their n-th new token, tokens (B, S) -> those of `at` whose
+        response now ends on a stop string."""
+        if len(at) == 0:
+            return at
+        w = self.check.window
+        tails = []
+        for i, new in zip(at.tolist(), tokens[at, max(0, n - w) : n].tolist(), strict=True):
+            short = w - len(new)
+            tails.append((self.prior[i][-short:] if short > 0 else []) + new)
+        return at[torch.tensor(self.check(tails), dtype=torch.bool)]
+
 
 @dataclass
 class _Decode:
@@ -222,6 +271,8 @@ class _Decode:
     rows: Tensor  # (L,) sample index of each cache row
     done: Tensor  # (L,) the row's sample has ended
     step_versions: list[int] = field(default_factory=list)  # weights behind step k's logits
+    seen: Tensor | None = None  # (B, V) bool tokens in each prompt + response (repetition penalty)
+    text: _StopText | None = None  # stop strings
 
     @classmethod
     def start(cls, budget: Tensor) -> "_Decode":
@@ -247,9 +298,12 @@ class _Decode:
         self.tokens[at, step] = tokens[live]
         self.logprobs[at, step] = logprobs[live]
         self.lengths[at] += 1
-        hit = live & torch.isin(tokens, stop)
-        self.stopped[self.rows[hit]] = True
-        self.done |= hit | (self.lengths[self.rows] >= self.budget[self.rows])
+        if self.seen is not None:
+            self.seen[at.to(self.seen.device), tokens[live].to(self.seen.device)] = True
+        self.stopped[self.rows[live & torch.isin(tokens, stop)]] = True
+        if self.text is not None:  # a stop string wins over the length limit, as a stop token does
+            self.stopped[self.text.ends(at, self.tokens, step + 1)] = True
+        self.done |= self.stopped[self.rows] | (self.lengths[self.rows] >= self.budget[self.rows])
         self.step_versions.append(version)
 
     def compact(self, tokens: Tensor, next_pos: Tensor, cache: KVCache) -> tuple[Tensor, Tensor]:
@@ -278,6 +332,20 @@ class _Decode:
                 s.status, s.finish_reason = Status.ABORTED, "abort"
 
 
+def _tail(ids: list[int], n: int) -> list[int]:
+    return ids[max(0, len(ids) - n) :]
+
+
+def _seen_tokens(samples: list[Sample], vocab: int, device: torch.device) -> Tensor:
+    """-> (B, V) bool: the tokens of each sample's prompt and partial response."""
+    ids = [s.prompt_ids + s.response_ids for s in samples]
+    rows = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([len(x) for x in ids]))
+    cols = torch.tensor([t for x in ids for t in x], dtype=torch.long)
+    seen = torch.zeros(len(ids), vocab, dtype=torch.bool, device=device)
+    seen[rows.to(device), cols.to(device)] = True
+    return seen
+
+
 def _check_aligned(s: Sample) -> None:
     lists = {"logprobs": s.logprobs, "versions": s.versions, "loss_mask": s.loss_mask}
     for name, values in lists.items():
@@ -293,10 +361,13 @@ def _cap(s: Sample, params: SamplingParams) -> int:
     return min(s.max_new_tokens or params.max_new_tokens, params.max_new_tokens)
 
 
-def _finish_if_complete(s: Sample, params: SamplingParams, stop_ids: list[int]) -> bool:
-    """Finish a sample whose response needs no new token (ends on a stop token, or is at the
-    length limit) -> whether it did."""
-    if s.response_ids and s.response_ids[-1] in stop_ids:
+def _finish_if_complete(
+    s: Sample, params: SamplingParams, stop_ids: list[int], text: StopCheck | None
+) -> bool:
+    """Finish a sample whose response needs no new token (ends on a stop token or stop string, or
+    is at the length limit) -> whether it did."""
+    ids = s.response_ids
+    if ids and (ids[-1] in stop_ids or (text is not None and text([_tail(ids, text.window)])[0])):
         s.status, s.finish_reason = Status.FINISHED, "stop"
     elif len(s.response_ids) >= _cap(s, params):
         s.status, s.finish_reason = Status.FINISHED, "length"

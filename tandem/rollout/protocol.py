@@ -15,19 +15,58 @@ from tandem.sample import Sample
 
 # What a running generate call does with a weight update that arrives mid-call.
 ON_UPDATE_POLICIES = ("drain", "abort", "continue")
+# Which logprob the engine records per token (docs/rollout.md, "Sampling").
+LOGPROBS_MODES = ("raw", "processed")
 
 
 @dataclass
 class SamplingParams:
+    """How one generate call samples; every field's default leaves sampling as plain softmax
+    sampling at `temperature`. Per-request settings live on the `Sample` (`max_new_tokens`, `seed`).
+    """
+
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off; drop tokens below min_p x the top token's probability (after T)
+    # 1 = off; HF/vLLM rule on every token of the prompt and the response so far: its logit is
+    # divided by the penalty when positive, multiplied when negative.
+    repetition_penalty: float = 1.0
     max_new_tokens: int = 16  # per sample, counting the tokens of a partial response it comes with
     stop_token_ids: list[int] = field(default_factory=list)
+    # Stop strings: a response ends with the token that completes one of them in its decoded text.
+    # Needs a tokenizer: engines get a `StopCheck` from `RolloutWorker` (docs/rollout.md).
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # vLLM's default: response_text ends before it
+    # "raw": log softmax(logits / T) of the unmodified model, what the trainer recomputes;
+    # "processed": the renormalized distribution sampled from (penalty, min-p, top-k, top-p).
+    logprobs_mode: str = "raw"
     # Keep decoding past EOS to each sample's length cap, but count the response only up to its
     # first EOS (text, reward and loss mask stop there): emulates long generations in benchmarks.
     decode_past_eos: bool = False
-    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
+    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks); no stop token or string
+
+    def __post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode={self.logprobs_mode!r}; valid: {', '.join(LOGPROBS_MODES)}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p={self.min_p} must be in [0, 1] (0 = off)")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1 = off)")
+        if isinstance(self.stop, str) or any(not s for s in self.stop):
+            raise ValueError(f"stop={self.stop!r} must be a list of non-empty strings")
+
+
+class StopCheck(Protocol):
+    """Tells the engine, which has no tokenizer, that a response's text now contains a stop
+    string. `RolloutWorker` builds one from its tokenizer for every call with `params.stop`."""
+
+    window: int  # the check needs only the last `window` tokens of a response
+
+    def __call__(self, tails: list[list[int]]) -> list[bool]:
+        """The last `window` response tokens of each live response (all of a shorter one)
+        -> whether each response ends now."""
+        ...
 
 
 class RolloutEngine(Protocol):
@@ -38,16 +77,22 @@ class RolloutEngine(Protocol):
         """The policy version of the weights the engine now serves."""
         ...
 
-    def generate(self, samples: list[Sample], params: SamplingParams) -> list[Sample]:
+    def generate(
+        self, samples: list[Sample], params: SamplingParams, stop_check: StopCheck | None = None
+    ) -> list[Sample]:
         """Extend each sample's response to its end and return the same list.
 
         First applies any pending update, so every call starts on the newest weights. A sample may
         come with a partial response (from an aborted call): generation continues after it, at most
         `max_new_tokens` in all, and the new tokens are APPENDED to response_ids, logprobs (the
-        behaviour logprob: log-softmax of the logits sampled from), versions (the version of the
-        weights whose forward produced the token's logits) and loss_mask (1). Each sample ends
-        FINISHED with finish_reason "stop" or "length", or — when `abort()` or an update under the
-        "abort" policy stopped the call — ABORTED with "abort" and the tokens it has so far.
+        behaviour logprob, per `params.logprobs_mode`), versions (the version of the weights whose
+        forward produced the token's logits) and loss_mask (1). Each sample ends FINISHED with
+        finish_reason "stop" or "length", or — when `abort()` or an update under the "abort"
+        policy stopped the call — ABORTED with "abort" and the tokens it has so far.
+
+        `stop_check` ends responses on `params.stop` while they decode, so no compute is spent past
+        a stop string; an engine that detokenizes itself (vLLM) may apply `params.stop` on its own
+        and ignore it, one without a tokenizer raises ValueError when `params.stop` comes alone.
         """
         ...
 

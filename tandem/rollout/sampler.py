@@ -1,7 +1,30 @@
-"""Pick the next token from logits: temperature, top-k, top-p; return its logprob."""
+"""Pick the next token from logits and return its logprob: pure functions, one decode step each.
+
+The order follows vLLM: repetition penalty on the raw logits, then temperature, then min-p, top-k,
+top-p. A seeded row draws its noise from a generator of its own (`exponential_noise`).
+"""
 
 import torch
 from torch import Tensor
+
+from tandem.rollout.protocol import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """logits (B, V), seen (B, V) bool -> (B, V). HF/vLLM rule on every seen token's logit x:
+    x / penalty when x > 0, x * penalty when x < 0 (so penalty > 1 makes it less likely either way)."""
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def filter_min_p(logits: Tensor, min_p: float) -> Tensor:
+    """logits (B, V) -> logits with -inf where p_i < min_p * max_j p_j, p = softmax(logits).
+    The top token always stays, so a row never loses its whole support."""
+    probs = torch.softmax(logits, dim=-1)
+    drop = probs < min_p * probs.amax(dim=-1, keepdim=True)  # (B, V)
+    return logits.masked_fill(drop, float("-inf"))
 
 
 def filter_top_k_top_p(logits: Tensor, top_k: int, top_p: float) -> Tensor:
@@ -19,22 +42,95 @@ def filter_top_k_top_p(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     return logits
 
 
-def sample_next(
-    logits: Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
-) -> tuple[Tensor, Tensor]:
-    """logits (B, V) -> tokens (B,), logprobs (B,).
+def sampling_scores(logp: Tensor, params: SamplingParams) -> Tensor:
+    """logp (B, V), log-probs at the sampling temperature -> (B, V) log-probs, up to a constant per
+    row, of the distribution the token is drawn from: -inf outside what min-p, top-k, top-p keep.
+    Greedy (temperature 0) keeps everything: filters that keep the top token cannot change argmax."""
+    if params.temperature == 0:
+        return logp
+    if params.min_p > 0:
+        logp = filter_min_p(logp, params.min_p)
+    if params.top_k > 0 or params.top_p < 1.0:
+        logp = filter_top_k_top_p(logp, params.top_k, params.top_p)
+    return logp
 
-    The logprob is log softmax(logits / T) at the chosen token — the same quantity the trainer
-    recomputes (greedy uses T = 1) — so behaviour and recomputed logprobs are comparable.
-    """
+
+def tempered_logprobs(logits: Tensor, params: SamplingParams, seen: Tensor | None = None) -> Tensor:
+    """logits (B, V), seen (B, V) bool or None -> (B, V) log softmax(penalized logits / T), with
+    T = 1 when greedy; no penalty when `seen` is None or repetition_penalty is 1."""
     logits = logits.float()
-    if temperature == 0:
-        logp = torch.log_softmax(logits, dim=-1)
-        tokens = logp.argmax(-1)
+    if seen is not None and params.repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    return torch.log_softmax(logits / (params.temperature or 1.0), dim=-1)
+
+
+def processed_logprobs(logits: Tensor, params: SamplingParams, seen: Tensor | None = None) -> Tensor:
+    """logits (B, V), seen (B, V) bool or None -> (B, V) normalized log-probs of the distribution
+    actually sampled from: penalty, then / T, then the filters, renormalized over the kept tokens
+    (-inf elsewhere). `logprobs_mode="processed"` returns its entry at the sampled token."""
+    return torch.log_softmax(sampling_scores(tempered_logprobs(logits, params, seen), params), dim=-1)
+
+
+def row_seed(seed: int, position: int) -> int:
+    """A 64-bit generator seed from (request seed, response position): splitmix64 of the pair, so
+    neighbouring seeds and positions give unrelated streams."""
+    x = (seed * 0x9E3779B97F4A7C15 + position) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def exponential_noise(
+    shape: tuple[int, int],
+    device: torch.device,
+    generator: torch.Generator | None,
+    seeds: list[int | None] | None = None,
+    positions: list[int] | None = None,
+) -> Tensor:
+    """-> (B, V) i.i.d. Exp(1) noise (float32) for Gumbel-max sampling.
+
+    Row i with seeds[i] set draws from a generator reseeded by row_seed(seeds[i], positions[i]), so
+    its noise depends on nothing else in the batch (nor on how its response was split over calls).
+    The other rows draw from `generator` in one go. Cost: one extra (V,) draw and reseed per seeded
+    row, a small kernel launch each on a GPU, instead of one draw for the batch.
+    """
+    noise = torch.empty(shape, device=device)
+    if seeds is None or all(s is None for s in seeds):
+        return noise.exponential_(generator=generator)
+    if positions is None or len(positions) != len(seeds) or len(seeds) != shape[0]:
+        raise ValueError(f"{shape[0]} rows need one seed and one position each")
+    free = [i for i, s in enumerate(seeds) if s is None]
+    if free:
+        noise[free] = torch.empty(len(free), shape[1], device=device).exponential_(generator=generator)
+    own = torch.Generator(device=device)
+    for i, (seed, position) in enumerate(zip(seeds, positions, strict=True)):
+        if seed is not None:
+            own.manual_seed(row_seed(seed, position))
+            noise[i].exponential_(generator=own)
+    return noise
+
+
+def sample_next(
+    logits: Tensor, params: SamplingParams, noise: Tensor | None = None, seen: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """logits (B, V), noise (B, V) Exp(1) (unused when greedy), seen (B, V) bool tokens already in
+    each row's prompt + response (repetition penalty) -> tokens (B,), logprobs (B,).
+
+    The logprob per `params.logprobs_mode`: "raw" is log softmax(logits / T) of the unmodified
+    logits — what the trainer recomputes (greedy uses T = 1); "processed" is the renormalized
+    distribution actually sampled from (`processed_logprobs`).
+    """
+    raw = torch.log_softmax(logits.float() / (params.temperature or 1.0), dim=-1)
+    penalize = seen is not None and params.repetition_penalty != 1.0
+    scores = sampling_scores(tempered_logprobs(logits, params, seen) if penalize else raw, params)
+    if params.temperature == 0:
+        tokens = scores.argmax(-1)
     else:
-        logp = torch.log_softmax(logits / temperature, dim=-1)
-        scores = filter_top_k_top_p(logp, top_k, top_p) if top_k > 0 or top_p < 1.0 else logp
+        if noise is None:
+            raise ValueError("sampling at temperature > 0 needs noise (exponential_noise)")
         # Gumbel-max: argmax_i(log p_i - log E_i) with E_i ~ Exp(1) draws i with probability p_i.
-        noise = torch.empty_like(scores).exponential_(generator=generator).log_()
-        tokens = (scores - noise).argmax(-1)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+        tokens = (scores - noise.log()).argmax(-1)
+    if params.logprobs_mode == "raw":
+        return tokens, raw.gather(-1, tokens[:, None]).squeeze(-1)
+    # Renormalized over the kept tokens: log_softmax(scores) at the token, without the (B, V) copy.
+    return tokens, scores.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(scores, dim=-1)
