@@ -4,12 +4,28 @@ Module names mirror Hugging Face's (`model.layers.0.self_attn.q_proj.weight` ...
 state dict loads with no renaming, and weight sync to any engine speaks the same names.
 """
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tandem.model.config import ModelConfig
 from tandem.model.kv_cache import KVCache
+
+
+class BatchCache(Protocol):
+    """A cache that lays out its own keys, as the paged batch of `tandem.rollout.model_runner` does:
+    the forward takes the attention mask from it, and it writes each layer's new keys where it wants.
+    """
+
+    def attention_mask(self, token_mask: Tensor) -> Tensor:
+        """token_mask (B, T) -> (B, 1, T, S) bool over the keys `update` returns."""
+        ...
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """k, v (B, Hkv, T, D) of the new tokens -> every key and value they attend to (B, Hkv, S, D)."""
+        ...
 
 
 class RMSNorm(nn.Module):
@@ -55,7 +71,13 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, layer: int, cache: KVCache | None
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor,
+        layer: int,
+        cache: KVCache | BatchCache | None,
     ) -> Tensor:
         """x (B, T, E), mask (B, 1, T, S) bool -> (B, T, E)."""
         b, t, _ = x.shape
@@ -92,7 +114,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, layer: int, cache: KVCache | None):
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor,
+        layer: int,
+        cache: KVCache | BatchCache | None,
+    ) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, layer, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -126,14 +156,21 @@ class CausalLM(nn.Module):
         return cos[positions][:, None], sin[positions][:, None]
 
     def forward(
-        self, input_ids: Tensor, positions: Tensor, token_mask: Tensor, cache: KVCache | None = None
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        token_mask: Tensor,
+        cache: KVCache | BatchCache | None = None,
     ) -> Tensor:
         """input_ids, positions, token_mask (B, T) -> logits (B, T, V) in fp32.
 
         token_mask marks real tokens (False = padding). With a cache the T tokens are appended after
         the cached ones. A token attends to real keys at or before its own slot, and always to
-        itself, so a padding row never has an empty (NaN) softmax.
+        itself, so a padding row never has an empty (NaN) softmax. A `BatchCache` (the paged cache)
+        gives the mask itself: its rows may hold contexts of any lengths.
         """
+        if cache is not None and not isinstance(cache, KVCache):
+            return self._run(input_ids, positions, cache.attention_mask(token_mask), cache)
         if cache is not None:
             cache.append_mask(token_mask)
             key_mask = cache.key_mask[:, : cache.length + input_ids.shape[1]]
@@ -145,12 +182,19 @@ class CausalLM(nn.Module):
         causal = slots[None, :] <= query_slots[:, None]  # (T, S)
         own = slots[None, :] == query_slots[:, None]
         mask = ((causal & key_mask[:, None, :]) | own)[:, None]  # (B, 1, T, S)
+        logits = self._run(input_ids, positions, mask, cache)
+        if cache is not None:
+            cache.advance(t)
+        return logits
+
+    def _run(
+        self, input_ids: Tensor, positions: Tensor, mask: Tensor, cache: KVCache | BatchCache | None
+    ) -> Tensor:
+        """The layers under a given attention mask (B, 1, T, S) -> logits (B, T, V) in fp32."""
         cos, sin = self.rope(positions)
         x = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, mask, i, cache)
-        if cache is not None:
-            cache.advance(t)
         return self.lm_head(self.model.norm(x)).float()
 
 

@@ -1,0 +1,125 @@
+"""ModelRunner: one step's batch tensors, the forward over the paged KV cache, and the sampling.
+
+The model is the one `CausalLM`; a `PagedBatch` passed as its cache writes each layer's new keys
+into their slots and hands attention every key of each row's blocks (`CausalLM.forward` takes the
+mask from it). Rows are right-padded: row b computes its last query_lens[b] tokens.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tandem.model import CausalLM
+from tandem.model.paged_kv import PagedKVCache, key_mask
+from tandem.rollout.block_manager import BlockManager
+from tandem.rollout.protocol import SamplingParams
+from tandem.rollout.sampler import exponential_noise, sample_next
+from tandem.rollout.scheduler import Step
+from tandem.rollout.sequence import Sequence
+
+
+@dataclass
+class PagedBatch:
+    """One forward's view of the paged cache (a `tandem.model.decoder.BatchCache`).
+
+    slot_mapping (B, T) the slot of each new token, -1 for padding; block_tables (B, M), -1 padded;
+    context_lens (B,) tokens of each row in the cache once this forward wrote its own;
+    query_lens (B,) new tokens of each row.
+    """
+
+    cache: PagedKVCache
+    slot_mapping: Tensor
+    block_tables: Tensor
+    context_lens: Tensor
+    query_lens: Tensor
+
+    def positions(self) -> Tensor:
+        """-> (B, T): query t of row b sits at position context_lens[b] - query_lens[b] + t."""
+        t = self.slot_mapping.shape[1]
+        start = self.context_lens - self.query_lens
+        return start[:, None] + torch.arange(t, device=start.device)
+
+    def attention_mask(self, token_mask: Tensor) -> Tensor:
+        """-> (B, 1, T, S) bool: query at position p sees the row's keys 0..p. Padding queries see
+        the whole context (finite, ignored)."""
+        s = self.block_tables.shape[1] * self.cache.block_size
+        slots = torch.arange(s, device=self.context_lens.device)
+        causal = slots[None, None, :] <= self.positions()[:, :, None]  # (B, T, S)
+        return (causal & key_mask(self.context_lens, s)[:, None, :])[:, None]
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """k, v (B, Hkv, T, D) -> every key and value of the rows' blocks (B, Hkv, S, D)."""
+        self.cache.write(layer, self.slot_mapping, k.transpose(1, 2), v.transpose(1, 2))
+        keys, values, _ = self.cache.gather(layer, self.block_tables, self.context_lens)
+        return keys.to(k.dtype), values.to(v.dtype)
+
+
+class ModelRunner:
+    """Owns the KV pools; runs `model` over them for the scheduler's steps and samples the tokens.
+
+    num_prefill_tokens counts the tokens prefills computed (prefix-cache hits and forks excluded).
+    """
+
+    def __init__(self, model: CausalLM, block_manager: BlockManager):
+        self.model, self.bm = model, block_manager
+        p = next(model.parameters())
+        self.device = p.device
+        self.cache = PagedKVCache(
+            model.cfg, block_manager.num_blocks, block_manager.block_size, p.dtype, p.device
+        )
+        self.num_prefill_tokens = 0
+
+    @torch.inference_mode()
+    def run(self, step: Step) -> Tensor:
+        """-> logits (R, V) for the R = len(step.rows) sequences that sample next; a prefill group's
+        members all get the logits of the one row computed for it."""
+        if step.decode:
+            self.cache.copy_blocks(step.copies)
+            new = [(seq, 1) for seq in step.decode]
+        else:
+            new = [(g[0], len(g[0]) - self.bm.num_cached_tokens(g[0].seq_id)) for g in step.prefill]
+            self.num_prefill_tokens += sum(n for _, n in new)
+        batch, ids = self._batch(new)
+        logits = self.model(ids, batch.positions(), batch.slot_mapping >= 0, batch)  # (B, T, V)
+        last = logits[torch.arange(len(new), device=self.device), batch.query_lens - 1]  # (B, V)
+        if step.decode:
+            return last
+        owner = [i for i, g in enumerate(step.prefill) for _ in g]
+        return last[torch.tensor(owner, device=self.device)]
+
+    def _batch(self, new: list[tuple[Sequence, int]]) -> tuple[PagedBatch, Tensor]:
+        """Rows (sequence, its last n tokens to compute) -> the batch and token ids (B, T)."""
+        b, t = len(new), max(n for _, n in new)
+        tables = [self.bm.block_table(seq.seq_id) for seq, _ in new]
+        ids = torch.zeros(b, t, dtype=torch.long)
+        slots = torch.full((b, t), -1, dtype=torch.long)
+        block_tables = torch.full((b, max(map(len, tables))), -1, dtype=torch.long)
+        for i, ((seq, n), table) in enumerate(zip(new, tables, strict=True)):
+            ctx = len(seq)
+            ids[i, :n] = torch.tensor(seq.token_ids[ctx - n :])
+            slots[i, :n] = torch.tensor(self.bm.slots(seq.seq_id, ctx - n, ctx))
+            block_tables[i, : len(table)] = torch.tensor(table)
+        context = torch.tensor([len(seq) for seq, _ in new])
+        query = torch.tensor([n for _, n in new])
+        to = self.device
+        batch = PagedBatch(self.cache, slots.to(to), block_tables.to(to), context.to(to), query.to(to))
+        return batch, ids.to(to)
+
+    def sample(
+        self, logits: Tensor, rows: list[Sequence], params: SamplingParams, generator: torch.Generator
+    ) -> tuple[list[int], list[float]]:
+        """logits (R, V) of `rows` -> each row's next token and its logprob (`sample_next`). A
+        seeded sample draws from its own stream at its response position, as BuiltinEngine does."""
+        noise = None
+        if params.temperature > 0:
+            seeds = [seq.sample.seed for seq in rows]
+            positions = [len(seq.response_ids) for seq in rows]
+            noise = exponential_noise(tuple(logits.shape), logits.device, generator, seeds, positions)
+        seen = None
+        if params.repetition_penalty != 1.0:
+            seen = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+            for i, seq in enumerate(rows):
+                seen[i, torch.tensor(seq.token_ids, device=logits.device)] = True
+        tokens, logprobs = sample_next(logits, params, noise, seen)
+        return tokens.tolist(), logprobs.tolist()

@@ -1,0 +1,77 @@
+"""Sequence: one `Sample` while the paged engine generates it.
+
+Thin on purpose: the `Sample` stays the record. A sequence holds what the scheduler and the model
+runner need while it runs — every token so far, the new tokens' logprobs and versions, its state —
+and `write_back` appends the new tokens to the sample when the call ends.
+"""
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from tandem.sample import Sample, Status
+
+
+class SeqState(str, Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted: its KV will be (re)computed by a prefill
+    RUNNING = "running"  # holds blocks; decodes one token a step
+    FINISHED = "finished"  # ended on a stop token / string or its length cap
+
+
+@dataclass
+class Sequence:
+    """Sample `sample` being extended; its blocks in the `BlockManager` are named by `seq_id`.
+
+    token_ids = prompt + the response it came with + the new tokens. The block manager knows all
+    but the last sampled token, whose keys the next decode step computes.
+    """
+
+    seq_id: int
+    sample: Sample
+    token_ids: list[int]
+    max_tokens: int  # the most tokens token_ids may reach: prompt + the response cap
+    new_logprobs: list[float] = field(default_factory=list)
+    new_versions: list[int] = field(default_factory=list)
+    state: SeqState = SeqState.WAITING
+    stopped: bool = False  # ended on a stop token or stop string
+
+    @classmethod
+    def start(cls, seq_id: int, sample: Sample, cap: int) -> "Sequence":
+        """`cap`: the most response tokens, counting those the sample comes with."""
+        tokens = sample.prompt_ids + sample.response_ids
+        return cls(seq_id, sample, list(tokens), len(sample.prompt_ids) + cap)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def response_ids(self) -> list[int]:
+        """The whole response so far: the sample's partial, then the new tokens."""
+        return self.token_ids[len(self.sample.prompt_ids) :]
+
+    @property
+    def num_new(self) -> int:
+        return len(self.new_logprobs)
+
+    def record(self, token: int, logprob: float, version: int) -> None:
+        """One sampled token, from logits the weights of `version` computed."""
+        self.token_ids.append(token)
+        self.new_logprobs.append(logprob)
+        self.new_versions.append(version)
+
+    @property
+    def at_cap(self) -> bool:
+        return len(self.token_ids) >= self.max_tokens
+
+    def write_back(self) -> None:
+        """Append the new tokens to the sample; one that has not ended (the call stopped) is ABORTED."""
+        s, n = self.sample, self.num_new
+        s.response_ids = s.response_ids + self.token_ids[len(self.token_ids) - n :]
+        s.logprobs = s.logprobs + self.new_logprobs
+        s.versions = s.versions + self.new_versions
+        s.loss_mask = s.loss_mask + [1] * n
+        if self.stopped:
+            s.status, s.finish_reason = Status.FINISHED, "stop"
+        elif self.at_cap:
+            s.status, s.finish_reason = Status.FINISHED, "length"
+        else:
+            s.status, s.finish_reason = Status.ABORTED, "abort"

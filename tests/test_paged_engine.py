@@ -1,0 +1,237 @@
+"""PagedEngine: continuous batching over the paged KV cache. Logprobs equal the trainer's recompute
+(plain, ragged lengths with sequences admitted mid-run, GRPO groups, prefix-cache hits, after
+preemption); greedy outputs equal BuiltinEngine's and do not depend on the KV budget; a group's
+prompt is prefilled once; the partial-rollout / update / abort contract holds for both engines."""
+
+import pytest
+import torch
+from helpers import VOCAB, clone_model, tiny_model
+from test_engine import (
+    EOS,
+    assert_aligned,
+    at_step,
+    copy_into,
+    full_forward_logprobs,
+    partial,
+    prompts,
+    run,
+    same_weights,
+    stepwise_logprobs,
+)
+
+from tandem.rollout import BuiltinEngine, SamplingParams, make_groups
+from tandem.rollout.paged_engine import PagedEngine
+from tandem.sample import Prompt, Status
+
+
+def paged(model, **kw) -> PagedEngine:
+    """Small blocks, so short test sequences still cross block boundaries and share partial blocks."""
+    return PagedEngine(model, [EOS], 0, **{"num_kv_blocks": 256, "block_size": 4, **kw})
+
+
+def assert_logprobs_match_recompute(model, samples, temperature=1.0):
+    for s in samples:
+        assert_aligned(s)
+        with torch.no_grad():
+            expected = full_forward_logprobs(model, s.prompt_ids, s.response_ids, temperature)
+        torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-5, rtol=0)
+
+
+def ragged(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of very different lengths, 2 to 30 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [2, 30, 5, 17, 3, 24, 9, 2][:n] + [4] * max(0, n - 8)
+    return [torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in lengths]
+
+
+# ---------------------------------------------------------------- logprobs equal the recompute
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_plain_prefill_and_decode_match_recompute(temperature):
+    model = tiny_model(std=0.3)
+    samples = run(
+        paged(model, seed=1), prompts(5), SamplingParams(temperature=temperature, max_new_tokens=12)
+    )
+    assert all(s.status is Status.FINISHED and s.versions == [0] * len(s.response_ids) for s in samples)
+    assert_logprobs_match_recompute(model, samples, temperature)
+
+
+def test_continuous_batching_of_ragged_lengths_matches_recompute():
+    model = tiny_model(std=0.3)
+    engine = paged(model, seed=2, max_num_seqs=3, max_num_batched_tokens=32)
+    samples = make_groups([Prompt(text="p")] * 8, ragged(8), 1)
+    caps = [1, 20, 3, 14, 2, 9, 20, 5]  # heavy tail: short ones leave early, waiting ones join
+    for s, cap in zip(samples, caps, strict=True):
+        s.max_new_tokens = cap
+    steps = []
+    engine.on_step = steps.append
+    engine.generate(samples, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert [len(s.response_ids) for s in samples] == caps
+    assert len(steps) > max(caps)  # admissions (prefill steps) happened between decode steps
+    assert_logprobs_match_recompute(model, samples)
+
+
+def test_grpo_groups_share_the_prompt_prefill_and_match_recompute():
+    model = tiny_model(std=0.3)
+    engine = paged(model, seed=3)
+    ids = ragged(4)
+    samples = run(engine, ids, SamplingParams(max_new_tokens=10), n=4)
+    assert engine.runner.num_prefill_tokens == sum(map(len, ids))  # once per group, not per sample
+    assert len({tuple(s.response_ids) for s in samples}) > len(ids)  # the samples of a group differ
+    assert_logprobs_match_recompute(model, samples)
+    assert engine.block_manager.num_used_blocks == 0  # every block released at the end of the call
+
+
+def test_prefix_cache_hit_across_requests_with_a_shared_system_prompt():
+    model = tiny_model(std=0.3)
+    engine = paged(model, seed=4)
+    system = list(range(3, 15))  # 12 tokens: 3 full blocks of 4
+    first, second = system + [20, 21, 22], system + [30, 31]
+    params = SamplingParams(max_new_tokens=6)
+    a = run(engine, [first], params)
+    hits, prefilled = engine.block_manager.hit_blocks, engine.runner.num_prefill_tokens
+    b = run(engine, [second], params)
+    assert engine.block_manager.hit_blocks - hits == 3
+    assert engine.runner.num_prefill_tokens - prefilled == len(second) - 12
+    assert_logprobs_match_recompute(model, a + b)
+    # New weights: the cached keys are stale, so the same prompt is prefilled in full again.
+    engine.load_weights(tiny_model(seed=5, std=0.3).named_parameters(), version=1)
+    hits, prefilled = engine.block_manager.hit_blocks, engine.runner.num_prefill_tokens
+    c = run(engine, [second], params)
+    assert engine.block_manager.hit_blocks == hits
+    assert engine.runner.num_prefill_tokens - prefilled == len(second)
+    assert c[0].versions == [1] * len(c[0].response_ids)
+    assert_logprobs_match_recompute(engine.model, c)
+
+
+def test_preemption_recomputes_and_matches_recompute():
+    model = tiny_model(std=0.3)
+    engine = paged(model, seed=5, num_kv_blocks=12, block_size=2)  # 24 slots for 12 sequences
+    samples = run(engine, prompts(6), SamplingParams(max_new_tokens=12, ignore_eos=True), n=2)
+    assert engine.num_preemptions > 0
+    assert all(s.status is Status.FINISHED and len(s.response_ids) == 12 for s in samples)
+    assert_logprobs_match_recompute(model, samples)
+
+
+# ---------------------------------------------------------------- greedy equalities
+
+
+def test_greedy_with_a_tiny_kv_budget_equals_a_large_one_and_builtin():
+    model = tiny_model(std=0.3)
+    ids, greedy = ragged(8), SamplingParams(temperature=0.0, max_new_tokens=12)
+    tiny = paged(model, num_kv_blocks=12, block_size=4, max_num_seqs=6)
+    large = paged(model, num_kv_blocks=512)
+    a, b = run(tiny, ids, greedy, n=2), run(large, ids, greedy, n=2)
+    c = run(BuiltinEngine(model, [EOS], 0), ids, greedy, n=2)
+    assert tiny.num_preemptions > 0 and large.num_preemptions == 0
+    assert [s.response_ids for s in a] == [s.response_ids for s in b] == [s.response_ids for s in c]
+    assert [s.finish_reason for s in a] == [s.finish_reason for s in c]
+    for x, y in zip(a, c, strict=True):
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+
+
+def test_a_sequence_larger_than_the_whole_cache_is_a_clear_error():
+    engine = paged(tiny_model(), num_kv_blocks=2, block_size=4)
+    with pytest.raises(ValueError, match="raise num_kv_blocks"):
+        run(engine, prompts(1), SamplingParams(max_new_tokens=20))
+    with pytest.raises(ValueError, match="kv_budget_mb"):
+        paged(tiny_model(), kv_budget_mb=1e-6)
+    assert paged(tiny_model(), kv_budget_mb=1.0).block_manager.num_blocks == 2**20 // (2 * 2 * 4 * 2 * 8 * 4)
+
+
+# ---------------------------------------------------------------- the contract, both engines
+
+ENGINES = {
+    "builtin": lambda model, **kw: BuiltinEngine(model, [EOS], 0, **kw),
+    "paged": lambda model, **kw: paged(model, **kw),
+}
+
+
+@pytest.fixture(params=list(ENGINES))
+def make(request):
+    return ENGINES[request.param]
+
+
+def test_an_aborted_and_continued_call_equals_one_uninterrupted_call(make):
+    model = tiny_model(std=0.3)
+    ids, greedy = prompts(5), SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+    whole = run(make(model), ids, greedy)
+    engine = make(model)
+    engine.on_step = at_step(4, engine.abort)
+    parts = run(engine, ids, greedy)
+    assert all(s.status is Status.ABORTED and s.finish_reason == "abort" for s in parts)
+    assert all(len(s.response_ids) == 4 and s.versions == [0] * 4 for s in parts)
+    engine.on_step = None
+    engine.set_pending_update(1, lambda: None)
+    engine.generate(parts, greedy)
+    for s, w in zip(parts, whole, strict=True):
+        assert s.status is Status.FINISHED and s.response_ids == w.response_ids
+        assert s.versions == [0] * 4 + [1] * 6
+        assert_aligned(s)
+        torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
+
+
+def test_partials_of_different_lengths_continue_and_finished_ones_stay(make):
+    model = tiny_model(std=0.3)
+    ids, greedy = prompts(2), SamplingParams(temperature=0.0, max_new_tokens=9, ignore_eos=True)
+    whole = run(make(model), ids, greedy)
+    samples = [partial(w, j) for w in whole for j in [0, 3, 3, 6, 9]]
+    make(model).generate(samples, greedy)
+    for k, s in enumerate(samples):
+        assert s.status is Status.FINISHED and s.response_ids == whole[k // 5].response_ids
+        assert_aligned(s)
+        torch.testing.assert_close(
+            torch.tensor(s.logprobs), torch.tensor(whole[k // 5].logprobs), atol=1e-5, rtol=0
+        )
+
+
+@torch.no_grad()
+def test_continue_switches_versions_at_the_documented_token(make):
+    old, new = tiny_model(std=0.3), tiny_model(seed=5, std=0.3)
+    ids, greedy = prompts(3), SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+    engine = make(clone_model(old), on_update="continue")
+    engine.on_step = at_step(4, lambda: engine.set_pending_update(1, copy_into(engine, new)))
+    samples = run(engine, ids, greedy)
+    assert engine.version == 1 and same_weights(engine.model, new)
+    for s in samples:
+        assert s.status is Status.FINISHED and s.versions == [0] * 4 + [1] * 6
+        tokens, expected = stepwise_logprobs(old, new, s.prompt_ids, s.response_ids, swap_after=4)
+        assert s.response_ids == tokens
+        torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-5, rtol=0)
+
+
+def test_abort_policy_returns_aligned_partials_that_finish_on_the_new_weights(make):
+    old, new = tiny_model(std=0.3), tiny_model(seed=5, std=0.3)
+    engine = make(clone_model(old), seed=3, on_update="abort")
+    engine.on_step = at_step(3, lambda: engine.set_pending_update(1, copy_into(engine, new)))
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=list(range(3, 12)))
+    samples = run(engine, prompts(6), params, n=2)
+    assert engine.version == 0 and {s.status for s in samples} == {Status.FINISHED, Status.ABORTED}
+    for s in samples:
+        assert_aligned(s)
+        assert s.versions == [0] * len(s.response_ids)
+        assert len(s.response_ids) == 3 if s.status is Status.ABORTED else len(s.response_ids) <= 3
+    before = [len(s.response_ids) for s in samples]
+    engine.on_step = None
+    engine.generate(samples, params)
+    assert engine.version == 1 and same_weights(engine.model, new)
+    for s, n in zip(samples, before, strict=True):
+        assert s.status is Status.FINISHED and s.versions == [0] * n + [1] * (len(s.response_ids) - n)
+        with torch.no_grad():
+            expected = full_forward_logprobs(new, s.prompt_ids, s.response_ids)
+        torch.testing.assert_close(torch.tensor(s.logprobs[n:]), expected[n:], atol=1e-5, rtol=0)
+
+
+def test_drain_finishes_on_the_old_weights_and_abort_is_not_carried_over(make):
+    old, new = tiny_model(std=0.3), tiny_model(seed=5, std=0.3)
+    engine = make(clone_model(old), seed=2)
+    engine.abort()  # idle: a no-op
+    engine.on_step = at_step(2, lambda: engine.set_pending_update(1, copy_into(engine, new)))
+    samples = run(engine, prompts(4), SamplingParams(max_new_tokens=8), n=2)
+    assert engine.version == 0 and all(s.status is Status.FINISHED for s in samples)
+    assert_logprobs_match_recompute(old, samples)
+    engine.on_step = None
+    after = run(engine, prompts(4), SamplingParams(max_new_tokens=8))
+    assert engine.version == 1 and all(s.versions == [1] * len(s.response_ids) for s in after)
+    assert_logprobs_match_recompute(new, after)
