@@ -138,3 +138,12 @@ def test_after_a_push_the_engine_holds_the_trainers_weights_bit_for_bit(transpor
         assert all(torch.equal(engine[n], after[n]) for n in after)
     finally:
         cluster.close()
+
+
+def test_the_paged_engine_runs_async_with_in_flight_updates(tmp_path):
+    split = ["placement.groups=[actor_train,generate]", "placement.ratios=[0.5,0.5]"]
+    paged = ["rollout.engine=paged", "rollout.kv_cache_mb=1", "rollout.on_update=continue"]
+    summary, steps, vals = train(tmp_path, "run.mode=async", "run.max_staleness=1", *split, *paged)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert max(r["staleness/max"] for r in steps) <= 1
+    assert vals[-1]["val/version"] == 4

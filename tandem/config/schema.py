@@ -48,7 +48,8 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "builtin"
+    engine: str = "builtin"  # builtin (static batches) | paged (continuous batching, paged KV cache)
+    kv_cache_mb: float = 256.0  # paged engine: memory for the KV blocks; it preempts when they run out
     batch_size: int = 32  # prompts per step
     n: int = 8  # samples per prompt (a GRPO group)
     temperature: float = 1.0

@@ -16,7 +16,7 @@ from tandem.data.loader import PromptLoader
 from tandem.data.tasks import TASKS
 from tandem.errors import TandemError
 from tandem.model import ModelConfig, load_model, resolve_model_path
-from tandem.rollout import BuiltinEngine, RolloutWorker, SamplingParams
+from tandem.rollout import BuiltinEngine, PagedEngine, RolloutWorker, SamplingParams
 from tandem.sample import Prompt
 from tandem.train import TrainWorker
 
@@ -114,14 +114,26 @@ def build_rollout(cfg: Config, index: int = 0) -> tuple[RolloutWorker, PromptLim
     tokenizer, limit = load_checked_tokenizer(cfg), prompt_limit(cfg)
     model = load_model(resolve_model_path(cfg.model.path), dtype=DTYPES[cfg.model.dtype])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    engine = BuiltinEngine(
-        model,
-        [tokenizer.eos_token_id],
-        pad,
-        max_batch_size=cfg.rollout.max_batch_size,
-        seed=cfg.run.seed + 1000 * index,
-        on_update=cfg.rollout.on_update,
-    )
+    r, seed = cfg.rollout, cfg.run.seed + 1000 * index
+    if r.engine == "paged":
+        engine = PagedEngine(
+            model,
+            [tokenizer.eos_token_id],
+            pad,
+            kv_budget_mb=r.kv_cache_mb,
+            max_num_seqs=r.max_batch_size,
+            seed=seed,
+            on_update=r.on_update,
+        )
+    else:
+        engine = BuiltinEngine(
+            model,
+            [tokenizer.eos_token_id],
+            pad,
+            max_batch_size=r.max_batch_size,
+            seed=seed,
+            on_update=r.on_update,
+        )
     return RolloutWorker(engine, tokenizer), limit
 
 

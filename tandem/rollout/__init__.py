@@ -2,12 +2,14 @@
 
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups
+from tandem.rollout.paged_engine import PagedEngine
 from tandem.rollout.protocol import ON_UPDATE_POLICIES, RolloutEngine, SamplingParams
 from tandem.rollout.worker import RolloutWorker
 
 __all__ = [
     "ON_UPDATE_POLICIES",
     "BuiltinEngine",
+    "PagedEngine",
     "RolloutEngine",
     "RolloutWorker",
     "SamplingParams",
