@@ -1,52 +1,181 @@
-"""Built-in engine vs transformers' generate: same model, prompts and sampling settings.
+"""The rollout engines against transformers' generate, and what bounds them.
 
-    python bench/engine.py [--model builtin:addition] [--new-tokens 64] [--json PATH]
+    python bench/engine.py [--model builtin:addition | PATH | qwen2-0.5b-random] [--engine builtin paged]
+                           [--device cpu | cuda] [--dtype auto] [--layers N] [--json PATH]
 
-Prints tokens/s of both at batch 8 and 64 and their ratio. Both sample (temperature 1) and ignore
-EOS so they produce exactly batch x new-tokens tokens; the two runs alternate, best of --repeats.
-Then the RL workload of the default run — 32 prompts x 8 samples that stop at EOS — in responses/s
-(`num_return_sequences` for transformers; the built-in engine prefills each prompt once).
+All in one run, on one model:
+1. Fixed lengths: tokens/s of each --engine and of `generate` at batch 8 and 64. All sample
+   (temperature 1) and ignore EOS, so each run makes exactly batch x new-tokens tokens; the runs
+   alternate, best of --repeats. Then the RL workload, --groups (32) prompts x 8 samples that stop
+   at EOS, in responses/s (`num_return_sequences` for transformers; the engines prefill each
+   prompt once).
+2. Continuous vs static batching: --requests (256) requests of Pareto(1) lengths (scale 4 tokens,
+   capped at --new-tokens; `Sample.max_new_tokens`, EOS ignored), at most 64 in flight:
+   BuiltinEngine(max_batch_size=64) runs chunks of 64, each until its slowest request ends (it
+   drops finished rows, but admits none); PagedEngine(max_num_seqs=64) admits a waiting request as
+   soon as one ends. Also prints the forwards each made and their mean decode batch.
+3. Prefix sharing: --groups random prompts of 48 tokens x 8 samples, 16 new tokens, EOS ignored;
+   PagedEngine with group sharing and prefix caching vs both off. The prefix cache is reset before
+   every run, so it serves only what the same call computed (distinct prompts, as in RL).
+4. Peak fraction: GFLOP/s of plain matmuls (`F.linear`) of the model's projection shapes at
+   M=--peak-m (2048) rows in the model's dtype (the machine's peak on this model's shapes), against
+   the decode rate of the largest batch's row: 2 x (weights of every matmul, lm_head included) x
+   new tokens/s. That counts neither the prefill, the attention over the cache, nor the sampling.
+
+`--model qwen2-0.5b-random` builds a random Qwen2-0.5B-shaped model (`--layers` overrides its
+depth) and loads the same weights into transformers' Qwen2ForCausalLM; it is meant for --device
+cuda. `--json` writes one flat object: the builtin engine's figures under the keys the first
+version of this benchmark wrote, the paged engine's under `paged_*`, and the figures of 2-4.
 """
 
 import argparse
 import json
+import math
+import random
+import tempfile
 import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 import transformers
+from torch import nn
 
 from tandem.data import encode_prompts, load_tokenizer, prompts_from_rows
 from tandem.data.tasks import TASKS
-from tandem.model import load_model, resolve_model_path
-from tandem.rollout import BuiltinEngine, SamplingParams, make_groups
+from tandem.model import CausalLM, ModelConfig, init_weights, load_model, resolve_model_path, save_model
+from tandem.rollout import BuiltinEngine, PagedEngine, SamplingParams, make_groups
+from tandem.sample import Prompt, Sample
+
+ENGINES = ("builtin", "paged")
+RANDOM_MODELS = {
+    "qwen2-0.5b-random": ModelConfig(
+        model_type="qwen2",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        head_dim=64,
+        rope_theta=1e6,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        eos_token_id=151645,
+        pad_token_id=151643,
+    )
+}
+IN_FLIGHT = 64  # the batch-size cap both engines get in the continuous vs static test
+BLOCK = 16  # KV block size of every PagedEngine here
 
 
-def prompt_batch(tokenizer, batch: int) -> tuple[list, list[list[int]]]:
-    """`batch` distinct held-out addition prompts (distinct, so no engine can share a prefill)."""
-    rows = TASKS.get("addition")().make_rows(4 * batch, seed=1, split="test")
-    distinct = list({r["prompt"][0]["content"]: r for r in rows}.values())[:batch]
-    prompts = prompts_from_rows(distinct)
-    return prompts, encode_prompts(tokenizer, prompts, 64)
+@dataclass
+class Setup:
+    """One model twice (tandem's and transformers'), its special tokens, and where prompts come from."""
+
+    model: CausalLM
+    hf: transformers.PreTrainedModel
+    eos: int
+    pad: int
+    tokenizer: transformers.PreTrainedTokenizerBase | None  # None: random prompts everywhere
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def prompts(self, batch: int, seed: int = 1) -> tuple[list[Prompt], list[list[int]]]:
+        """`batch` distinct prompts (no engine can share a prefill): held-out addition problems
+        with a tokenizer, else random ones of 24 tokens."""
+        if self.tokenizer is None:
+            return self.random_prompts(batch, 24, seed)
+        rows = TASKS.get("addition")().make_rows(4 * batch, seed=seed, split="test")
+        distinct = list({r["prompt"][0]["content"]: r for r in rows}.values())[:batch]
+        prompts = prompts_from_rows(distinct)
+        return prompts, encode_prompts(self.tokenizer, prompts, 64)
+
+    def random_prompts(self, batch: int, length: int, seed: int = 1) -> tuple[list[Prompt], list[list[int]]]:
+        """`batch` prompts of `length` random tokens, none of them a special token."""
+        specials = {self.eos, self.pad, *(self.tokenizer.all_special_ids if self.tokenizer else [])}
+        allowed = torch.tensor([t for t in range(self.model.cfg.vocab_size) if t not in specials])
+        g = torch.Generator().manual_seed(seed)
+        ids = allowed[torch.randint(len(allowed), (batch, length), generator=g)].tolist()
+        return [Prompt(text="") for _ in ids], ids
+
+    def builtin(self, max_batch_size: int = 1024) -> BuiltinEngine:
+        return BuiltinEngine(self.model, [self.eos], self.pad, max_batch_size=max_batch_size)
+
+    def paged(self, max_num_seqs: int, max_tokens: int, **kw) -> PagedEngine:
+        """Blocks for max_num_seqs sequences of max_tokens tokens (+1 each for copy-on-write): no
+        preemption, so the figures measure batching and sharing, not memory pressure."""
+        blocks = max_num_seqs * (math.ceil(max_tokens / BLOCK) + 1)
+        return PagedEngine(
+            self.model,
+            [self.eos],
+            self.pad,
+            num_kv_blocks=blocks,
+            block_size=BLOCK,
+            max_num_seqs=max_num_seqs,
+            **kw,
+        )
 
 
-def time_tandem(engine: BuiltinEngine, prompts, ids, new_tokens: int) -> float:
-    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
-    samples = make_groups(prompts, ids, n=1)
+def load(spec: str, device: str, dtype: torch.dtype, layers: int | None) -> Setup:
+    """A checkpoint (path or builtin:<task>) or a random model of RANDOM_MODELS, on `device`."""
+    if spec not in RANDOM_MODELS:
+        path = resolve_model_path(spec)
+        tokenizer = load_tokenizer(path)
+        model = load_model(path, dtype, device)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        return Setup(model, hf, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer)
+    cfg = RANDOM_MODELS[spec]
+    if layers is not None:
+        cfg = replace(cfg, num_hidden_layers=layers)
+    random_model = CausalLM(cfg)
+    init_weights(random_model, seed=0)
+    with tempfile.TemporaryDirectory() as tmp:  # the same weights for both, through an HF save
+        save_model(random_model.to(dtype), tmp)
+        del random_model
+        model = load_model(tmp, dtype, device)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device).eval()
+    return Setup(model, hf, cfg.eos_token_id, cfg.pad_token_id, None)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------- 1. fixed lengths and the RL workload
+
+
+def time_engine(engine: BuiltinEngine, samples: list[Sample], params: SamplingParams) -> float:
+    """Seconds for one `generate` call (it returns Python lists, so the device is done)."""
     start = time.perf_counter()
     engine.generate(samples, params)
-    elapsed = time.perf_counter() - start
+    return time.perf_counter() - start
+
+
+def time_fixed(engine: BuiltinEngine, prompts, ids, new_tokens: int) -> float:
+    """-> tokens/s of batch x new_tokens sampled tokens."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
+    samples = make_groups(prompts, ids, n=1)
+    elapsed = time_engine(engine, samples, params)
     assert all(len(s.response_ids) == new_tokens for s in samples)
     return len(samples) * new_tokens / elapsed
 
 
-def hf_generate(hf, ids: list[list[int]], pad: int, new_tokens: int, **extra) -> tuple[torch.Tensor, float]:
+def hf_generate(setup: Setup, ids: list[list[int]], new_tokens: int, **extra) -> tuple[torch.Tensor, float]:
     """transformers' generate on left-padded prompts, sampling at temperature 1 -> (output, seconds)."""
-    width = max(map(len, ids))
-    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
-    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    width, pad = max(map(len, ids)), setup.pad
+    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=setup.device)
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=setup.device)
+    sync(setup.device)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = hf.generate(
+        out = setup.hf.generate(
             input_ids=input_ids,
             attention_mask=mask,
             do_sample=True,
@@ -57,63 +186,273 @@ def hf_generate(hf, ids: list[list[int]], pad: int, new_tokens: int, **extra) ->
             pad_token_id=pad,
             **extra,
         )
+    sync(setup.device)
     return out[:, width:], time.perf_counter() - start
 
 
-def time_hf(hf, ids: list[list[int]], pad: int, new_tokens: int) -> float:
-    out, elapsed = hf_generate(hf, ids, pad, new_tokens, min_new_tokens=new_tokens)
+def time_hf(setup: Setup, ids: list[list[int]], new_tokens: int) -> float:
+    out, elapsed = hf_generate(setup, ids, new_tokens, min_new_tokens=new_tokens)
     assert out.shape[1] == new_tokens
     return len(ids) * new_tokens / elapsed
 
 
-def time_groups(engine: BuiltinEngine, hf, prompts, ids, pad: int, eos: int, n: int, new_tokens: int):
-    """The RL workload: n samples per prompt, stopping at EOS -> (tandem, hf) responses per second."""
-    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
-    start = time.perf_counter()
-    engine.generate(make_groups(prompts, ids, n=n), params)
-    ours = len(ids) * n / (time.perf_counter() - start)
-    _, elapsed = hf_generate(hf, ids, pad, new_tokens, num_return_sequences=n, eos_token_id=eos)
-    return ours, len(ids) * n / elapsed
+def fixed_table(
+    setup: Setup, engines: dict[str, BuiltinEngine], batches: list[int], new_tokens: int, repeats: int
+) -> dict:
+    """Tokens/s of each engine and of generate at each batch size; the runs alternate, so machine
+    noise hits all alike."""
+    figures: dict[str, float] = {}
+    print(f"{'batch':>6} {'engine':>8} {'tok/s':>10} {'hf tok/s':>10} {'ratio':>7}")
+    for b in batches:
+        prompts, ids = setup.prompts(b)
+        for engine in engines.values():  # warm up
+            time_fixed(engine, prompts, ids, 4)
+        time_hf(setup, ids, 4)
+        best = dict.fromkeys([*engines, "hf"], 0.0)
+        for _ in range(repeats):
+            for name, engine in engines.items():
+                best[name] = max(best[name], time_fixed(engine, prompts, ids, new_tokens))
+            best["hf"] = max(best["hf"], time_hf(setup, ids, new_tokens))
+        figures[f"hf_tokens_per_s_b{b}"] = best["hf"]
+        for name in engines:
+            key = "" if name == "builtin" else f"{name}_"
+            ratio = best[name] / best["hf"]
+            figures.update({f"{key}tokens_per_s_b{b}": best[name], f"{key}ratio_b{b}": ratio})
+            print(f"{b:>6} {name:>8} {best[name]:>10.0f} {best['hf']:>10.0f} {ratio:>6.2f}x")
+    return figures
+
+
+def rl_workload(
+    setup: Setup, engines: dict[str, BuiltinEngine], repeats: int, groups: int = 32, n: int = 8
+) -> dict:
+    """Responses/s of each engine and of generate on GRPO groups that stop at EOS (8 new tokens)."""
+    prompts, ids = setup.prompts(groups)
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    best = dict.fromkeys([*engines, "hf"], 0.0)
+    for _ in range(repeats):
+        for name, engine in engines.items():
+            elapsed = time_engine(engine, make_groups(prompts, ids, n=n), params)
+            best[name] = max(best[name], groups * n / elapsed)
+        _, elapsed = hf_generate(setup, ids, 8, num_return_sequences=n, eos_token_id=setup.eos)
+        best["hf"] = max(best["hf"], groups * n / elapsed)
+    figures = {"hf_rl_responses_per_s": best["hf"]}
+    for name in engines:
+        key = "" if name == "builtin" else f"{name}_"
+        ratio = best[name] / best["hf"]
+        figures.update({f"{key}rl_responses_per_s": best[name], f"{key}rl_ratio": ratio})
+        print(
+            f"RL workload ({groups} prompts x {n} samples, stop at EOS), {name}: "
+            f"{best[name]:.0f} vs {best['hf']:.0f} responses/s, {ratio:.2f}x"
+        )
+    return figures
+
+
+# ---------------------------------------------------------------- 2. continuous vs static batching
+
+
+def pareto_lengths(count: int, cap: int, alpha: float = 1.0, seed: int = 0) -> list[int]:
+    """ceil(4 u^(-1/alpha)) for u ~ U(0, 1], capped at `cap`: most short, a few at the cap."""
+    rng = random.Random(seed)
+    return [min(cap, math.ceil(4 * (1.0 - rng.random()) ** (-1 / alpha))) for _ in range(count)]
+
+
+def time_lengths(engine: BuiltinEngine, prompts, ids, lengths: list[int], cap: int) -> float:
+    """-> tokens/s of one call whose request i makes exactly lengths[i] tokens."""
+    samples = make_groups(prompts, ids, n=1)
+    for s, length in zip(samples, lengths, strict=True):
+        s.max_new_tokens = length
+    params = SamplingParams(temperature=1.0, max_new_tokens=cap, ignore_eos=True)
+    elapsed = time_engine(engine, samples, params)
+    assert [len(s.response_ids) for s in samples] == lengths
+    return sum(lengths) / elapsed
+
+
+def continuous_vs_static(setup: Setup, requests: int, cap: int, repeats: int) -> dict:
+    prompts, ids = setup.prompts(requests, seed=2)
+    lengths = pareto_lengths(requests, cap)
+    engines = {
+        "static": setup.builtin(max_batch_size=IN_FLIGHT),
+        "continuous": setup.paged(IN_FLIGHT, max(map(len, ids)) + cap),
+    }
+    for engine in engines.values():  # warm up
+        time_lengths(engine, prompts[:8], ids[:8], [min(4, n) for n in lengths[:8]], cap)
+    best, shapes = dict.fromkeys(engines, 0.0), {}
+    for _ in range(repeats):
+        for name, engine in engines.items():
+            with forward_shapes(setup.model) as shapes[name]:
+                best[name] = max(best[name], time_lengths(engine, prompts, ids, lengths, cap))
+    ratio = best["continuous"] / best["static"]
+    figures = {
+        "continuous_vs_static": ratio,
+        "continuous_requests": requests,
+        "continuous_tokens": sum(lengths),
+    }
+    print(
+        f"continuous vs static batching ({requests} requests, Pareto lengths: mean "
+        f"{sum(lengths) / requests:.1f}, {lengths.count(cap)} at the cap of {cap}; {IN_FLIGHT} in flight): "
+        f"{ratio:.2f}x"
+    )
+    for name, engine in engines.items():
+        decode = [rows for rows, tokens in shapes[name] if tokens == 1]
+        rows = sum(decode) / max(len(decode), 1)
+        figures.update(
+            {
+                f"{name}_tokens_per_s": best[name],
+                f"{name}_forwards": len(shapes[name]),
+                f"{name}_rows_per_decode": rows,
+            }
+        )
+        label = f"{name} ({type(engine).__name__}):"
+        print(
+            f"  {label:<27} {best[name]:>6.0f} tok/s, {len(shapes[name])} forwards, "
+            f"{len(decode)} of them decode steps of {rows:.1f} rows on average"
+        )
+    return figures
+
+
+@contextmanager
+def forward_shapes(model: CausalLM) -> Iterator[list[tuple[int, ...]]]:
+    """While open: the (rows, tokens) of the input ids of every forward of `model`."""
+    shapes: list[tuple[int, ...]] = []
+    handle = model.register_forward_pre_hook(lambda _, args: shapes.append(tuple(args[0].shape)))
+    try:
+        yield shapes
+    finally:
+        handle.remove()
+
+
+# ---------------------------------------------------------------- 3. prefix sharing
+
+
+def prefix_sharing(setup: Setup, repeats: int, groups: int = 32, n: int = 8, new_tokens: int = 16) -> dict:
+    length = min(48, setup.model.cfg.max_position_embeddings - new_tokens)
+    prompts, ids = setup.random_prompts(groups, length, seed=3)
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
+    engines = {
+        "shared": setup.paged(groups * n, length + new_tokens),
+        "unshared": setup.paged(groups * n, length + new_tokens, group_sharing=False, prefix_caching=False),
+    }
+    best, prefilled = dict.fromkeys(engines, 0.0), {}
+    for engine in engines.values():  # warm up
+        time_engine(engine, make_groups(prompts[:2], ids[:2], n=2), params)
+    for _ in range(repeats):
+        for name, engine in engines.items():
+            engine.block_manager.reset_prefix_cache()  # no hits from the previous repeat
+            before = engine.runner.num_prefill_tokens
+            elapsed = time_engine(engine, make_groups(prompts, ids, n=n), params)
+            prefilled[name] = engine.runner.num_prefill_tokens - before
+            best[name] = max(best[name], groups * n * new_tokens / elapsed)
+    speedup = best["shared"] / best["unshared"]
+    print(
+        f"prefix sharing ({groups} prompts of {length} tokens x {n} samples, {new_tokens} new tokens; "
+        f"paged): shared {best['shared']:.0f} tok/s ({prefilled['shared']} tokens prefilled), "
+        f"unshared {best['unshared']:.0f} tok/s ({prefilled['unshared']}), {speedup:.2f}x"
+    )
+    return {
+        "prefix_sharing_speedup": speedup,
+        "prefix_shared_tokens_per_s": best["shared"],
+        "prefix_unshared_tokens_per_s": best["unshared"],
+        "prefix_shared_prefill_tokens": prefilled["shared"],
+        "prefix_unshared_prefill_tokens": prefilled["unshared"],
+        "prefix_prompt_tokens": length,
+    }
+
+
+# ---------------------------------------------------------------- 4. peak fraction
+
+
+def linear_shapes(model: nn.Module) -> Counter:
+    """(in_features, out_features) -> how many of the model's matmuls have it (lm_head included)."""
+    return Counter((m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def matmul_peak(model: CausalLM, m: int, repeats: int = 5) -> float:
+    """GFLOP/s of x (m, in) @ W.T over the model's projection shapes, each weighted by its count:
+    sum(2 m in out) / sum(best time), in the model's dtype on its device."""
+    p = next(model.parameters())
+    flops = seconds = 0.0
+    for (fan_in, fan_out), count in linear_shapes(model).items():
+        x = torch.randn(m, fan_in, dtype=p.dtype, device=p.device)
+        w = torch.randn(fan_out, fan_in, dtype=p.dtype, device=p.device)
+        best = math.inf
+        for _ in range(repeats + 1):  # the first is a warm-up
+            sync(p.device)
+            start = time.perf_counter()
+            F.linear(x, w)
+            sync(p.device)
+            best = min(best, time.perf_counter() - start)
+        flops += 2 * m * fan_in * fan_out * count
+        seconds += best * count
+    return flops / seconds / 1e9
+
+
+def peak_fraction(model: CausalLM, m: int, figures: dict[str, float], batch: int) -> dict[str, float]:
+    """The matmul peak, each measured engine's decode GFLOP/s at `batch` and its share of the peak;
+    `peak_fraction` is the best engine's."""
+    params = sum(i * o * n for (i, o), n in linear_shapes(model).items())
+    peak, at_batch = matmul_peak(model, m), matmul_peak(model, batch)
+    out: dict[str, float] = {"matmul_peak_gflops": peak, "matmul_params": params, "peak_m": m}
+    out[f"matmul_gflops_m{batch}"] = at_batch  # the same matmuls at the decode batch's M
+    shown = []
+    for name in ENGINES:
+        key = "" if name == "builtin" else f"{name}_"
+        tokens_per_s = figures.get(f"{key}tokens_per_s_b{batch}")
+        if tokens_per_s is None:
+            continue
+        rate = 2 * params * tokens_per_s / 1e9
+        out.update({f"{key}decode_gflops_b{batch}": rate, f"{name}_peak_fraction": rate / peak})
+        out["peak_fraction"] = max(out.get("peak_fraction", 0.0), rate / peak)
+        shown.append(f"{name} {rate:.1f} GFLOP/s = {rate / peak:.1%} of it")
+    print(
+        f"peak: matmuls of the model's shapes at M={m}: {peak:.1f} GFLOP/s (at M={batch}: "
+        f"{at_batch:.1f}); decode at batch {batch} "
+        f"(2 x {params / 1e6:.2f}M matmul weights x new tokens/s): {'; '.join(shown) or 'not measured'}"
+    )
+    return out
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args() -> argparse.Namespace:
+    RANDOM, DTYPES = ", ".join(RANDOM_MODELS), ["auto", "float32", "bfloat16", "float16"]
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="builtin:addition", help=f"a checkpoint, builtin:<task> or {RANDOM}")
+    ap.add_argument("--engine", nargs="+", choices=ENGINES, default=list(ENGINES), help="engines of table 1")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    ap.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float32 on the CPU, else bfloat16")
+    ap.add_argument("--layers", type=int, help="depth of a random model (a quick check on the CPU)")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--batches", type=int, nargs="+", default=[8, 64])
+    ap.add_argument("--requests", type=int, default=256, help="requests of the continuous vs static test")
+    ap.add_argument("--groups", type=int, default=32, help="prompts (x 8 samples) of the RL and prefix tests")
+    ap.add_argument("--peak-m", type=int, default=2048, help="rows of the peak matmuls")
+    ap.add_argument("--repeats", type=int, default=5, help="best of this many runs")
+    ap.add_argument("--json", help="write the figures as one flat JSON object")
+    args = ap.parse_args()
+    if args.layers is not None and args.model not in RANDOM_MODELS:
+        ap.error(f"--layers sets the depth of a random model ({RANDOM}), not of {args.model}")
+    return args
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="builtin:addition")
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--batches", type=int, nargs="+", default=[8, 64])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", help="write the figures as one flat JSON object")
-    args = ap.parse_args()
-    path = resolve_model_path(args.model)
-    tokenizer = load_tokenizer(path)
-    pad = tokenizer.pad_token_id
-    engine = BuiltinEngine(load_model(path), [tokenizer.eos_token_id], pad, max_batch_size=1024)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    figures: dict[str, float] = {}
-    print(f"model {args.model}, {args.new_tokens} new tokens, {torch.get_num_threads()} threads")
-    print(f"{'batch':>6} {'tandem tok/s':>14} {'hf tok/s':>12} {'ratio':>7}")
-    for b in args.batches:
-        prompts, ids = prompt_batch(tokenizer, b)
-        time_tandem(engine, prompts, ids, 4)  # warm up both
-        time_hf(hf, ids, pad, 4)
-        ours, theirs = 0.0, 0.0
-        for _ in range(args.repeats):  # alternate, so machine noise hits both alike
-            ours = max(ours, time_tandem(engine, prompts, ids, args.new_tokens))
-            theirs = max(theirs, time_hf(hf, ids, pad, args.new_tokens))
-        figures.update(
-            {f"tokens_per_s_b{b}": ours, f"hf_tokens_per_s_b{b}": theirs, f"ratio_b{b}": ours / theirs}
-        )
-        print(f"{b:>6} {ours:>14.0f} {theirs:>12.0f} {ours / theirs:>6.2f}x")
-    prompts, ids = prompt_batch(tokenizer, 32)
-    ours, theirs = 0.0, 0.0
-    for _ in range(args.repeats):
-        o, h = time_groups(engine, hf, prompts, ids, pad, tokenizer.eos_token_id, n=8, new_tokens=8)
-        ours, theirs = max(ours, o), max(theirs, h)
-    figures.update({"rl_responses_per_s": ours, "hf_rl_responses_per_s": theirs, "rl_ratio": ours / theirs})
-    print(
-        f"RL workload (32 prompts x 8 samples, stop at EOS): {ours:.0f} vs {theirs:.0f} responses/s, "
-        f"{ours / theirs:.2f}x"
+    args = parse_args()
+    device = torch.device(args.device)
+    dtype_name = args.dtype if args.dtype != "auto" else ("float32" if device.type == "cpu" else "bfloat16")
+    setup = load(args.model, args.device, getattr(torch, dtype_name), args.layers)
+    longest = max(map(len, setup.prompts(max(args.batches))[1])) + args.new_tokens
+    seqs = max(*args.batches, 8 * args.groups)
+    make = {"builtin": setup.builtin, "paged": lambda: setup.paged(seqs, longest)}
+    engines = {name: make[name]() for name in dict.fromkeys(args.engine)}
+    where = (
+        f"{torch.get_num_threads()} threads" if device.type == "cpu" else torch.cuda.get_device_name(device)
     )
+    print(f"model {args.model}, {dtype_name} on {device} ({where}), {args.new_tokens} new tokens")
+    figures = fixed_table(setup, engines, args.batches, args.new_tokens, args.repeats)
+    figures.update(rl_workload(setup, engines, args.repeats, args.groups))
+    figures.update(continuous_vs_static(setup, args.requests, args.new_tokens, args.repeats))
+    figures.update(prefix_sharing(setup, args.repeats, args.groups))
+    figures.update(peak_fraction(setup.model, args.peak_m, figures, max(args.batches)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)

@@ -83,6 +83,18 @@ def test_grpo_groups_share_the_prompt_prefill_and_match_recompute():
     assert engine.block_manager.num_used_blocks == 0  # every block released at the end of the call
 
 
+def test_group_sharing_off_prefills_every_sample_and_matches_recompute():
+    """The baseline bench/engine.py measures sharing against: every sample prefills its own copy."""
+    model = tiny_model(std=0.3)
+    engine = paged(model, seed=3, group_sharing=False, prefix_caching=False)
+    ids = ragged(4)
+    samples = run(engine, ids, SamplingParams(max_new_tokens=10), n=4)
+    assert engine.runner.num_prefill_tokens == 4 * sum(map(len, ids))
+    assert engine.block_manager.hit_blocks == 0
+    assert_logprobs_match_recompute(model, samples)
+    assert engine.block_manager.num_used_blocks == 0
+
+
 def test_prefix_cache_hit_across_requests_with_a_shared_system_prompt():
     model = tiny_model(std=0.3)
     engine = paged(model, seed=4)

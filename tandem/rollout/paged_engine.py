@@ -32,6 +32,8 @@ class PagedEngine(BuiltinEngine):
     kv_budget_mb: size the blocks from a memory budget instead (overrides num_kv_blocks).
     max_num_seqs: sequences in the running batch; max_num_batched_tokens: prompt tokens one prefill
     step may compute (a longer prompt still runs, alone). `num_preemptions` counts preemptions.
+    group_sharing / prefix_caching: prefill a group's prompt once / reuse computed prompt blocks
+    across requests; both on by default, off only to measure what they buy (bench/engine.py).
     """
 
     def __init__(
@@ -49,6 +51,7 @@ class PagedEngine(BuiltinEngine):
         on_step: Callable[[int], None] | None = None,
         kv_budget_mb: float | None = None,
         prefix_caching: bool = True,
+        group_sharing: bool = True,
     ):
         super().__init__(
             model,
@@ -71,6 +74,7 @@ class PagedEngine(BuiltinEngine):
         self.block_manager = BlockManager(num_kv_blocks, block_size, prefix_caching)
         self.runner = ModelRunner(self.model, self.block_manager)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.group_sharing = group_sharing
         self.num_preemptions = 0
         self._ids = itertools.count()
 
@@ -99,7 +103,9 @@ class PagedEngine(BuiltinEngine):
             stop_ids = set() if past_eos else {*self.eos_token_ids, *params.stop_token_ids}
             todo = [s for s in samples if not _finish_if_complete(s, params, list(stop_ids), text)]
             seqs = [Sequence.start(next(self._ids), s, _cap(s, params)) for s in todo]
-            scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens)
+            scheduler = Scheduler(
+                self.block_manager, self.max_num_seqs, self.max_num_batched_tokens, self.group_sharing
+            )
             try:
                 scheduler.add(seqs)
                 self._run(scheduler, params, stop_ids, text)

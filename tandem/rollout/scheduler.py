@@ -9,7 +9,8 @@ the tokens it has so far (never an out-of-memory error). A sequence leaves as so
 
 Waiting sequences with the same tokens next to each other in the queue (the samples of one GRPO
 group, as `make_groups` lays them out) are admitted together: the first is allocated and
-prefilled, the others `fork` its blocks, so the prompt is prefilled once for the group.
+prefilled, the others `fork` its blocks, so the prompt is prefilled once for the group
+(`group_sharing=False` turns this off, for benchmarks: each sample then prefills its own copy).
 """
 
 from collections import deque
@@ -37,9 +38,16 @@ class Step:
 class Scheduler:
     """Decides each step's sequences; the `BlockManager` (which outlives it) holds their blocks."""
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        group_sharing: bool = True,
+    ):
         self.bm = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.group_sharing = group_sharing
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
@@ -99,7 +107,8 @@ class Scheduler:
             self.bm.allocate(head.seq_id, head.token_ids)
             group = [head]
             while (
-                self.waiting
+                self.group_sharing
+                and self.waiting
                 and len(self.running) + len(group) < self.max_num_seqs
                 and self.waiting[0].token_ids == head.token_ids
             ):
