@@ -106,15 +106,7 @@ class BuiltinEngine:
         every decode step on the live responses, which end at the token that completes a stop
         string, so none decodes past it.
         """
-        for s in samples:
-            _check_aligned(s)
-        past_eos = params.ignore_eos or params.decode_past_eos
-        if params.stop and not past_eos and stop_check is None:
-            raise ValueError(
-                "SamplingParams.stop needs a stop_check (the engine has no tokenizer): "
-                "generate through RolloutWorker, which builds one."
-            )
-        text = stop_check if params.stop and not past_eos else None
+        past_eos, text = checked_request(samples, params, stop_check)
         self._enter()
         try:
             self._apply_pending()  # a new call always starts on the newest weights
@@ -359,6 +351,21 @@ def _check_aligned(s: Sample) -> None:
 def _cap(s: Sample, params: SamplingParams) -> int:
     """The most response tokens this sample may have: its own cap, within the call's."""
     return min(s.max_new_tokens or params.max_new_tokens, params.max_new_tokens)
+
+
+def checked_request(
+    samples: list[Sample], params: SamplingParams, stop_check: StopCheck | None
+) -> tuple[bool, StopCheck | None]:
+    """Check a generate call's input (both engines) -> (decode past EOS?, the stop-string check to run)."""
+    for s in samples:
+        _check_aligned(s)
+    past_eos = params.ignore_eos or params.decode_past_eos
+    if params.stop and not past_eos and stop_check is None:
+        raise ValueError(
+            "SamplingParams.stop needs a stop_check (the engine has no tokenizer): "
+            "generate through RolloutWorker, which builds one."
+        )
+    return past_eos, (stop_check if params.stop and not past_eos else None)
 
 
 def _finish_if_complete(

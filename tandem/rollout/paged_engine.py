@@ -18,7 +18,7 @@ from collections.abc import Callable
 from tandem.model import CausalLM
 from tandem.model.paged_kv import PagedKVCache
 from tandem.rollout.block_manager import BlockManager
-from tandem.rollout.engine import BuiltinEngine, _cap, _check_aligned, _finish_if_complete, _tail
+from tandem.rollout.engine import BuiltinEngine, _cap, _finish_if_complete, _tail, checked_request
 from tandem.rollout.model_runner import ModelRunner
 from tandem.rollout.protocol import SamplingParams, StopCheck
 from tandem.rollout.scheduler import Scheduler
@@ -88,15 +88,7 @@ class PagedEngine(BuiltinEngine):
         self, samples: list[Sample], params: SamplingParams, stop_check: StopCheck | None = None
     ) -> list[Sample]:
         """As `BuiltinEngine.generate`: extend each sample's response (empty or partial) to its end."""
-        for s in samples:
-            _check_aligned(s)
-        past_eos = params.ignore_eos or params.decode_past_eos
-        if params.stop and not past_eos and stop_check is None:
-            raise ValueError(
-                "SamplingParams.stop needs a stop_check (the engine has no tokenizer): "
-                "generate through RolloutWorker, which builds one."
-            )
-        text = stop_check if params.stop and not past_eos else None
+        past_eos, text = checked_request(samples, params, stop_check)
         self._enter()
         try:
             self._apply_pending()  # a new call always starts on the newest weights
