@@ -99,8 +99,8 @@ class TrainActor(_Timed, _DistMember):
     def __init__(self, cfg: Config, rank: int, threads: int, keep_ref: bool):
         torch.set_num_threads(cfg.run.threads or threads)
         self.cfg, self.rank, self.name = cfg, rank, f"train/{rank}"
-        self.trainer = build_trainer(cfg, keep_ref=keep_ref)
         self.tokenizer = load_checked_tokenizer(cfg)
+        self.trainer = build_trainer(cfg, self.tokenizer, keep_ref=keep_ref)
         self.plan = _plan(cfg, self.trainer.named_weights())
         self.transport = None
 

@@ -8,7 +8,6 @@ than one train worker, or the broadcast weight transport) every actor joins one 
 
 import logging
 import os
-import socket
 from dataclasses import dataclass, field
 
 import ray
@@ -19,6 +18,7 @@ from tandem.config import Config
 from tandem.controller import placement
 from tandem.controller.actors import RefActor, RewardActor, RolloutActor, TrainActor
 from tandem.errors import TandemError
+from tandem.sync import free_port
 
 
 def start_ray(cfg: Config) -> None:
@@ -105,7 +105,7 @@ class Cluster:
         t = len(self.trainers)
         sync_ranks = [0, *range(t, t + len(self.rollouts))] if broadcast else []
         addr = ray.util.get_node_ip_address()
-        port = _free_port()
+        port = free_port()
         refs = [
             m.join.remote(rank, len(members), addr, port, t, sync_ranks) for rank, m in enumerate(members)
         ]
@@ -121,9 +121,3 @@ class Cluster:
                 ray.kill(actor)
         if self.pg is not None:
             remove_placement_group(self.pg)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]

@@ -113,7 +113,7 @@ def build_rollout(cfg: Config, index: int = 0) -> tuple[RolloutWorker, PromptLim
     torch.manual_seed(cfg.run.seed)
     tokenizer, limit = load_checked_tokenizer(cfg), prompt_limit(cfg)
     model = load_model(resolve_model_path(cfg.model.path), dtype=DTYPES[cfg.model.dtype])
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_token_id(tokenizer)
     r, seed = cfg.rollout, cfg.run.seed + 1000 * index
     if r.engine == "paged":
         engine = PagedEngine(
@@ -141,7 +141,7 @@ def pad_token_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def build_trainer(cfg: Config, keep_ref: bool = True) -> TrainWorker:
+def build_trainer(cfg: Config, tokenizer, keep_ref: bool = True) -> TrainWorker:
     """The policy's train worker; `keep_ref=False` when a ref worker computes reference logprobs."""
     torch.manual_seed(cfg.run.seed)
     policy = load_model(resolve_model_path(cfg.model.path), dtype=DTYPES[cfg.model.dtype])
@@ -151,7 +151,7 @@ def build_trainer(cfg: Config, keep_ref: bool = True) -> TrainWorker:
         policy,
         cfg.algo,
         cfg.train,
-        pad_token_id(load_checked_tokenizer(cfg)),
+        pad_token_id(tokenizer),
         temperature=cfg.rollout.temperature,
         total_updates=cfg.run.steps * updates_per_step,
         seed=cfg.run.seed,

@@ -14,14 +14,24 @@ from tandem.train.batch import collate, micro_batches, response_logits
 
 @torch.no_grad()
 def sequence_logprobs(
-    model: CausalLM, samples: list[Sample], pad_token_id: int, token_budget: int, temperature: float = 1.0
+    model: CausalLM,
+    samples: list[Sample],
+    pad_token_id: int,
+    token_budget: int,
+    temperature: float = 1.0,
+    rows: list[int] | None = None,
 ) -> Tensor:
-    """Logprobs of every response token under `model` -> (B, R_max), 0 past each response's end."""
+    """Logprobs of every response token under `model` -> (B, R_max), 0 past each response's end.
+
+    rows: compute only these samples (a data-parallel rank's share); the other rows stay 0.
+    """
     width = max(max(len(s.response_ids) for s in samples), 1)
     out = torch.zeros(len(samples), width)
     device = next(model.parameters()).device
-    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-    for idx in micro_batches(lengths, token_budget):
+    rows = list(range(len(samples))) if rows is None else rows
+    lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in rows]
+    for part in micro_batches(lengths, token_budget):
+        idx = [rows[j] for j in part]
         c = collate([samples[i] for i in idx], pad_token_id, device)
         logp = token_logprobs(response_logits(model, c), c.resp_tokens, temperature)
         out[idx, : logp.shape[1]] = logp.cpu() * c.resp_mask.cpu()

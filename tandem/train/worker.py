@@ -35,6 +35,7 @@ from tandem.model import CausalLM, token_logprobs
 from tandem.sample import Sample
 from tandem.train.batch import Collated, collate, micro_batches, pad_rows, response_logits
 from tandem.train.optim import make_optimizer, make_scheduler
+from tandem.train.ref import sequence_logprobs
 
 
 @dataclass
@@ -120,16 +121,14 @@ class TrainWorker:
     @torch.no_grad()
     def compute_logprobs(self, samples: list[Sample], model: CausalLM | None = None) -> Tensor:
         """Logprobs of every response token under `model` (default: the policy) -> (B, R_max)."""
-        model = model or self.model
-        width = max(max(len(s.response_ids) for s in samples), 1)
-        out = torch.zeros(len(samples), width)
-        mine = self._shard(len(samples))
-        lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in mine]
-        for part in micro_batches(lengths, self.cfg.micro_batch_tokens):
-            idx = [mine[j] for j in part]
-            c = collate([samples[i] for i in idx], self.pad_token_id, self.device)
-            logp, _ = self._forward(model, c)
-            out[idx, : logp.shape[1]] = logp.cpu() * c.resp_mask.cpu()
+        out = sequence_logprobs(
+            model or self.model,
+            samples,
+            self.pad_token_id,
+            self.cfg.micro_batch_tokens,
+            self.temperature,
+            rows=self._shard(len(samples)),
+        )
         return self._all_reduce(out)  # each row is non-zero on one rank only
 
     def advantages(self, samples: list[Sample], mask: Tensor) -> Tensor:
