@@ -57,7 +57,7 @@ class RolloutActor(_Timed, _DistMember):
         torch.set_num_threads(cfg.run.threads or threads)
         self.cfg, self.name = cfg, f"rollout/{rank}"
         self.worker, _ = build_rollout(cfg, rank)
-        self.params = dict(self.worker.engine.model.named_parameters())
+        self.params = self.worker.engine.named_weights()
         self.plan = _plan(cfg, self.params.items())
         self.staging = StagingBuffer(self.plan)
         self.transport = None

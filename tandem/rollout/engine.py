@@ -95,6 +95,10 @@ class BuiltinEngine:
         self.set_pending_update(version, apply)
         self.apply_pending()
 
+    def named_weights(self) -> dict[str, Tensor]:
+        """The tensors (Hugging Face names) a weight update writes into: the live parameters."""
+        return dict(self.model.named_parameters())
+
     def generate(
         self, samples: list[Sample], params: SamplingParams, stop_check: StopCheck | None = None
     ) -> list[Sample]:

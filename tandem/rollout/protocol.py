@@ -5,7 +5,7 @@ time; `set_pending_update` and `abort` may be called from any other thread at an
 docs/rollout.md describes the contract in full.
 """
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -94,6 +94,13 @@ class RolloutEngine(Protocol):
         a stop string; an engine that detokenizes itself (vLLM) may apply `params.stop` on its own
         and ignore it, one without a tokenizer raises ValueError when `params.stop` comes alone.
         """
+        ...
+
+    def named_weights(self) -> Mapping[str, Tensor]:
+        """The tensors, by Hugging Face name with the trainer's shapes and dtypes, that a weight
+        update's `apply()` writes into. The engine serves what they hold once the update is
+        applied: the built-in engines return their live parameters, an engine whose model keeps
+        other names or layouts (vLLM's fused projections) returns buffers it loads from."""
         ...
 
     def set_pending_update(self, version: int, apply: Callable[[], None]) -> None:
