@@ -21,6 +21,9 @@ All in one run, on one model:
    M=--peak-m (2048) rows in the model's dtype (the machine's peak on this model's shapes), against
    the decode rate of the largest batch's row: 2 x (weights of every matmul, lm_head included) x
    new tokens/s. That counts neither the prefill, the attention over the cache, nor the sampling.
+5. Ceiling: the same matmuls at M = each batch size give the tokens/s of a decode step that
+   cost nothing but its matmuls (no attention, norms, sampling, Python), and so the largest ratio
+   to `generate` any engine could reach on this machine in this dtype (`ceiling_ratio_b8`, ...).
 
 `--model qwen2-0.5b-random` builds a random Qwen2-0.5B-shaped model (`--layers` overrides its
 depth) and loads the same weights into transformers' Qwen2ForCausalLM; it is meant for --device
@@ -361,9 +364,24 @@ def prefix_sharing(setup: Setup, repeats: int, groups: int = 32, n: int = 8, new
 # ---------------------------------------------------------------- 4. peak fraction
 
 
-def linear_shapes(model: nn.Module) -> Counter:
-    """(in_features, out_features) -> how many of the model's matmuls have it (lm_head included)."""
-    return Counter((m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear))
+FUSED = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
+
+
+def linear_shapes(model: CausalLM) -> Counter:
+    """(in_features, out_features) -> how many matmuls of the model's forward have it (lm_head
+    included). Projections fused by `fuse_projections` (as the engines run them) count as one."""
+    shapes, fused = Counter(), set()
+    for layer in model.model.layers:
+        for block, names in FUSED.items():
+            module = getattr(layer, block)
+            if module.fused is not None:
+                out_features, in_features = module.fused[0].shape
+                shapes[(in_features, out_features)] += 1
+                fused.update(id(getattr(module, n)) for n in names)
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and id(m) not in fused:
+            shapes[(m.in_features, m.out_features)] += 1
+    return shapes
 
 
 def matmul_peak(model: CausalLM, m: int, repeats: int = 5) -> float:
@@ -411,6 +429,22 @@ def peak_fraction(model: CausalLM, m: int, figures: dict[str, float], batch: int
     return out
 
 
+# ---------------------------------------------------------------- 5. ceiling
+
+
+def ceiling(model: CausalLM, batches: list[int], figures: dict[str, float]) -> dict[str, float]:
+    """Per batch size: tokens/s of a decode made of the model's matmuls alone, against generate."""
+    params = sum(i * o * n for (i, o), n in linear_shapes(model).items())
+    out, shown = {}, []
+    for b in batches:
+        tokens_per_s = matmul_peak(model, b) * 1e9 / (2 * params)
+        ratio = tokens_per_s / figures[f"hf_tokens_per_s_b{b}"]
+        out.update({f"matmul_only_tokens_per_s_b{b}": tokens_per_s, f"ceiling_ratio_b{b}": ratio})
+        shown.append(f"batch {b}: {tokens_per_s:.0f} tok/s = {ratio:.1f}x generate")
+    print(f"ceiling (a decode step that costs only its matmuls): {'; '.join(shown)}")
+    return out
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -453,6 +487,7 @@ def main() -> None:
     figures.update(continuous_vs_static(setup, args.requests, args.new_tokens, args.repeats))
     figures.update(prefix_sharing(setup, args.repeats, args.groups))
     figures.update(peak_fraction(setup.model, args.peak_m, figures, max(args.batches)))
+    figures.update(ceiling(setup.model, args.batches, figures))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)

@@ -2,7 +2,7 @@
 
 from tandem.model.checkpoint import load_model, resolve_model_path, save_model
 from tandem.model.config import ModelConfig
-from tandem.model.decoder import CausalLM, init_weights
+from tandem.model.decoder import CausalLM, fuse_projections, init_weights
 from tandem.model.kv_cache import KVCache
 from tandem.model.logprobs import token_logprobs
 
@@ -10,6 +10,7 @@ __all__ = [
     "CausalLM",
     "KVCache",
     "ModelConfig",
+    "fuse_projections",
     "init_weights",
     "load_model",
     "resolve_model_path",

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from tandem.model import CausalLM, KVCache
+from tandem.model import CausalLM, KVCache, fuse_projections
 from tandem.rollout.protocol import ON_UPDATE_POLICIES, SamplingParams, StopCheck
 from tandem.rollout.sampler import exponential_noise, sample_next
 from tandem.sample import Sample, Status
@@ -45,7 +45,8 @@ class BuiltinEngine:
     ):
         if on_update not in ON_UPDATE_POLICIES:
             raise ValueError(f"on_update={on_update!r}; valid: {', '.join(ON_UPDATE_POLICIES)}")
-        self.model = model.eval().requires_grad_(False)
+        # One matmul for q/k/v and one for gate/up per layer; parameters keep their names.
+        self.model = fuse_projections(model.eval().requires_grad_(False))
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
