@@ -5,7 +5,7 @@ import torch
 import transformers
 
 from tandem.errors import TandemError
-from tandem.model import KVCache, load_model, save_model
+from tandem.model import KVCache, fuse_projections, load_model, save_model
 
 SHAPE = dict(
     vocab_size=97,
@@ -87,6 +87,36 @@ def test_kv_cache_decode_equals_full_forward_with_left_padding(tmp_path):
         ]
     stepped = torch.cat([pre, *steps], dim=1)
     torch.testing.assert_close(stepped[mask], full[mask], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fused_projections_give_the_same_logits_and_follow_weight_updates(family, tmp_path):
+    """The engines fuse q/k/v and gate/up; a weight update copied in by name must reach the fused
+    matmul, and the cached decode must still equal the plain model's full forward."""
+    write_hf(family, tmp_path / "hf")
+    plain, fused = load_model(tmp_path / "hf").eval(), fuse_projections(load_model(tmp_path / "hf").eval())
+    assert [n for n, _ in fused.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, 9))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    positions = torch.arange(9).expand(2, -1)
+
+    def cached_decode(model):
+        cache = KVCache(model.cfg, 2, 9, torch.float32, torch.device("cpu"))
+        pre = model(ids[:, :5], positions[:, :5], mask[:, :5], cache)
+        steps = [
+            model(ids[:, t : t + 1], positions[:, t : t + 1], mask[:, t : t + 1], cache) for t in range(5, 9)
+        ]
+        return torch.cat([pre, *steps], dim=1)
+
+    with torch.no_grad():
+        torch.testing.assert_close(cached_decode(fused), plain(ids, positions, mask), atol=1e-5, rtol=0)
+        # A weight update, as the engines' weight sync writes it: copy_ into each parameter by name.
+        live = dict(fused.named_parameters())
+        for name, p in plain.named_parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+            live[name].copy_(p)
+            assert live[name].is_contiguous()
+        torch.testing.assert_close(cached_decode(fused), plain(ids, positions, mask), atol=1e-5, rtol=0)
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
