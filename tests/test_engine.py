@@ -7,8 +7,9 @@ import pytest
 import torch
 from helpers import VOCAB, clone_model, tiny_model
 
+from tandem.errors import TandemError
 from tandem.model import KVCache, token_logprobs
-from tandem.rollout import BuiltinEngine, RolloutWorker, SamplingParams, make_groups
+from tandem.rollout import BuiltinEngine, PagedEngine, RolloutWorker, SamplingParams, make_groups
 from tandem.rollout.sampler import filter_top_k_top_p
 from tandem.sample import Prompt, Sample, Status
 
@@ -414,3 +415,27 @@ def test_per_sample_caps_and_decoding_past_eos_count_the_response_to_its_first_e
         assert s.loss_mask == [1] * end + [0] * (len(s.response_ids) - end)
         assert s.response_text == Tokenizer().decode(s.response_ids[:end])
         assert len(s.logprobs) == len(s.versions) == len(s.response_ids)
+
+
+@pytest.mark.parametrize("engine_cls", [BuiltinEngine, PagedEngine])
+def test_compiled_decode_gives_the_eager_tokens_and_the_trainers_logprobs(engine_cls):
+    """rollout.compile: decode steps through torch.compile. Batches of changing size and cache
+    length (rows finish at EOS, a second call) must keep the eager tokens and logprobs."""
+    eager = engine_cls(tiny_model(std=0.3), [EOS], pad_token_id=0, seed=3)
+    compiled = engine_cls(tiny_model(std=0.3), [EOS], pad_token_id=0, seed=3, compile=True)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12)
+    for ids, n in ((prompts(5), 2), (prompts(3, seed=1), 3)):
+        expected, got = run(eager, ids, params, n), run(compiled, ids, params, n)
+        assert [s.response_ids for s in got] == [s.response_ids for s in expected]
+        for s in got:
+            with torch.no_grad():
+                recomputed = full_forward_logprobs(eager.model, s.prompt_ids, s.response_ids)
+            torch.testing.assert_close(torch.tensor(s.logprobs), recomputed, atol=1e-5, rtol=0)
+    assert compiled.model._decode_layers is not None
+
+
+def test_compile_without_a_cpp_compiler_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(TandemError, match="needs a C\\+\\+ compiler"):
+        BuiltinEngine(tiny_model(), [EOS], pad_token_id=0, compile=True)

@@ -179,6 +179,19 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._rope: tuple[Tensor, Tensor] | None = None  # built on first use, on the model's device
+        self._decode_layers = None  # torch.compile'd `_layers` for one-token forwards: compile_decode()
+
+    def compile_decode(self) -> "CausalLM":
+        """Run every one-token forward (a decode step) through `torch.compile` from now on.
+
+        Inductor fuses the small element-wise operations around the matmuls into generated C++
+        (with a C++ wrapper, so no Python runs between kernels), which is most of a small model's
+        decode step on the CPU. The first calls compile (tens of seconds: once static, then again
+        with the batch size and cache length dynamic); prefills stay eager. Needs a C++ compiler on
+        the CPU. The logits equal the eager ones to float rounding. Returns the model.
+        """
+        self._decode_layers = torch.compile(self._layers, options={"cpp_wrapper": True})
+        return self
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """positions (B, T) -> cos, sin (B, 1, T, D)."""
@@ -227,10 +240,17 @@ class CausalLM(nn.Module):
         self, input_ids: Tensor, positions: Tensor, mask: Tensor, cache: KVCache | BatchCache | None
     ) -> Tensor:
         """The layers under a given attention mask (B, 1, T, S) bool -> logits (B, T, V) in fp32."""
-        cos, sin = self.rope(positions)
-        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(positions)  # outside the compiled part: it reads positions.max()
         # One additive mask for every layer: SDPA would turn a bool mask into it once per layer.
-        mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
+        dtype = self.lm_head.weight.dtype
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        compiled = self._decode_layers is not None and input_ids.shape[1] == 1
+        return (self._decode_layers if compiled else self._layers)(input_ids, cos, sin, mask, cache)
+
+    def _layers(
+        self, input_ids: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: KVCache | BatchCache | None
+    ) -> Tensor:
+        x = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, mask, i, cache)
         return self.lm_head(self.model.norm(x)).float()

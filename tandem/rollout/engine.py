@@ -7,6 +7,8 @@ another thread asked for: `abort()`, or a pending weight update under the `on_up
 docs/rollout.md states which weight version every token records, and how sampling works.
 """
 
+import os
+import shutil
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from tandem.errors import TandemError
 from tandem.model import CausalLM, KVCache, fuse_projections
 from tandem.rollout.protocol import ON_UPDATE_POLICIES, SamplingParams, StopCheck
 from tandem.rollout.sampler import exponential_noise, sample_next
@@ -30,6 +33,8 @@ class BuiltinEngine:
         between two decode steps. Every call first applies whatever update is pending.
     on_step: a test hook, called between decode steps with the number of decode steps the current
         batch has taken (1, 2, ...), just before the engine checks for an abort or an update.
+    compile: run decode steps through torch.compile (`CausalLM.compile_decode`); the first calls
+        compile for tens of seconds, later steps run faster (docs/rollout.md, "Speed").
     """
 
     def __init__(
@@ -42,11 +47,15 @@ class BuiltinEngine:
         version: int = 0,
         on_update: str = "drain",
         on_step: Callable[[int], None] | None = None,
+        compile: bool = False,
     ):
         if on_update not in ON_UPDATE_POLICIES:
             raise ValueError(f"on_update={on_update!r}; valid: {', '.join(ON_UPDATE_POLICIES)}")
         # One matmul for q/k/v and one for gate/up per layer; parameters keep their names.
         self.model = fuse_projections(model.eval().requires_grad_(False))
+        if compile:
+            _check_compiler(self.model)
+            self.model.compile_decode()
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
@@ -327,6 +336,19 @@ class _Decode:
                 s.status, s.finish_reason = Status.FINISHED, "length"
             else:
                 s.status, s.finish_reason = Status.ABORTED, "abort"
+
+
+def _check_compiler(model: CausalLM) -> None:
+    """torch.compile builds C++ for the CPU: fail now, clearly, rather than at the first decode."""
+    if next(model.parameters()).device.type != "cpu":
+        return
+    names = [os.environ.get("CXX"), "g++", "c++", "clang++"]
+    if not any(name and shutil.which(name) for name in names):
+        raise TandemError(
+            "rollout.compile=true needs a C++ compiler on the CPU (torch.compile builds its kernels "
+            "with one) and none was found (tried $CXX, g++, c++, clang++). Install one (Debian: "
+            "apt install g++) or set rollout.compile=false."
+        )
 
 
 def _tail(ids: list[int], n: int) -> list[int]:

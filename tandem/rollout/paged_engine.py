@@ -52,6 +52,7 @@ class PagedEngine(BuiltinEngine):
         kv_budget_mb: float | None = None,
         prefix_caching: bool = True,
         group_sharing: bool = True,
+        compile: bool = False,
     ):
         super().__init__(
             model,
@@ -61,6 +62,7 @@ class PagedEngine(BuiltinEngine):
             version=version,
             on_update=on_update,
             on_step=on_step,
+            compile=compile,
         )
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={max_num_batched_tokens}")
