@@ -53,7 +53,7 @@ from tandem.model import CausalLM, ModelConfig, init_weights, load_model, resolv
 from tandem.rollout import BuiltinEngine, PagedEngine, SamplingParams, make_groups
 from tandem.sample import Prompt, Sample
 
-ENGINES = ("builtin", "paged")
+ENGINES = ("builtin", "paged", "compiled")  # compiled: the built-in engine with compile=True
 RANDOM_MODELS = {
     "qwen2-0.5b-random": ModelConfig(
         model_type="qwen2",
@@ -109,6 +109,13 @@ class Setup:
 
     def builtin(self, max_batch_size: int = 1024) -> BuiltinEngine:
         return BuiltinEngine(self.model, [self.eos], self.pad, max_batch_size=max_batch_size)
+
+    def compiled(self) -> BuiltinEngine:
+        """The built-in engine with compile=True, on its own copy of the model (compiling marks the
+        model it runs)."""
+        model = CausalLM(self.model.cfg).to(self.device, next(self.model.parameters()).dtype)
+        model.load_state_dict(self.model.state_dict())
+        return BuiltinEngine(model, [self.eos], self.pad, compile=True)
 
     def paged(self, max_num_seqs: int, max_tokens: int, **kw) -> PagedEngine:
         """Blocks for max_num_seqs sequences of max_tokens tokens (+1 each for copy-on-write): no
@@ -208,8 +215,11 @@ def fixed_table(
     print(f"{'batch':>6} {'engine':>8} {'tok/s':>10} {'hf tok/s':>10} {'ratio':>7}")
     for b in batches:
         prompts, ids = setup.prompts(b)
-        for engine in engines.values():  # warm up
+        for name, engine in engines.items():  # warm up (the compiled engine compiles here)
+            start = time.perf_counter()
             time_fixed(engine, prompts, ids, 4)
+            key = "" if name == "builtin" else f"{name}_"
+            figures[f"{key}warmup_s"] = figures.get(f"{key}warmup_s", 0.0) + time.perf_counter() - start
         time_hf(setup, ids, 4)
         best = dict.fromkeys([*engines, "hf"], 0.0)
         for _ in range(repeats):
@@ -222,6 +232,8 @@ def fixed_table(
             ratio = best[name] / best["hf"]
             figures.update({f"{key}tokens_per_s_b{b}": best[name], f"{key}ratio_b{b}": ratio})
             print(f"{b:>6} {name:>8} {best[name]:>10.0f} {best['hf']:>10.0f} {ratio:>6.2f}x")
+    if "compiled" in engines:
+        print(f"compiled: {figures['compiled_warmup_s']:.0f} s of warm-up calls, compiling included")
     return figures
 
 
@@ -476,7 +488,7 @@ def main() -> None:
     setup = load(args.model, args.device, getattr(torch, dtype_name), args.layers)
     longest = max(map(len, setup.prompts(max(args.batches))[1])) + args.new_tokens
     seqs = max(*args.batches, 8 * args.groups)
-    make = {"builtin": setup.builtin, "paged": lambda: setup.paged(seqs, longest)}
+    make = {"builtin": setup.builtin, "paged": lambda: setup.paged(seqs, longest), "compiled": setup.compiled}
     engines = {name: make[name]() for name in dict.fromkeys(args.engine)}
     where = (
         f"{torch.get_num_threads()} threads" if device.type == "cpu" else torch.cuda.get_device_name(device)

@@ -264,12 +264,14 @@ def fuse_projections(model: CausalLM) -> CausalLM:
     weight update that copies into the parameters by Hugging Face name (the engines' weight sync)
     writes the fused tensor too. Replacing a parameter object (load_state_dict(assign=True),
     moving the model to another device) would break the link: fuse after the model is in place.
-    Training never fuses, so gradients stay per projection. Returns `model`.
+    Training never fuses, so gradients stay per projection. Returns `model`; a copy.deepcopy of it
+    is not linked (its parameters and fused tensors get separate storage): fuse the copy again.
     """
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        attn.fused = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        mlp.fused = _fuse([mlp.gate_proj, mlp.up_proj])
+        if attn.fused is None:  # a model two engines share is fused once
+            attn.fused = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+            mlp.fused = _fuse([mlp.gate_proj, mlp.up_proj])
     return model
 
 
