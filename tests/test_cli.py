@@ -1,6 +1,8 @@
 """The command line: a short run leaves its outputs, and bad input is one clear paragraph, exit 2."""
 
+import importlib.util
 import json
+import re
 
 import pytest
 import torch
@@ -150,6 +152,17 @@ def test_bad_input_is_one_clear_paragraph(case, ckpt, tmp_path, capsys):
     assert code == 2
     assert "Traceback" not in err and err.startswith("error: ") and err.count("\n") == 1
     assert re.search(pattern, err), err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_the_vllm_engine_without_vllm_is_one_clear_paragraph(command, ckpt, tmp_path, capsys):
+    args = [command, f"model.path={ckpt}", "rollout.engine=vllm", f"run.out_dir={tmp_path}/runs"]
+    code, out, err = run_cli(args, capsys)
+    assert code == 2
+    assert "Traceback" not in err and err.startswith("error: ") and err.count("\n") == 1
+    assert re.search(r"rollout.engine=vllm needs the vllm package.*pip install vllm.*builtin", err), err
+    assert not (tmp_path / "runs" / "default" / "metrics.jsonl").exists()  # no actor started
 
 
 def test_train_on_trl_and_verl_files_with_a_user_reward(ckpt, tmp_path, capsys):

@@ -58,6 +58,9 @@ def test_resolved_config_round_trips(tmp_path):
         (["data.task=multiply"], r"not a known task.*addition.*countdown.*reverse"),
         (["rollout.top_p=0"], r"'rollout.top_p' must be in \(0, 1\]"),
         (["rollout"], r"not of the form section.key=value"),
+        (["rollout.engine=vllm", "rollout.temperature=0.7", "rollout.top_p=0.9"], r"vLLM cannot record"),
+        (["rollout.engine=vllm", "rollout.vllm_gpu_memory_utilization=0"], r"must be in \(0, 1\]"),
+        (["rollout.engine=sglang"], r"not a known engine. Valid names: builtin, paged, vllm"),
     ],
 )
 def test_bad_config_gives_a_clear_error(overrides, expected):

@@ -1,5 +1,7 @@
 """The one decoder matches transformers on tiny random Qwen2, Qwen3 and Llama checkpoints."""
 
+from copy import deepcopy
+
 import pytest
 import torch
 import transformers
@@ -117,6 +119,12 @@ def test_fused_projections_give_the_same_logits_and_follow_weight_updates(family
             live[name].copy_(p)
             assert live[name].is_contiguous()
         torch.testing.assert_close(cached_decode(fused), plain(ids, positions, mask), atol=1e-5, rtol=0)
+        # A deep copy (tests clone engine models) is relinked when an engine fuses it again.
+        copy = fuse_projections(deepcopy(fused))
+        for name, p in copy.named_parameters():
+            p.copy_(dict(plain.named_parameters())[name] * 0.5)
+        plain.load_state_dict({n: p * 0.5 for n, p in plain.state_dict().items()})
+        torch.testing.assert_close(cached_decode(copy), plain(ids, positions, mask), atol=1e-5, rtol=0)
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):

@@ -1,22 +1,18 @@
 """PagedEngine: continuous batching over the paged KV cache. Logprobs equal the trainer's recompute
 (plain, ragged lengths with sequences admitted mid-run, GRPO groups, prefix-cache hits, after
 preemption); greedy outputs equal BuiltinEngine's and do not depend on the KV budget; a group's
-prompt is prefilled once; the partial-rollout / update / abort contract holds for both engines."""
+prompt is prefilled once. The partial-rollout / update / abort contract that every engine keeps is
+in test_engine_contract.py."""
 
 import pytest
 import torch
-from helpers import VOCAB, clone_model, tiny_model
+from helpers import VOCAB, tiny_model
 from test_engine import (
     EOS,
     assert_aligned,
-    at_step,
-    copy_into,
     full_forward_logprobs,
-    partial,
     prompts,
     run,
-    same_weights,
-    stepwise_logprobs,
 )
 
 from tandem.rollout import BuiltinEngine, SamplingParams, make_groups
@@ -150,100 +146,3 @@ def test_a_sequence_larger_than_the_whole_cache_is_a_clear_error():
     with pytest.raises(ValueError, match="kv_budget_mb"):
         paged(tiny_model(), kv_budget_mb=1e-6)
     assert paged(tiny_model(), kv_budget_mb=1.0).block_manager.num_blocks == 2**20 // (2 * 2 * 4 * 2 * 8 * 4)
-
-
-# ---------------------------------------------------------------- the contract, both engines
-
-ENGINES = {
-    "builtin": lambda model, **kw: BuiltinEngine(model, [EOS], 0, **kw),
-    "paged": lambda model, **kw: paged(model, **kw),
-}
-
-
-@pytest.fixture(params=list(ENGINES))
-def make(request):
-    return ENGINES[request.param]
-
-
-def test_an_aborted_and_continued_call_equals_one_uninterrupted_call(make):
-    model = tiny_model(std=0.3)
-    ids, greedy = prompts(5), SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
-    whole = run(make(model), ids, greedy)
-    engine = make(model)
-    engine.on_step = at_step(4, engine.abort)
-    parts = run(engine, ids, greedy)
-    assert all(s.status is Status.ABORTED and s.finish_reason == "abort" for s in parts)
-    assert all(len(s.response_ids) == 4 and s.versions == [0] * 4 for s in parts)
-    engine.on_step = None
-    engine.set_pending_update(1, lambda: None)
-    engine.generate(parts, greedy)
-    for s, w in zip(parts, whole, strict=True):
-        assert s.status is Status.FINISHED and s.response_ids == w.response_ids
-        assert s.versions == [0] * 4 + [1] * 6
-        assert_aligned(s)
-        torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
-
-
-def test_partials_of_different_lengths_continue_and_finished_ones_stay(make):
-    model = tiny_model(std=0.3)
-    ids, greedy = prompts(2), SamplingParams(temperature=0.0, max_new_tokens=9, ignore_eos=True)
-    whole = run(make(model), ids, greedy)
-    samples = [partial(w, j) for w in whole for j in [0, 3, 3, 6, 9]]
-    make(model).generate(samples, greedy)
-    for k, s in enumerate(samples):
-        assert s.status is Status.FINISHED and s.response_ids == whole[k // 5].response_ids
-        assert_aligned(s)
-        torch.testing.assert_close(
-            torch.tensor(s.logprobs), torch.tensor(whole[k // 5].logprobs), atol=1e-5, rtol=0
-        )
-
-
-@torch.no_grad()
-def test_continue_switches_versions_at_the_documented_token(make):
-    old, new = tiny_model(std=0.3), tiny_model(seed=5, std=0.3)
-    ids, greedy = prompts(3), SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
-    engine = make(clone_model(old), on_update="continue")
-    engine.on_step = at_step(4, lambda: engine.set_pending_update(1, copy_into(engine, new)))
-    samples = run(engine, ids, greedy)
-    assert engine.version == 1 and same_weights(engine.model, new)
-    for s in samples:
-        assert s.status is Status.FINISHED and s.versions == [0] * 4 + [1] * 6
-        tokens, expected = stepwise_logprobs(old, new, s.prompt_ids, s.response_ids, swap_after=4)
-        assert s.response_ids == tokens
-        torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-5, rtol=0)
-
-
-def test_abort_policy_returns_aligned_partials_that_finish_on_the_new_weights(make):
-    old, new = tiny_model(std=0.3), tiny_model(seed=5, std=0.3)
-    engine = make(clone_model(old), seed=3, on_update="abort")
-    engine.on_step = at_step(3, lambda: engine.set_pending_update(1, copy_into(engine, new)))
-    params = SamplingParams(max_new_tokens=8, stop_token_ids=list(range(3, 12)))
-    samples = run(engine, prompts(6), params, n=2)
-    assert engine.version == 0 and {s.status for s in samples} == {Status.FINISHED, Status.ABORTED}
-    for s in samples:
-        assert_aligned(s)
-        assert s.versions == [0] * len(s.response_ids)
-        assert len(s.response_ids) == 3 if s.status is Status.ABORTED else len(s.response_ids) <= 3
-    before = [len(s.response_ids) for s in samples]
-    engine.on_step = None
-    engine.generate(samples, params)
-    assert engine.version == 1 and same_weights(engine.model, new)
-    for s, n in zip(samples, before, strict=True):
-        assert s.status is Status.FINISHED and s.versions == [0] * n + [1] * (len(s.response_ids) - n)
-        with torch.no_grad():
-            expected = full_forward_logprobs(new, s.prompt_ids, s.response_ids)
-        torch.testing.assert_close(torch.tensor(s.logprobs[n:]), expected[n:], atol=1e-5, rtol=0)
-
-
-def test_drain_finishes_on_the_old_weights_and_abort_is_not_carried_over(make):
-    old, new = tiny_model(std=0.3), tiny_model(seed=5, std=0.3)
-    engine = make(clone_model(old), seed=2)
-    engine.abort()  # idle: a no-op
-    engine.on_step = at_step(2, lambda: engine.set_pending_update(1, copy_into(engine, new)))
-    samples = run(engine, prompts(4), SamplingParams(max_new_tokens=8), n=2)
-    assert engine.version == 0 and all(s.status is Status.FINISHED for s in samples)
-    assert_logprobs_match_recompute(old, samples)
-    engine.on_step = None
-    after = run(engine, prompts(4), SamplingParams(max_new_tokens=8))
-    assert engine.version == 1 and all(s.versions == [1] * len(s.response_ids) for s in after)
-    assert_logprobs_match_recompute(new, after)

@@ -3,7 +3,7 @@
 import pytest
 
 from tandem.config import load_config
-from tandem.controller.placement import plan
+from tandem.controller.placement import bundle, plan
 from tandem.errors import TandemError
 
 
@@ -67,3 +67,10 @@ def test_a_group_with_nothing_to_run_is_an_error():
     )
     with pytest.raises(TandemError, match="runs nothing"):
         plan(cfg, 4)
+
+
+def test_vllm_rollout_workers_each_reserve_a_gpu_and_nothing_else_does():
+    slots = plan(load_config(None, ["rollout.engine=vllm", "rollout.num_workers=2"]), 4)
+    assert [bundle(s)["GPU"] for s in slots if s.role == "generate"] == [1.0, 1.0]
+    assert all("GPU" not in bundle(s) for s in slots if s.role != "generate")
+    assert all("GPU" not in bundle(s) for s in plan(load_config(None, []), 4))

@@ -48,8 +48,17 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "builtin"  # builtin (static batches) | paged (continuous batching, paged KV cache)
+    # builtin (static batches) | paged (continuous batching, paged KV cache) | vllm (vLLM, needs a
+    # GPU and the vllm package; docs/rollout.md "vLLM backend")
+    engine: str = "builtin"
     kv_cache_mb: float = 256.0  # paged engine: memory for the KV blocks; it preempts when they run out
+    # builtin / paged: decode steps through torch.compile (needs a C++ compiler; the first calls of
+    # each rollout worker compile for tens of seconds; docs/rollout.md "Speed")
+    compile: bool = False
+    # vllm engine: share of the GPU's memory vLLM takes for its weights and KV cache. Leave room for
+    # one more copy of the weights (the buffers updates arrive in) and for a trainer on the same GPU.
+    vllm_gpu_memory_utilization: float = 0.5
+    vllm_enforce_eager: bool = False  # vllm engine: no CUDA graphs (starts faster, decodes slower)
     batch_size: int = 32  # prompts per step
     n: int = 8  # samples per prompt (a GRPO group)
     temperature: float = 1.0

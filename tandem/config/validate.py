@@ -7,7 +7,7 @@ MODES = ("sync", "one_step_off", "async")
 ON_UPDATE = ("drain", "abort", "continue")
 TRANSPORTS = ("object_store", "broadcast")
 TASKS = ("generate", "actor_train", "logp", "ref_logp")
-ENGINES = ("builtin", "paged")
+ENGINES = ("builtin", "paged", "vllm")
 SCHEDULES = ("constant", "linear", "cosine")
 DTYPES = ("float32", "bfloat16", "float16")
 PROX_LOGPROBS = ("recompute", "interpolate")
@@ -55,6 +55,8 @@ def validate(cfg: Config) -> None:
     _one_of(cfg.rollout.logprobs_mode, ("raw", "processed"), "rollout.logprobs_mode", "logprobs mode")
     _check(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1.")
     _check(cfg.rollout.max_batch_size >= 1, "rollout.max_batch_size", "must be >= 1.")
+    if cfg.rollout.engine == "vllm":
+        _check_vllm(cfg)
     _check(cfg.run.save_every >= 0, "run.save_every", "must be >= 0 (0 = only the final checkpoint).")
     _check(cfg.train.warmup_steps >= 0, "train.warmup_steps", "must be >= 0.")
     _check(cfg.data.max_prompt_length >= 1, "data.max_prompt_length", "must be >= 1.")
@@ -92,6 +94,35 @@ def validate(cfg: Config) -> None:
         "sft.num_key_value_heads",
         "must divide sft.num_attention_heads.",
     )
+
+
+def _check_vllm(cfg: Config) -> None:
+    """What rollout.engine=vllm adds: its memory share, and logprobs vLLM can record (whether vLLM is
+    installed is checked when the run starts, so a config still loads on a machine without it)."""
+    from tandem.rollout.protocol import SamplingParams
+    from tandem.rollout.vllm_logprobs import choose_logprobs_mode
+
+    r = cfg.rollout
+    _check(
+        0 < r.vllm_gpu_memory_utilization <= 1,
+        "rollout.vllm_gpu_memory_utilization",
+        f"must be in (0, 1], got {r.vllm_gpu_memory_utilization}.",
+    )
+    calls = [
+        SamplingParams(
+            temperature=t,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            min_p=r.min_p,
+            repetition_penalty=r.repetition_penalty,
+            logprobs_mode=r.logprobs_mode,
+        )
+        for t in (r.temperature, r.val_temperature)
+    ]
+    try:
+        choose_logprobs_mode(calls)
+    except ValueError as e:
+        raise TandemError(f"Config 'rollout.logprobs_mode' with rollout.engine=vllm: {e}") from None
 
 
 def _check_corrections(cfg: Config) -> None:

@@ -49,13 +49,14 @@ class Cluster:
         start_ray(cfg)
         cpus = cfg.placement.num_cpus or ray.cluster_resources().get("CPU", 1)
         slots = placement.plan(cfg, cpus)
-        pg = placement_group([{"CPU": s.cpus} for s in slots], strategy="PACK")
+        pg = placement_group([placement.bundle(s) for s in slots], strategy="PACK")
         try:
             ray.get(pg.ready(), timeout=cfg.run.timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise TandemError(
                 f"Ray could not reserve {placement.describe(slots)} within {cfg.run.timeout_s:g} s; "
-                f"the cluster has {ray.cluster_resources().get('CPU', 0):g} CPUs."
+                f"the cluster has {ray.cluster_resources().get('CPU', 0):g} CPUs and "
+                f"{ray.cluster_resources().get('GPU', 0):g} GPUs."
             ) from None
         on = {s.role: [] for s in slots}
         for s in slots:
@@ -69,7 +70,10 @@ class Cluster:
         restarts = 1 if cfg.sync.transport == "object_store" else 0
         rollouts = [
             RolloutActor.options(
-                num_cpus=s.cpus, scheduling_strategy=strategy[s.bundle], max_restarts=restarts
+                num_cpus=s.cpus,
+                num_gpus=s.gpus,
+                scheduling_strategy=strategy[s.bundle],
+                max_restarts=restarts,
             ).remote(cfg, s.rank, s.threads)
             for s in on["generate"]
         ]

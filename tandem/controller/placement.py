@@ -5,6 +5,7 @@ workers, which also compute π_old, so `logp` goes with them), `ref_logp` (the r
 A task group shares `ratio × cpus`; each actor in it gets an equal part as its own placement-group
 bundle (so groups can span nodes) and as many torch threads as whole CPUs in its part. With no
 groups every role is colocated: they share all CPUs, each with that many threads, and take turns.
+GPUs: each rollout worker of rollout.engine=vllm reserves one; every other role runs on the CPU.
 """
 
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ class Slot:
     cpus: float
     threads: int
     bundle: int = 0
+    gpus: float = 0.0  # a rollout worker on rollout.engine=vllm takes one whole GPU
 
 
 def role_counts(cfg: Config) -> dict[str, int]:
@@ -68,8 +70,9 @@ def plan(cfg: Config, total_cpus: float) -> list[Slot]:
             )
         threads = max(1, round(total_cpus if colocated else each))
         for task in group:
+            gpus = 1.0 if task == "generate" and cfg.rollout.engine == "vllm" else 0.0
             for rank in range(counts[task]):
-                slots.append(Slot(task, rank, each, threads, bundle=len(slots)))
+                slots.append(Slot(task, rank, each, threads, bundle=len(slots), gpus=gpus))
     return slots
 
 
@@ -78,5 +81,11 @@ def describe(slots: list[Slot]) -> str:
     for role in ROLES:
         mine = [s for s in slots if s.role == role]
         if mine:
-            parts.append(f"{role} ×{len(mine)} ({mine[0].cpus:g} CPU, {mine[0].threads} threads each)")
+            gpu = f", {mine[0].gpus:g} GPU" if mine[0].gpus else ""
+            parts.append(f"{role} ×{len(mine)} ({mine[0].cpus:g} CPU{gpu}, {mine[0].threads} threads each)")
     return "; ".join(parts)
+
+
+def bundle(slot: Slot) -> dict[str, float]:
+    """The Ray resources of a slot's placement-group bundle."""
+    return {"CPU": slot.cpus, **({"GPU": slot.gpus} if slot.gpus else {})}

@@ -5,8 +5,10 @@ any actor starts, so a mistake fails in seconds with a clear message. The Ray ac
 (`tandem.controller.actors`) and `tandem eval` / `tandem generate` build their roles here too.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,7 +18,17 @@ from tandem.data.loader import PromptLoader
 from tandem.data.tasks import TASKS
 from tandem.errors import TandemError
 from tandem.model import ModelConfig, load_model, resolve_model_path
-from tandem.rollout import BuiltinEngine, PagedEngine, RolloutWorker, SamplingParams
+from tandem.registry import Registry
+from tandem.rollout import (
+    BuiltinEngine,
+    PagedEngine,
+    RolloutEngine,
+    RolloutWorker,
+    SamplingParams,
+    VLLMEngine,
+)
+from tandem.rollout.vllm_engine import require_vllm
+from tandem.rollout.vllm_logprobs import choose_logprobs_mode
 from tandem.sample import Prompt
 from tandem.train import TrainWorker
 
@@ -97,6 +109,8 @@ class Data:
 
 
 def build_data(cfg: Config) -> Data:
+    if cfg.rollout.engine == "vllm":  # the rollout actors would fail on it; fail here, in seconds
+        require_vllm()
     tokenizer, limit, d = load_checked_tokenizer(cfg), prompt_limit(cfg), cfg.data
     train_prompts, train_src = load_split(cfg, d.train_files, "train", d.train_size, cfg.run.seed)
     train_ids = limit.encode(tokenizer, train_prompts, train_src)
@@ -112,29 +126,62 @@ def build_rollout(cfg: Config, index: int = 0) -> tuple[RolloutWorker, PromptLim
     """Rollout worker `index` (its own sampling seed), and the longest prompt it accepts."""
     torch.manual_seed(cfg.run.seed)
     tokenizer, limit = load_checked_tokenizer(cfg), prompt_limit(cfg)
-    model = load_model(resolve_model_path(cfg.model.path), dtype=DTYPES[cfg.model.dtype])
-    pad = pad_token_id(tokenizer)
-    r, seed = cfg.rollout, cfg.run.seed + 1000 * index
-    if r.engine == "paged":
-        engine = PagedEngine(
-            model,
-            [tokenizer.eos_token_id],
-            pad,
-            kv_budget_mb=r.kv_cache_mb,
-            max_num_seqs=r.max_batch_size,
-            seed=seed,
-            on_update=r.on_update,
-        )
-    else:
-        engine = BuiltinEngine(
-            model,
-            [tokenizer.eos_token_id],
-            pad,
-            max_batch_size=r.max_batch_size,
-            seed=seed,
-            on_update=r.on_update,
-        )
+    engine = ENGINE_BUILDERS.get(cfg.rollout.engine)(cfg, tokenizer, cfg.run.seed + 1000 * index)
     return RolloutWorker(engine, tokenizer), limit
+
+
+EngineBuilder = Callable[[Config, Any, int], RolloutEngine]  # (config, tokenizer, seed) -> engine
+ENGINE_BUILDERS: Registry[EngineBuilder] = Registry("rollout engine")
+
+
+@ENGINE_BUILDERS.register("builtin")
+def _builtin_engine(cfg: Config, tokenizer, seed: int) -> RolloutEngine:
+    model = load_model(resolve_model_path(cfg.model.path), dtype=DTYPES[cfg.model.dtype])
+    r = cfg.rollout
+    return BuiltinEngine(
+        model,
+        [tokenizer.eos_token_id],
+        pad_token_id(tokenizer),
+        max_batch_size=r.max_batch_size,
+        seed=seed,
+        on_update=r.on_update,
+        compile=r.compile,
+    )
+
+
+@ENGINE_BUILDERS.register("paged")
+def _paged_engine(cfg: Config, tokenizer, seed: int) -> RolloutEngine:
+    model = load_model(resolve_model_path(cfg.model.path), dtype=DTYPES[cfg.model.dtype])
+    r = cfg.rollout
+    return PagedEngine(
+        model,
+        [tokenizer.eos_token_id],
+        pad_token_id(tokenizer),
+        kv_budget_mb=r.kv_cache_mb,
+        max_num_seqs=r.max_batch_size,
+        seed=seed,
+        on_update=r.on_update,
+        compile=r.compile,
+    )
+
+
+@ENGINE_BUILDERS.register("vllm")
+def _vllm_engine(cfg: Config, tokenizer, seed: int) -> RolloutEngine:
+    r = cfg.rollout
+    calls = [sampling_params(cfg, t) for t in (r.temperature, r.val_temperature)]
+    return VLLMEngine(
+        resolve_model_path(cfg.model.path),
+        [tokenizer.eos_token_id],
+        pad_token_id(tokenizer),
+        seed=seed,
+        on_update=r.on_update,
+        dtype=cfg.model.dtype,
+        logprobs_mode=choose_logprobs_mode(calls),  # validate() has checked that one exists
+        tokenizer=cfg.model.tokenizer or None,
+        gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+        max_num_seqs=r.max_batch_size,
+        enforce_eager=r.vllm_enforce_eager,
+    )
 
 
 def pad_token_id(tokenizer) -> int:

@@ -264,12 +264,14 @@ def fuse_projections(model: CausalLM) -> CausalLM:
     weight update that copies into the parameters by Hugging Face name (the engines' weight sync)
     writes the fused tensor too. Replacing a parameter object (load_state_dict(assign=True),
     moving the model to another device) would break the link: fuse after the model is in place.
-    Training never fuses, so gradients stay per projection. Returns `model`; a copy.deepcopy of it
-    is not linked (its parameters and fused tensors get separate storage): fuse the copy again.
+    Training never fuses, so gradients stay per projection. Fusing a fused model is a no-op (two
+    engines may share one), except for a copy.deepcopy of one, whose parameters and fused tensors
+    no longer share storage: it is fused again from its parameters. Returns `model`.
     """
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if attn.fused is None:  # a model two engines share is fused once
+        linked = attn.fused is not None and attn.fused[0].data_ptr() == attn.q_proj.weight.data_ptr()
+        if not linked:
             attn.fused = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
             mlp.fused = _fuse([mlp.gate_proj, mlp.up_proj])
     return model

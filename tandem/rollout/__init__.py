@@ -1,9 +1,10 @@
-"""Rollout: the engine protocol, the built-in engine and its sampler."""
+"""Rollout: the engine protocol, the built-in engines and their sampler, the vLLM adapter."""
 
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups
 from tandem.rollout.paged_engine import PagedEngine
 from tandem.rollout.protocol import ON_UPDATE_POLICIES, RolloutEngine, SamplingParams
+from tandem.rollout.vllm_engine import VLLMEngine
 from tandem.rollout.worker import RolloutWorker
 
 __all__ = [
@@ -13,5 +14,6 @@ __all__ = [
     "RolloutEngine",
     "RolloutWorker",
     "SamplingParams",
+    "VLLMEngine",
     "make_groups",
 ]

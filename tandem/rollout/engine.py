@@ -9,8 +9,7 @@ docs/rollout.md states which weight version every token records, and how samplin
 
 import os
 import shutil
-import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -18,21 +17,19 @@ from torch import Tensor
 
 from tandem.errors import TandemError
 from tandem.model import CausalLM, KVCache, fuse_projections
-from tandem.rollout.protocol import ON_UPDATE_POLICIES, SamplingParams, StopCheck
+from tandem.rollout.gate import UpdateGate
+from tandem.rollout.protocol import SamplingParams, StopCheck
 from tandem.rollout.sampler import exponential_noise, sample_next
 from tandem.sample import Sample, Status
 
 COMPACT_FRACTION = 0.25  # compact the cache once this share of the live rows has finished
 
 
-class BuiltinEngine:
+class BuiltinEngine(UpdateGate):
     """Generates on `model`; thread-safe `abort`, `set_pending_update`; the rest from one thread.
 
-    on_update: what a running `generate` call does with a weight update that arrives mid-call —
-        "drain" finishes on the old weights, "abort" returns partials, "continue" swaps the weights
-        between two decode steps. Every call first applies whatever update is pending.
-    on_step: a test hook, called between decode steps with the number of decode steps the current
-        batch has taken (1, 2, ...), just before the engine checks for an abort or an update.
+    on_update, on_step: see `UpdateGate`; a step is a decode step of the current batch, and under
+        "continue" an update is swapped in between two of them, keeping the cached keys.
     compile: run decode steps through torch.compile (`CausalLM.compile_decode`); the first calls
         compile for tens of seconds, later steps run faster (docs/rollout.md, "Speed").
     """
@@ -49,8 +46,7 @@ class BuiltinEngine:
         on_step: Callable[[int], None] | None = None,
         compile: bool = False,
     ):
-        if on_update not in ON_UPDATE_POLICIES:
-            raise ValueError(f"on_update={on_update!r}; valid: {', '.join(ON_UPDATE_POLICIES)}")
+        super().__init__(version, on_update, on_step)
         # One matmul for q/k/v and one for gate/up per layer; parameters keep their names.
         self.model = fuse_projections(model.eval().requires_grad_(False))
         if compile:
@@ -62,48 +58,6 @@ class BuiltinEngine:
         self.device = next(model.parameters()).device
         # On the model's device: a sampling draw must come from a generator of the noise's device.
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.on_update = on_update
-        self.on_step = on_step
-        self._version = version
-        self._lock = threading.Lock()  # guards the three fields below, shared with other threads
-        self._pending: tuple[int, Callable[[], None]] | None = None
-        self._running = False
-        self._abort_requested = False
-
-    @property
-    def version(self) -> int:
-        """The version of the weights now in `self.model`."""
-        return self._version
-
-    def set_pending_update(self, version: int, apply: Callable[[], None]) -> None:
-        """Any thread: `apply()` will copy staged weights of `version` into the model (replaces an
-        earlier update not yet applied). It runs on the generating thread, per `on_update`."""
-        with self._lock:
-            self._pending = (version, apply)
-
-    def apply_pending(self) -> int | None:
-        """Generate thread, while idle: apply the pending update now -> its version, or None."""
-        with self._lock:
-            if self._running:
-                raise RuntimeError("apply_pending() was called while generate() is running")
-        return self._apply_pending()
-
-    def abort(self) -> None:
-        """Any thread: the running generate call stops at its next decode step; no-op when idle."""
-        with self._lock:
-            if self._running:
-                self._abort_requested = True
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """While idle: copy the parameters (Hugging Face names) now; replaces any pending update."""
-        params = dict(self.model.named_parameters())
-
-        def apply() -> None:
-            for name, tensor in named_tensors:
-                params[name].copy_(tensor)
-
-        self.set_pending_update(version, apply)
-        self.apply_pending()
 
     def named_weights(self) -> dict[str, Tensor]:
         """The tensors (Hugging Face names) a weight update writes into: the live parameters."""
@@ -126,7 +80,7 @@ class BuiltinEngine:
             self._apply_pending()  # a new call always starts on the newest weights
             stop_ids = [] if past_eos else self.eos_token_ids + params.stop_token_ids
             stop = torch.tensor(stop_ids, dtype=torch.long)
-            todo = [s for s in samples if not _finish_if_complete(s, params, stop_ids, text)]
+            todo = [s for s in samples if not finish_if_complete(s, params, stop_ids, text)]
             for start in range(0, len(todo), self.max_batch_size):
                 chunk = todo[start : start + self.max_batch_size]
                 if self._between_steps():  # stopped in an earlier chunk, or just now
@@ -136,43 +90,6 @@ class BuiltinEngine:
         finally:
             self._leave()
         return samples
-
-    def _enter(self) -> None:
-        with self._lock:
-            if self._running:
-                raise RuntimeError("generate() is already running; calls must come one at a time")
-            self._running, self._abort_requested = True, False
-
-    def _leave(self) -> None:
-        with self._lock:
-            # An abort() that came too late to stop this call must not stop the next one.
-            self._running, self._abort_requested = False, False
-
-    def _apply_pending(self) -> int | None:
-        with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is None:
-            return None
-        version, apply = pending
-        # Outside inference mode, so tensors that apply() creates stay ordinary tensors.
-        with torch.inference_mode(False), torch.no_grad():
-            apply()
-        self._version = version
-        return version
-
-    def _between_steps(self) -> bool:
-        """True when the running call must stop now: abort() was called, or an update is pending
-        under on_update="abort". Under "continue" a pending update is applied here."""
-        with self._lock:
-            if self._abort_requested:
-                return True
-            pending = self._pending is not None
-        if not pending or self.on_update == "drain":
-            return False
-        if self.on_update == "abort":
-            return True
-        self._apply_pending()
-        return False
 
     @torch.inference_mode()
     def _prefill(self, prefixes: list[list[int]], max_new_tokens: int) -> tuple[Tensor, Tensor, KVCache]:
@@ -204,14 +121,14 @@ class BuiltinEngine:
     def _generate_batch(
         self, samples: list[Sample], params: SamplingParams, stop: Tensor, text: StopCheck | None
     ) -> None:
-        budget = torch.tensor([_cap(s, params) - len(s.response_ids) for s in samples])
+        budget = torch.tensor([response_cap(s, params) - len(s.response_ids) for s in samples])
         version = self._version  # of the weights behind `logits`: the prefill's, then each step's
         logits, next_pos, cache = self._shared_prefill(samples, int(budget.max()))
         run = _Decode.start(budget)
         if params.repetition_penalty != 1.0:
             run.seen = _seen_tokens(samples, logits.shape[-1], logits.device)
         if text is not None:
-            run.text = _StopText(text, [_tail(s.response_ids, text.window) for s in samples])
+            run.text = _StopText(text, [tail_tokens(s.response_ids, text.window) for s in samples])
         while True:
             noise = self._noise(logits, samples, run) if params.temperature > 0 else None
             seen = run.seen[run.rows.to(logits.device)] if run.seen is not None else None
@@ -351,7 +268,7 @@ def _check_compiler(model: CausalLM) -> None:
         )
 
 
-def _tail(ids: list[int], n: int) -> list[int]:
+def tail_tokens(ids: list[int], n: int) -> list[int]:
     return ids[max(0, len(ids) - n) :]
 
 
@@ -365,7 +282,7 @@ def _seen_tokens(samples: list[Sample], vocab: int, device: torch.device) -> Ten
     return seen
 
 
-def _check_aligned(s: Sample) -> None:
+def check_aligned(s: Sample) -> None:
     lists = {"logprobs": s.logprobs, "versions": s.versions, "loss_mask": s.loss_mask}
     for name, values in lists.items():
         if len(values) != len(s.response_ids):
@@ -375,7 +292,7 @@ def _check_aligned(s: Sample) -> None:
             )
 
 
-def _cap(s: Sample, params: SamplingParams) -> int:
+def response_cap(s: Sample, params: SamplingParams) -> int:
     """The most response tokens this sample may have: its own cap, within the call's."""
     return min(s.max_new_tokens or params.max_new_tokens, params.max_new_tokens)
 
@@ -385,7 +302,7 @@ def checked_request(
 ) -> tuple[bool, StopCheck | None]:
     """Check a generate call's input (both engines) -> (decode past EOS?, the stop-string check to run)."""
     for s in samples:
-        _check_aligned(s)
+        check_aligned(s)
     past_eos = params.ignore_eos or params.decode_past_eos
     if params.stop and not past_eos and stop_check is None:
         raise ValueError(
@@ -395,15 +312,15 @@ def checked_request(
     return past_eos, (stop_check if params.stop and not past_eos else None)
 
 
-def _finish_if_complete(
+def finish_if_complete(
     s: Sample, params: SamplingParams, stop_ids: list[int], text: StopCheck | None
 ) -> bool:
     """Finish a sample whose response needs no new token (ends on a stop token or stop string, or
     is at the length limit) -> whether it did."""
     ids = s.response_ids
-    if ids and (ids[-1] in stop_ids or (text is not None and text([_tail(ids, text.window)])[0])):
+    if ids and (ids[-1] in stop_ids or (text is not None and text([tail_tokens(ids, text.window)])[0])):
         s.status, s.finish_reason = Status.FINISHED, "stop"
-    elif len(s.response_ids) >= _cap(s, params):
+    elif len(s.response_ids) >= response_cap(s, params):
         s.status, s.finish_reason = Status.FINISHED, "length"
     else:
         return False

@@ -18,7 +18,13 @@ from collections.abc import Callable
 from tandem.model import CausalLM
 from tandem.model.paged_kv import PagedKVCache
 from tandem.rollout.block_manager import BlockManager
-from tandem.rollout.engine import BuiltinEngine, _cap, _finish_if_complete, _tail, checked_request
+from tandem.rollout.engine import (
+    BuiltinEngine,
+    checked_request,
+    finish_if_complete,
+    response_cap,
+    tail_tokens,
+)
 from tandem.rollout.model_runner import ModelRunner
 from tandem.rollout.protocol import SamplingParams, StopCheck
 from tandem.rollout.scheduler import Scheduler
@@ -80,11 +86,8 @@ class PagedEngine(BuiltinEngine):
         self.num_preemptions = 0
         self._ids = itertools.count()
 
-    def _apply_pending(self) -> int | None:
-        version = super()._apply_pending()
-        if version is not None:
-            self.block_manager.reset_prefix_cache()
-        return version
+    def _after_update(self) -> None:
+        self.block_manager.reset_prefix_cache()  # keys of the old weights serve no new request
 
     def generate(
         self, samples: list[Sample], params: SamplingParams, stop_check: StopCheck | None = None
@@ -95,8 +98,8 @@ class PagedEngine(BuiltinEngine):
         try:
             self._apply_pending()  # a new call always starts on the newest weights
             stop_ids = set() if past_eos else {*self.eos_token_ids, *params.stop_token_ids}
-            todo = [s for s in samples if not _finish_if_complete(s, params, list(stop_ids), text)]
-            seqs = [Sequence.start(next(self._ids), s, _cap(s, params)) for s in todo]
+            todo = [s for s in samples if not finish_if_complete(s, params, list(stop_ids), text)]
+            seqs = [Sequence.start(next(self._ids), s, response_cap(s, params)) for s in todo]
             scheduler = Scheduler(
                 self.block_manager, self.max_num_seqs, self.max_num_batched_tokens, self.group_sharing
             )
@@ -146,6 +149,6 @@ class PagedEngine(BuiltinEngine):
     def _check_text(rows: list[Sequence], text: StopCheck) -> None:
         live = [seq for seq in rows if not seq.stopped]
         if live:
-            ends = text([_tail(seq.response_ids, text.window) for seq in live])
+            ends = text([tail_tokens(seq.response_ids, text.window) for seq in live])
             for seq, end in zip(live, ends, strict=True):
                 seq.stopped = bool(end)

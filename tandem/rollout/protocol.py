@@ -1,4 +1,4 @@
-"""The rollout engine protocol: what every backend (built-in, later vLLM) implements.
+"""The rollout engine protocol: what every backend (builtin, paged, vLLM) implements.
 
 Threads: `generate`, `apply_pending` and `load_weights` are called from one thread, one call at a
 time; `set_pending_update` and `abort` may be called from any other thread at any moment.

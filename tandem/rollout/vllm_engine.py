@@ -1,0 +1,319 @@
+"""VLLMEngine: the `RolloutEngine` contract (docs/rollout.md) on vLLM, for machines with a GPU.
+
+How it drives vLLM, and why:
+
+- vLLM's `LLMEngine` runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and `generate` steps it
+  itself, one `step()` at a time, on the calling thread. Between two steps it honours what other
+  threads asked for — `abort()`, a pending update under `on_update` — exactly where the built-in
+  engines check between decode steps, so it needs no event loop and no second thread. `AsyncLLM` was
+  the other choice; it always runs vLLM's engine core in a child process, so every weight update
+  would have to cross a process boundary (CUDA IPC handles or NCCL), and its steps are not ours to
+  count. In-process, an update reaches the model as a plain call (`apply_model`).
+- vLLM fuses q/k/v and gate/up into single parameters, so the trainer's tensors cannot be written
+  into its model by Hugging Face name. `named_weights()` returns buffers with the trainer's names,
+  shapes and dtypes on the GPU; applying an update runs `apply()` (which fills them), pushes them
+  through the model's own `load_weights`, and empties vLLM's prefix cache so that no key computed
+  on the old weights is handed to a later request.
+- "continue": vLLM cannot swap weights under running requests, so at the swap the engine aborts
+  them, applies the update, and resubmits each as prompt + its tokens so far. Versions switch at
+  the same token as in the built-in engines, but the prefix is prefilled again on the new weights
+  (the built-in engines keep the cached keys of the old ones).
+"""
+
+import itertools
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tandem.errors import TandemError
+from tandem.model import load_model
+from tandem.rollout.engine import check_aligned, finish_if_complete, response_cap
+from tandem.rollout.gate import UpdateGate
+from tandem.rollout.protocol import SamplingParams, StopCheck
+from tandem.rollout.sampler import row_seed
+from tandem.rollout.vllm_logprobs import VLLM_LOGPROBS_MODES, describe, vllm_logprobs_modes
+from tandem.sample import Sample, Status
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def require_vllm() -> None:
+    """TandemError unless the vllm package is installed (checked without importing it: seconds)."""
+    if find_spec("vllm") is None:
+        raise TandemError(
+            "rollout.engine=vllm needs the vllm package, which is not installed here. vLLM runs on "
+            "an NVIDIA GPU: on a GPU machine, `pip install vllm` into an environment whose torch is "
+            "the CUDA build vLLM pins (its wheel brings it; it replaces a CPU-only torch). Or use "
+            "rollout.engine=builtin or rollout.engine=paged, which run anywhere."
+        )
+
+
+class VLLMEngine(UpdateGate):
+    """Generates on vLLM from the checkpoint at `model_path`; thread-safe `abort`, `set_pending_update`.
+
+    eos_token_ids, pad_token_id, seed, version, on_update: as `BuiltinEngine` (`seed` seeds the
+        requests without a `Sample.seed`).
+    dtype: of vLLM's model and of the update buffers — the trainer's dtype.
+    logprobs_mode: vLLM's, fixed for the engine's life (see `choose_logprobs_mode`); a call whose
+        logprobs it cannot record raises ValueError.
+    gpu_memory_utilization: the share of the GPU vLLM takes for its weights and KV cache; the
+        update buffers (one more copy of the weights) come on top of it.
+    max_num_seqs, enable_prefix_caching, enforce_eager: vLLM's engine arguments; engine_args: any
+        other `vllm.EngineArgs` field. One GPU: no tensor parallelism.
+    on_step: a test hook, as BuiltinEngine's: called between steps with the number of engine steps
+        of this call that produced tokens, just before the engine checks for an abort or an update.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        seed: int = 0,
+        version: int = 0,
+        on_update: str = "drain",
+        on_step: Callable[[int], None] | None = None,
+        dtype: str = "float32",
+        logprobs_mode: str = "raw_logprobs",
+        tokenizer: str | Path | None = None,
+        gpu_memory_utilization: float = 0.5,
+        max_num_seqs: int = 256,
+        enable_prefix_caching: bool = True,
+        enforce_eager: bool = False,
+        engine_args: dict[str, Any] | None = None,
+    ):
+        super().__init__(version, on_update, on_step)
+        if logprobs_mode not in VLLM_LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode={logprobs_mode!r}; valid: {', '.join(VLLM_LOGPROBS_MODES)}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r}; valid: {', '.join(DTYPES)}")
+        self.llm = _start_vllm(
+            model=str(model_path),
+            tokenizer=str(tokenizer or model_path),
+            dtype=dtype,
+            seed=seed,
+            logprobs_mode=logprobs_mode,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_num_seqs=max_num_seqs,
+            enable_prefix_caching=enable_prefix_caching,
+            enforce_eager=enforce_eager,
+            **(engine_args or {}),
+        )
+        self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id
+        self.logprobs_mode = logprobs_mode
+        device = self.llm.apply_model(lambda model: next(model.parameters()).device)[0]
+        # The trainer's layout, filled from the checkpoint vLLM loaded: what the engine serves.
+        trainer_layout = load_model(model_path, DTYPES[dtype], device).named_parameters()
+        self._weights = {name: p.detach() for name, p in trainer_layout}
+        self._ids = itertools.count()
+
+    def named_weights(self) -> dict[str, Tensor]:
+        """The update buffers (Hugging Face names, the trainer's shapes and dtypes, on the GPU)."""
+        return self._weights
+
+    def generate(
+        self, samples: list[Sample], params: SamplingParams, stop_check: StopCheck | None = None
+    ) -> list[Sample]:
+        """As `BuiltinEngine.generate`: extend each sample's response (empty or partial) to its end.
+
+        vLLM detokenizes, so it ends responses on `params.stop` itself; `stop_check` only finishes,
+        with no new token, a partial that already ends on a stop string. A stop string that begins
+        in a partial and ends in the continuation goes unseen (vLLM searches new text only).
+        """
+        for s in samples:
+            check_aligned(s)
+        if self.logprobs_mode not in vllm_logprobs_modes(params):
+            raise ValueError(
+                f"This engine records vLLM's {self.logprobs_mode}, which is not {describe(params)}; "
+                "start it with logprobs_mode=choose_logprobs_mode(<every call's params>)."
+            )
+        past_eos = params.ignore_eos or params.decode_past_eos
+        text = stop_check if params.stop and not past_eos else None
+        self._enter()
+        try:
+            self._apply_pending()  # a new call always starts on the newest weights
+            stop_ids = [] if past_eos else self.eos_token_ids + params.stop_token_ids
+            todo = [s for s in samples if not finish_if_complete(s, params, stop_ids, text)]
+            self._run(todo, params, stop_ids, past_eos)
+        finally:
+            self._leave()
+        return samples
+
+    def _run(
+        self, samples: list[Sample], params: SamplingParams, stop_ids: list[int], past_eos: bool
+    ) -> None:
+        """Step vLLM until every request has ended or the call must stop."""
+        live: dict[str, _Request] = {}
+        self._submit(samples, params, stop_ids, past_eos, live)
+        steps = 0
+        try:
+            while live:
+                produced = self._collect(self.llm.step(), live)
+                if not live:
+                    break
+                if produced:  # not a step that only prefilled part of a prompt
+                    steps += 1
+                    if self.on_step is not None:
+                        self.on_step(steps)
+                if self._must_stop():
+                    break
+                if self._swap_now():  # "continue": tokens so far keep the old version
+                    requests = self._drop(live)
+                    self._apply_pending()
+                    self._submit([r.sample for r in requests], params, stop_ids, past_eos, live)
+        finally:
+            for request in self._drop(live):  # stopped by abort(), an update under "abort", an error
+                request.write_back(Status.ABORTED, "abort")
+
+    def _submit(
+        self,
+        samples: list[Sample],
+        params: SamplingParams,
+        stop_ids: list[int],
+        past_eos: bool,
+        live: "dict[str, _Request]",
+    ) -> None:
+        """One vLLM request per sample: its prompt + partial response, the rest of its cap to go.
+        Its tokens will record the version of the weights served now."""
+        from vllm import TokensPrompt
+
+        for s in samples:
+            request_id = f"tandem-{next(self._ids)}"
+            prompt = TokensPrompt(prompt_token_ids=s.prompt_ids + s.response_ids)
+            self.llm.add_request(request_id, prompt, _vllm_params(s, params, stop_ids, past_eos))
+            live[request_id] = _Request(s, self._version)
+
+    def _collect(self, outputs: list, live: "dict[str, _Request]") -> bool:
+        """Record one step's outputs (new tokens only: DELTA) -> whether any token came."""
+        produced = False
+        for out in outputs:
+            request = live.get(out.request_id)
+            if request is None:
+                continue
+            completion = out.outputs[0]
+            request.take(completion.token_ids, completion.logprobs)
+            produced = produced or len(completion.token_ids) > 0
+            if out.finished:
+                del live[out.request_id]
+                request.write_back(*_finish(completion.finish_reason))
+        return produced
+
+    def _drop(self, live: "dict[str, _Request]") -> "list[_Request]":
+        """Abort every live request in vLLM (freeing its KV blocks now) and write its tokens back."""
+        requests = list(live.values())
+        if live:
+            self.llm.abort_request(list(live))
+            live.clear()
+        for request in requests:
+            request.write_back()
+        return requests
+
+    def _after_update(self) -> None:
+        """Push the filled buffers through the model's own `load_weights` (it fuses q/k/v and
+        gate/up), then empty the prefix cache so no key of the old weights serves a new request."""
+        weights = list(self._weights.items())
+        self.llm.apply_model(lambda model: model.load_weights(weights))
+        # Only possible with no request holding KV blocks: true here, every request has ended or
+        # was aborted. Older vLLM (0.11) returns None rather than a bool.
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM did not empty its prefix cache after a weight update")
+
+
+@dataclass
+class _Request:
+    """One vLLM request of a sample; its tokens so far in this request, not yet on the sample."""
+
+    sample: Sample
+    version: int  # of the weights the request was submitted to: each of its tokens records it
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    def take(self, token_ids: Sequence[int], logprobs: Sequence[Any]) -> None:
+        """A step's new tokens, and vLLM's logprob dicts for them ({token: Logprob}; logprobs=0
+        asks for the sampled token's alone)."""
+        for token, top in zip(token_ids, logprobs, strict=True):
+            self.ids.append(token)
+            self.logprobs.append(top[token].logprob)
+
+    def write_back(self, status: Status | None = None, reason: str | None = None) -> None:
+        s, n = self.sample, len(self.ids)
+        s.response_ids = s.response_ids + self.ids
+        s.logprobs = s.logprobs + self.logprobs
+        s.versions = s.versions + [self.version] * n
+        s.loss_mask = s.loss_mask + [1] * n
+        self.ids, self.logprobs = [], []
+        if status is not None:
+            s.status, s.finish_reason = status, reason
+
+
+def _finish(reason: str | None) -> tuple[Status, str]:
+    if reason in ("stop", "length"):
+        return Status.FINISHED, reason
+    if reason == "abort":  # vLLM stopped it on its own: a partial, as an abort() returns it
+        return Status.ABORTED, "abort"
+    raise RuntimeError(f"vLLM ended a request with finish_reason={reason!r}")
+
+
+def _vllm_params(s: Sample, params: SamplingParams, stop_ids: list[int], past_eos: bool) -> Any:
+    """vLLM's SamplingParams for one sample's request."""
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    seed = s.seed
+    if seed is not None and s.response_ids:
+        # vLLM seeds a request's generator once, at its start: a continuation gets a stream of its
+        # own, from (seed, position), rather than replaying the draws of the response's first tokens.
+        seed = row_seed(seed, len(s.response_ids)) & (2**63 - 1)
+    stop = [] if past_eos else list(params.stop)
+    return VllmSamplingParams(
+        n=1,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,  # 0 = off in both
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        max_tokens=response_cap(s, params) - len(s.response_ids),
+        stop=stop,
+        stop_token_ids=list(stop_ids),  # EOS included: tandem's EOS ids decide, as in the built-in engines
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        ignore_eos=past_eos,
+        seed=seed,
+        logprobs=0,  # the sampled token's logprob only
+        detokenize=bool(stop),  # text is needed only to find stop strings
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def _start_vllm(**engine_args: Any) -> Any:
+    """vLLM's LLMEngine in this process, one GPU -> the engine."""
+    require_vllm()
+    if not torch.cuda.is_available():
+        raise TandemError(
+            "rollout.engine=vllm needs a CUDA GPU and this process sees none "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}). Run it on a GPU "
+            "machine, or use rollout.engine=builtin or paged."
+        )
+    # In-process engine core: weight updates reach the model by a plain call (module docstring).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    args = EngineArgs(
+        tensor_parallel_size=1,
+        generation_config="vllm",  # no sampling defaults from the checkpoint: tandem sets them all
+        disable_log_stats=True,
+        **engine_args,
+    )
+    llm = LLMEngine.from_engine_args(args)
+    if not hasattr(llm, "model_executor"):  # set by vLLM only for an in-process engine core
+        raise RuntimeError(
+            "vLLM started its engine core in another process although VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+            "(set before vLLM read its environment?); weight updates need it in this one."
+        )
+    return llm

@@ -1,0 +1,432 @@
+"""The `RolloutEngine` contract (docs/rollout.md), run against every backend installed here.
+
+- builtin, paged: always.
+- vllm-fake: `VLLMEngine` on a CPU stand-in for vLLM (tests/fake_vllm.py) that copies vLLM's API and
+  behaviour as read in its source: it tests the adapter's own logic on every machine.
+- vllm: `VLLMEngine` on real vLLM, only where vLLM is installed and a CUDA GPU is visible.
+
+Every backend serves a tiny random Qwen2 checkpoint written by the test (vLLM loads it from the
+path), and is compared with tandem's own model on the CPU: greedy tokens against a plain argmax
+loop, logprobs against the trainer's recompute (`sequence_logprobs`).
+"""
+
+import importlib.util
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import tiny_config
+from test_engine import stepwise_logprobs
+
+from tandem.data import build_char_tokenizer
+from tandem.model import CausalLM, init_weights, load_model, save_model
+from tandem.rollout import BuiltinEngine, PagedEngine, SamplingParams, make_groups
+from tandem.rollout.vllm_engine import VLLMEngine
+from tandem.sample import Prompt, Sample, Status
+from tandem.train.ref import sequence_logprobs
+
+PAD, EOS = 0, 3  # the built-in tokenizer's <|pad|> and <|im_end|>
+FIRST_TEXT_ID = 5  # ids below are special tokens; prompts use byte tokens only
+HAS_VLLM = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+
+
+@dataclass
+class Backend:
+    name: str
+    make: Callable[..., Any]  # (**engine kwargs) -> engine serving the checkpoint's weights at version 0
+    atol: float  # logprob tolerance against tandem's CPU model
+    keeps_kv_on_swap: bool  # "continue": cached keys of the old weights kept (built-in) or recomputed
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("contract") / "tiny"
+    tokenizer = build_char_tokenizer()
+    model = CausalLM(tiny_config(len(tokenizer), 64, eos_token_id=EOS, pad_token_id=PAD))
+    init_weights(model, 0, std=0.3)  # decisive logits: greedy ties would make comparisons flaky
+    save_model(model, path)
+    tokenizer.save_pretrained(str(path))  # vLLM loads a tokenizer from the checkpoint
+    return path
+
+
+def new_weights(checkpoint: Path) -> CausalLM:
+    """Other weights of the same shape: a weight update."""
+    model = load_model(checkpoint)
+    init_weights(model, 5, std=0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def real_vllm(checkpoint):
+    """One vLLM engine for the module (each start takes a while and holds GPU memory); every test
+    resets its weights, version and policy."""
+    return VLLMEngine(
+        checkpoint,
+        [EOS],
+        PAD,
+        dtype="float32",
+        logprobs_mode="processed_logprobs",  # raw at any temperature when no filter is on
+        gpu_memory_utilization=0.2,
+        enforce_eager=True,
+    )
+
+
+@pytest.fixture(
+    params=[
+        "builtin",
+        "paged",
+        "vllm-fake",
+        pytest.param(
+            "vllm",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not HAS_VLLM, reason="needs the vllm package and a CUDA GPU"),
+            ],
+        ),
+    ]
+)
+def backend(request, checkpoint, monkeypatch) -> Backend:
+    name = request.param
+    if name == "builtin":
+        return Backend(name, lambda **kw: BuiltinEngine(load_model(checkpoint), [EOS], PAD, **kw), 1e-5, True)
+    if name == "paged":  # small blocks: short sequences still cross block boundaries
+        make = lambda **kw: PagedEngine(
+            load_model(checkpoint), [EOS], PAD, num_kv_blocks=256, block_size=4, **kw
+        )
+        return Backend(name, make, 1e-5, True)
+    if name == "vllm-fake":
+        import fake_vllm
+
+        fake_vllm.install(monkeypatch)
+        make = lambda **kw: VLLMEngine(checkpoint, [EOS], PAD, logprobs_mode="processed_logprobs", **kw)
+        # Every step runs the whole sequence through the model: other matmul shapes than the
+        # trainer's, so fp32 rounding reaches ~2e-5 on the least likely tokens.
+        return Backend(name, make, 1e-4, False)
+    engine = request.getfixturevalue("real_vllm")
+
+    def reset(seed: int = 0, on_update: str = "drain") -> VLLMEngine:
+        # `seed` seeds unseeded requests only; no test compares unseeded draws across engines.
+        engine.on_update, engine.on_step = on_update, None
+        engine.load_weights(load_model(checkpoint).named_parameters(), version=0)
+        return engine
+
+    # vLLM's GPU kernels (fused projections, paged attention) sum in another order than tandem's
+    # CPU forward: fp32 logprobs differ by ~1e-5 per layer; a wrong temperature, mode or weight
+    # version moves them by more than 1e-2.
+    return Backend(name, reset, 2e-3, False)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    vocab = len(build_char_tokenizer())
+    lengths = torch.randint(2, 9, (n,), generator=g).tolist()
+    return [torch.randint(FIRST_TEXT_ID, vocab, (k,), generator=g).tolist() for k in lengths]
+
+
+def run(engine, ids, params, n=1, seeds=None) -> list[Sample]:
+    samples = make_groups([Prompt(text="p")] * len(ids), ids, n)
+    for s, seed in zip(samples, seeds or [None] * len(samples), strict=True):
+        s.seed = seed
+    return engine.generate(samples, params)
+
+
+def recompute(model: CausalLM, samples: list[Sample], temperature: float = 1.0) -> list[torch.Tensor]:
+    """The trainer's logprob of every response token: π_old as the trainer sees it."""
+    logp = sequence_logprobs(model, samples, PAD, 4096, temperature or 1.0)
+    return [row[: len(s.response_ids)] for s, row in zip(samples, logp, strict=True)]
+
+
+@torch.no_grad()
+def greedy_reference(model: CausalLM, prompt: list[int], n: int, stop: set[int]) -> list[int]:
+    """A plain argmax loop, the whole sequence through the model at every token."""
+    seq = list(prompt)
+    while len(seq) - len(prompt) < n and not (len(seq) > len(prompt) and seq[-1] in stop):
+        ids = torch.tensor(seq)[None]
+        logits = model(ids, torch.arange(len(seq))[None], torch.ones_like(ids, dtype=torch.bool))
+        seq.append(int(logits[0, -1].argmax()))
+    return seq[len(prompt) :]
+
+
+def update_to(engine, model: CausalLM):
+    """The `apply` of a weight update, as RolloutActor's staging buffer does it: fill the tensors
+    `named_weights()` names with `model`'s weights."""
+    targets, source = engine.named_weights(), dict(model.named_parameters())
+    return lambda: [t.copy_(source[name]) for name, t in targets.items()]
+
+
+def at_step(j: int, action):
+    """An on_step hook that runs `action()` once, after the call's j-th step."""
+    return lambda step: action() if step == j else None
+
+
+def assert_aligned(s: Sample) -> None:
+    n = len(s.response_ids)
+    assert len(s.logprobs) == len(s.versions) == len(s.loss_mask) == n and s.loss_mask == [1] * n
+
+
+def assert_close(backend: Backend, actual: list[float], expected: torch.Tensor) -> None:
+    torch.testing.assert_close(torch.tensor(actual), expected, atol=backend.atol, rtol=0)
+
+
+def partial(s: Sample, j: int) -> Sample:
+    """A copy of `s` cut after its first j tokens, as an aborted call returns it."""
+    return Sample(
+        prompt=s.prompt,
+        prompt_ids=list(s.prompt_ids),
+        group_id=s.group_id,
+        index=s.index,
+        response_ids=s.response_ids[:j],
+        logprobs=s.logprobs[:j],
+        versions=s.versions[:j],
+        loss_mask=s.loss_mask[:j],
+        status=Status.ABORTED,
+        finish_reason="abort",
+    )
+
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+
+
+# ---------------------------------------------------------------- one call
+
+
+def test_finished_samples_have_aligned_lists_and_finish_reasons(backend, checkpoint):
+    stop = list(range(FIRST_TEXT_ID, 261, 4))  # a quarter of the vocabulary: many end early
+    params = SamplingParams(max_new_tokens=6, stop_token_ids=stop)
+    samples = run(backend.make(seed=1), prompts(16), params, n=2, seeds=list(range(32)))
+    for s, expected in zip(samples, recompute(load_model(checkpoint), samples), strict=True):
+        assert s.status is Status.FINISHED and s.versions == [0] * len(s.response_ids)
+        assert_aligned(s)
+        assert_close(backend, s.logprobs, expected)
+        if s.finish_reason == "stop":
+            assert s.response_ids[-1] in stop + [EOS]
+            assert not set(s.response_ids[:-1]) & set(stop + [EOS])
+        else:
+            assert s.finish_reason == "length" and len(s.response_ids) == 6
+    assert {s.finish_reason for s in samples} == {"stop", "length"}
+
+
+def test_per_sample_caps_within_the_call_s_cap(backend):
+    samples = make_groups([Prompt(text="p")] * 6, prompts(6), 2)
+    for i, s in enumerate(samples):
+        s.max_new_tokens = [3, 12, 7, 40][i % 4]  # 40: above the call's cap, which still applies
+    backend.make().generate(samples, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert [len(s.response_ids) for s in samples] == [[3, 12, 7, 12][i % 4] for i in range(12)]
+    assert all(s.status is Status.FINISHED and s.finish_reason == "length" for s in samples)
+
+
+def test_stop_token_ids_end_each_response_at_the_first_one(backend):
+    engine, ids = backend.make(), prompts(6)
+    whole = run(engine, ids, GREEDY)
+    stop = sorted({w.response_ids[3] for w in whole})  # every response holds one by its 4th token
+    cut = run(engine, ids, SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=stop))
+    for s, w in zip(cut, whole, strict=True):
+        end = next(i for i, t in enumerate(w.response_ids) if t in stop or t == EOS) + 1
+        assert s.response_ids == w.response_ids[:end] and end <= 4
+        assert (s.status, s.finish_reason) == (Status.FINISHED, "stop")
+
+
+def test_greedy_equals_an_argmax_loop_and_logprobs_equal_the_trainer_s(backend, checkpoint):
+    model = load_model(checkpoint)
+    samples = run(backend.make(), prompts(6), SamplingParams(temperature=0.0, max_new_tokens=10), n=2)
+    for s, expected in zip(samples, recompute(model, samples), strict=True):
+        assert s.response_ids == greedy_reference(model, s.prompt_ids, 10, {EOS})
+        assert s.finish_reason == ("stop" if s.response_ids[-1] == EOS else "length")
+        assert_close(backend, s.logprobs, expected)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_equal_the_trainer_s_at_the_temperature(backend, checkpoint, temperature):
+    params = SamplingParams(temperature=temperature, max_new_tokens=12)
+    samples = run(backend.make(seed=1), prompts(4), params, n=3, seeds=list(range(12)))
+    assert len({tuple(s.response_ids) for s in samples}) > 4  # the samples of a group differ
+    for s, expected in zip(samples, recompute(load_model(checkpoint), samples, temperature), strict=True):
+        assert s.status is Status.FINISHED
+        assert_close(backend, s.logprobs, expected)
+
+
+def test_a_seeded_sample_draws_the_same_tokens_alone_and_in_any_batch(backend):
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    engine, ids = backend.make(seed=3), prompts(5)
+    alone = run(engine, ids[:1], params, seeds=[11])[0]
+    crowd = run(engine, ids, params, n=3, seeds=[11, 12, 13] + [None] * 12)
+    assert crowd[0].response_ids == alone.response_ids
+    assert_close(backend, crowd[0].logprobs, torch.tensor(alone.logprobs))
+    assert len({tuple(s.response_ids) for s in crowd[:3]}) > 1  # other seeds, other draws
+
+
+# ---------------------------------------------------------------- abort and partial responses
+
+
+def test_abort_from_another_thread_returns_partials_that_a_later_call_finishes(backend):
+    engine, ids = backend.make(), prompts(5)
+    whole = run(engine, ids, GREEDY)
+    reached, released = threading.Event(), threading.Event()
+
+    def hook(step):
+        if step == 3:
+            reached.set()
+            assert released.wait(timeout=30)  # a safety net for a broken test, never a delay
+
+    def other_thread():
+        assert reached.wait(timeout=30)
+        engine.abort()
+        released.set()
+
+    engine.on_step = hook
+    helper = threading.Thread(target=other_thread)
+    helper.start()
+    parts = run(engine, ids, GREEDY)
+    helper.join()
+    assert all(s.status is Status.ABORTED and s.finish_reason == "abort" for s in parts)
+    assert all(len(s.response_ids) == 3 and s.versions == [0] * 3 for s in parts)
+    engine.on_step = None
+    engine.set_pending_update(1, lambda: None)  # same weights, new version: versions show the seam
+    engine.generate(parts, GREEDY)
+    for s, w in zip(parts, whole, strict=True):
+        assert s.status is Status.FINISHED and s.finish_reason == "length"
+        assert s.response_ids == w.response_ids and s.versions == [0] * 3 + [1] * 7
+        assert_aligned(s)
+        assert_close(backend, s.logprobs, torch.tensor(w.logprobs))
+
+
+def test_partials_of_different_lengths_continue_and_complete_ones_stay(backend):
+    engine, ids = backend.make(), prompts(2)
+    whole = run(engine, ids, GREEDY)
+    cuts = [0, 3, 3, 6, 10]  # two share a prefix of 3 tokens; one is already complete
+    samples = [partial(w, j) for w in whole for j in cuts]
+    engine.generate(samples, GREEDY)
+    for k, s in enumerate(samples):
+        w = whole[k // len(cuts)]
+        assert s.status is Status.FINISHED and s.response_ids == w.response_ids
+        assert_aligned(s)
+        assert_close(backend, s.logprobs, torch.tensor(w.logprobs))
+    ends_on_eos = partial(whole[0], 2)
+    ends_on_eos.response_ids = [ends_on_eos.response_ids[0], EOS]
+    engine.generate([ends_on_eos], SamplingParams(temperature=0.0, max_new_tokens=10))
+    assert (ends_on_eos.status, ends_on_eos.finish_reason) == (Status.FINISHED, "stop")
+    assert len(ends_on_eos.response_ids) == 2  # no new token
+
+
+def test_abort_is_a_no_op_while_idle_and_never_carries_over(backend):
+    engine, ids = backend.make(), prompts(3)
+    engine.abort()
+    assert all(s.finish_reason == "length" for s in run(engine, ids, GREEDY))
+    engine.on_step = at_step(10, engine.abort)  # never reached: no step follows the 10th token
+    assert all(s.status is Status.FINISHED and len(s.response_ids) == 10 for s in run(engine, ids, GREEDY))
+
+
+# ---------------------------------------------------------------- weight updates
+
+
+def test_drain_finishes_on_the_old_weights_and_the_next_call_serves_the_new(backend, checkpoint):
+    old, new = load_model(checkpoint), new_weights(checkpoint)
+    engine = backend.make(seed=2)  # on_update="drain" by default
+    engine.on_step = at_step(2, lambda: engine.set_pending_update(1, update_to(engine, new)))
+    samples = run(engine, prompts(4), SamplingParams(max_new_tokens=8), n=2, seeds=list(range(8)))
+    assert engine.version == 0 and all(s.status is Status.FINISHED for s in samples)
+    for s, expected in zip(samples, recompute(old, samples), strict=True):
+        assert s.versions == [0] * len(s.response_ids)
+        assert_close(backend, s.logprobs, expected)
+    engine.on_step = None
+    after = run(engine, prompts(4), SamplingParams(max_new_tokens=8), seeds=list(range(4)))
+    assert engine.version == 1
+    for s, expected in zip(after, recompute(new, after), strict=True):
+        assert s.versions == [1] * len(s.response_ids)
+        assert_close(backend, s.logprobs, expected)
+
+
+def test_abort_policy_returns_partials_that_finish_on_the_new_weights(backend, checkpoint):
+    new = new_weights(checkpoint)
+    engine = backend.make(seed=3, on_update="abort")
+    engine.on_step = at_step(3, lambda: engine.set_pending_update(1, update_to(engine, new)))
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=list(range(FIRST_TEXT_ID, 261, 6)))
+    samples = run(engine, prompts(8), params, n=2, seeds=list(range(16)))
+    assert engine.version == 0 and {s.status for s in samples} == {Status.FINISHED, Status.ABORTED}
+    for s in samples:
+        assert_aligned(s)
+        assert s.versions == [0] * len(s.response_ids)
+        if s.status is Status.ABORTED:
+            assert s.finish_reason == "abort" and len(s.response_ids) == 3
+        else:
+            assert s.finish_reason == "stop" and len(s.response_ids) <= 3
+    before = [(list(s.response_ids), list(s.logprobs)) for s in samples]
+    engine.on_step = None
+    engine.generate(samples, params)
+    assert engine.version == 1
+    for s, (ids, logprobs), expected in zip(samples, before, recompute(new, samples), strict=True):
+        n = len(ids)
+        assert s.status is Status.FINISHED and s.response_ids[:n] == ids and s.logprobs[:n] == logprobs
+        assert s.versions == [0] * n + [1] * (len(s.response_ids) - n)
+        assert_close(backend, s.logprobs[n:], expected[n:])  # the whole prefix on the new weights
+
+
+@torch.no_grad()
+def test_continue_switches_versions_at_the_documented_token(backend, checkpoint):
+    old, new = load_model(checkpoint), new_weights(checkpoint)
+    engine = backend.make(on_update="continue")
+    engine.on_step = at_step(4, lambda: engine.set_pending_update(1, update_to(engine, new)))
+    samples = run(engine, prompts(3), GREEDY)
+    assert engine.version == 1
+    for s in samples:
+        # Tokens 0..3 came from logits of the old weights; the swap came before the forward of
+        # token 3, whose logits (new weights) gave token 4.
+        assert s.status is Status.FINISHED and s.versions == [0] * 4 + [1] * 6
+        assert s.response_ids[:4] == greedy_reference(old, s.prompt_ids, 4, set())
+        if backend.keeps_kv_on_swap:  # the old weights' keys of the prefix stay in the cache
+            tokens, expected = stepwise_logprobs(old, new, s.prompt_ids, s.response_ids, swap_after=4)
+            assert s.response_ids == tokens
+        else:  # the prefix is prefilled again on the new weights
+            expected = torch.cat([recompute(old, [s])[0][:4], recompute(new, [s])[0][4:]])
+            assert s.response_ids[4:] == greedy_reference(new, s.prompt_ids + s.response_ids[:4], 6, set())
+        assert_close(backend, s.logprobs, expected)
+
+
+def test_load_weights_changes_the_outputs_and_the_version(backend, checkpoint):
+    old, new = load_model(checkpoint), new_weights(checkpoint)
+    engine, ids = backend.make(), prompts(4)
+    before = run(engine, ids, GREEDY)
+    engine.load_weights(new.named_parameters(), version=3)
+    after = run(engine, ids, GREEDY)
+    assert engine.version == 3
+    assert all(torch.equal(t, dict(new.named_parameters())[n]) for n, t in engine.named_weights().items())
+    assert [s.response_ids for s in before] == [greedy_reference(old, i, 10, set()) for i in ids]
+    assert [s.response_ids for s in after] == [greedy_reference(new, i, 10, set()) for i in ids]
+    assert [s.response_ids for s in after] != [s.response_ids for s in before]
+    assert all(s.versions == [3] * 10 for s in after)
+
+
+def test_apply_pending_while_idle_and_a_later_update_replaces_an_earlier_one(backend):
+    engine, applied = backend.make(), []
+    assert engine.apply_pending() is None
+    engine.set_pending_update(1, lambda: applied.append(1))
+    engine.set_pending_update(2, lambda: applied.append(2))
+    assert engine.apply_pending() == 2 and applied == [2] and engine.version == 2
+    assert engine.apply_pending() is None
+    s = run(engine, prompts(1), GREEDY)[0]
+    assert s.versions == [2] * 10
+
+
+def test_calls_from_inside_a_running_call_raise(backend):
+    """generate and apply_pending belong to one thread, one call at a time."""
+    engine, errors = backend.make(), []
+
+    def hook(step):
+        if step == 2:
+            for call in (lambda: run(engine, prompts(1), GREEDY), engine.apply_pending):
+                try:
+                    call()
+                except RuntimeError as e:
+                    errors.append(str(e))
+
+    engine.on_step = hook
+    samples = run(engine, prompts(2), GREEDY)
+    assert len(errors) == 2 and "already running" in errors[0] and "apply_pending" in errors[1]
+    assert all(s.status is Status.FINISHED and len(s.response_ids) == 10 for s in samples)

@@ -1,0 +1,72 @@
+"""VLLMEngine's parts that need no vLLM: which of vLLM's logprobs modes records the logprob tandem
+asks for, and a clear error where vLLM is missing. Its behaviour is in test_engine_contract.py."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from tandem.errors import TandemError
+from tandem.rollout import SamplingParams
+from tandem.rollout.sampler import processed_logprobs
+from tandem.rollout.vllm_engine import VLLMEngine
+from tandem.rollout.vllm_logprobs import choose_logprobs_mode, vllm_logprobs_modes
+
+
+def vllm_logprobs(mode: str, logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor):
+    """vLLM's two modes as its Sampler computes them (vllm/v1/sample/sampler.py)."""
+    if mode == "raw_logprobs":  # before the penalty and the temperature
+        return torch.log_softmax(logits, -1)
+    return processed_logprobs(logits, params, seen)  # penalty, / T, min-p, top-k, top-p: vLLM's order
+
+
+def tandem_logprobs(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor):
+    """What `params.logprobs_mode` asks for (docs/rollout.md)."""
+    if params.logprobs_mode == "raw":
+        return torch.log_softmax(logits / (params.temperature or 1.0), -1)
+    return processed_logprobs(logits, params, seen)
+
+
+CASES = [  # (settings, the vLLM modes that record them)
+    (dict(temperature=1.0), ("raw_logprobs", "processed_logprobs")),
+    (dict(temperature=0.0), ("raw_logprobs", "processed_logprobs")),
+    (dict(temperature=0.7), ("processed_logprobs",)),
+    (dict(temperature=1.0, top_p=0.8), ("raw_logprobs",)),
+    (dict(temperature=0.7, top_p=0.8), ()),
+    (dict(temperature=0.7, repetition_penalty=1.3), ()),
+    (dict(temperature=0.0, top_k=3, min_p=0.2), ("raw_logprobs", "processed_logprobs")),  # off when greedy
+    (dict(temperature=0.0, repetition_penalty=1.3), ("raw_logprobs",)),
+    (dict(temperature=0.7, min_p=0.1, logprobs_mode="processed"), ("processed_logprobs",)),
+    (dict(temperature=1.0, logprobs_mode="processed"), ("raw_logprobs", "processed_logprobs")),
+    (dict(temperature=0.0, repetition_penalty=1.3, logprobs_mode="processed"), ("processed_logprobs",)),
+]
+
+
+@pytest.mark.parametrize("settings, modes", CASES)
+def test_a_vllm_mode_is_offered_exactly_when_it_records_tandem_s_logprob(settings, modes):
+    params = SamplingParams(**settings)
+    assert vllm_logprobs_modes(params) == modes
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=g) * 3
+    seen = torch.rand(4, 50, generator=g) < 0.3
+    wanted = tandem_logprobs(logits, params, seen)
+    kept = torch.isfinite(processed_logprobs(logits, params, seen))  # the tokens that can be drawn
+    for mode in ("raw_logprobs", "processed_logprobs"):
+        got = vllm_logprobs(mode, logits, params, seen)
+        assert torch.allclose(got[kept], wanted[kept], atol=1e-5) == (mode in modes), mode
+
+
+def test_the_engine_s_mode_covers_every_call_or_the_error_names_the_settings():
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)
+    assert choose_logprobs_mode([SamplingParams(), greedy]) == "raw_logprobs"
+    assert choose_logprobs_mode([hot, greedy]) == "processed_logprobs"
+    with pytest.raises(ValueError, match="temperature 0.7 .*top_p=0.8.*logprobs_mode='processed'"):
+        choose_logprobs_mode([SamplingParams(temperature=0.7, top_p=0.8), greedy])
+    with pytest.raises(ValueError, match="together with"):  # each alone is fine, not both
+        choose_logprobs_mode([SamplingParams(top_p=0.8), hot])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_without_vllm_the_engine_says_what_to_install(tmp_path):
+    with pytest.raises(TandemError, match="needs the vllm package.*GPU.*pip install vllm"):
+        VLLMEngine(tmp_path, [3], 0)
