@@ -19,8 +19,8 @@ def test_write_gather_and_copy_blocks():
     cache = PagedKVCache(cfg, num_blocks=4, block_size=2, dtype=torch.float32, device=torch.device("cpu"))
     k = torch.randn(3, cfg.num_key_value_heads, cfg.head_dim)
     cache.write(1, torch.tensor([5, -1, 2]), k, -k)  # the -1 token is padding, not stored
-    assert torch.equal(cache.k[1][2, 1], k[0]) and torch.equal(cache.v[1][1, 0], k[2].neg())
-    written = cache.k[1].flatten(0, 1).abs().sum((1, 2)).nonzero().flatten()  # slots holding a key
+    assert torch.equal(cache.k[1][:, 2, 1], k[0]) and torch.equal(cache.v[1][:, 1, 0], k[2].neg())
+    written = cache.k[1].flatten(1, 2).abs().sum((0, 2)).nonzero().flatten()  # slots holding a key
     assert written.tolist() == [2, 5] and cache.k[0].abs().sum() == 0
     keys, values, mask = cache.gather(1, torch.tensor([[2, 1], [1, -1]]), torch.tensor([4, 1]))
     assert keys.shape == (2, cfg.num_key_value_heads, 4, cfg.head_dim)
@@ -28,8 +28,8 @@ def test_write_gather_and_copy_blocks():
     assert torch.equal(values[1, :, 0], -k[2])
     assert mask.tolist() == [[True] * 4, [True, False, False, False]]
     cache.copy_blocks([BlockCopy(src=2, dst=3)])
-    assert torch.equal(cache.k[1][3], cache.k[1][2]) and torch.equal(cache.v[0][3], cache.v[0][2])
-    assert PagedKVCache.block_bytes(cfg, 2, torch.float32) == cache.k[0][0].numel() * 4 * 2 * 2
+    assert torch.equal(cache.k[1][:, 3], cache.k[1][:, 2]) and torch.equal(cache.v[0][:, 3], cache.v[0][:, 2])
+    assert PagedKVCache.block_bytes(cfg, 2, torch.float32) == cache.k[0][:, 0].numel() * 4 * 2 * 2
 
 
 # ---------------------------------------------------------------- the model, both ways

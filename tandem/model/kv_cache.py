@@ -7,14 +7,16 @@ from tandem.model.config import ModelConfig
 
 
 class KVCache:
-    """Keys and values of shape (B, Hkv, S_max, D) per layer, filled left to right.
+    """Keys and values per layer, filled left to right, stored head-major as (Hkv, B, S_max, D):
+    a decode step's attention then reads each key head of every row as one batch of matrices
+    (`decode_attention`), with no copy. `update` hands them out as (B, Hkv, S, D) views.
 
     All rows share one write position (`length`); rows padded on the left mark their padding with
     `key_mask` so attention skips it. `keep(rows)` drops finished rows so they stop costing compute.
     """
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device):
-        shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        shape = (cfg.num_key_value_heads, batch, max_len, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         self.key_mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
@@ -31,15 +33,15 @@ class KVCache:
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """k, v (B, Hkv, T, D) for the next T slots -> all keys and values so far (B, Hkv, S, D)."""
         end = self.length + k.shape[2]
-        self.k[layer][:, :, self.length : end] = k
-        self.v[layer][:, :, self.length : end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        self.k[layer][:, :, self.length : end] = k.transpose(0, 1)
+        self.v[layer][:, :, self.length : end] = v.transpose(0, 1)
+        return self.k[layer][:, :, :end].transpose(0, 1), self.v[layer][:, :, :end].transpose(0, 1)
 
     def advance(self, steps: int) -> None:
         self.length += steps
 
     def keep(self, rows: Tensor) -> None:
         """Keep only `rows` (1-D index tensor) of the batch."""
-        self.k = [k[rows] for k in self.k]
-        self.v = [v[rows] for v in self.v]
+        self.k = [k[:, rows] for k in self.k]
+        self.v = [v[:, rows] for v in self.v]
         self.key_mask = self.key_mask[rows]

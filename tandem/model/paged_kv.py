@@ -20,12 +20,13 @@ from tandem.model.config import ModelConfig
 
 
 class PagedKVCache:
-    """Per layer, key and value pools of shape (num_blocks, block_size, Hkv, D)."""
+    """Per layer, key and value pools of shape (Hkv, num_blocks, block_size, D): head-major, so a
+    gather of each row's blocks is already the (Hkv, B, S, D) layout `decode_attention` reads."""
 
     def __init__(
         self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
     ):
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (cfg.num_key_value_heads, num_blocks, block_size, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -44,8 +45,9 @@ class PagedKVCache:
         slots = slot_mapping.reshape(-1)
         real = slots >= 0
         for pool, new in ((self.k[layer], k), (self.v[layer], v)):
-            flat = pool.view(-1, *pool.shape[2:])  # (num_blocks * block_size, Hkv, D)
-            flat[slots[real]] = new.reshape(-1, *pool.shape[2:])[real].to(pool.dtype)
+            flat = pool.view(pool.shape[0], -1, pool.shape[3])  # (Hkv, num_blocks * block_size, D)
+            tokens = new.reshape(-1, pool.shape[0], pool.shape[3])[real]  # (N, Hkv, D)
+            flat[:, slots[real]] = tokens.transpose(0, 1).to(pool.dtype)
 
     def gather(self, layer: int, block_tables: Tensor, context_lens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """block_tables (B, M), context_lens (B,) -> k, v (B, Hkv, S, D) and key mask (B, S), S = M·bs.
@@ -64,16 +66,17 @@ class PagedKVCache:
         src = torch.tensor([s for s, _ in pairs], device=device)
         dst = torch.tensor([d for _, d in pairs], device=device)
         for pool in (*self.k, *self.v):
-            pool[dst] = pool[src]
+            pool[:, dst] = pool[:, src]
 
 
 def gather_blocks(pool: Tensor, block_tables: Tensor) -> Tensor:
-    """pool (N, bs, Hkv, D), block_tables (B, M) -> (B, Hkv, M·bs, D), each row's blocks in order.
+    """pool (Hkv, N, bs, D), block_tables (B, M) -> (B, Hkv, M·bs, D), each row's blocks in order:
+    a view of a contiguous (Hkv, B, M·bs, D) gather.
 
     Table entries below 0 pad short rows; they read block 0, which the key mask hides.
     """
-    blocks = pool[block_tables.clamp(min=0)]  # (B, M, bs, Hkv, D)
-    return blocks.flatten(1, 2).transpose(1, 2)
+    blocks = pool[:, block_tables.clamp(min=0)]  # (Hkv, B, M, bs, D)
+    return blocks.flatten(2, 3).transpose(0, 1)
 
 
 def key_mask(context_lens: Tensor, width: int) -> Tensor:
@@ -92,7 +95,7 @@ def paged_attention(
 ) -> Tensor:
     """Causal attention of new tokens over the paged keys and values -> (B, H, T, D).
 
-    q (B, H, T, D) rotated queries; k_cache, v_cache (N, bs, Hkv, D) one layer's pools, already
+    q (B, H, T, D) rotated queries; k_cache, v_cache (Hkv, N, bs, D) one layer's pools, already
     holding the new tokens' keys; block_tables (B, M); context_lens (B,) tokens in the cache per row,
     at least 1; query_lens (B,) new tokens per row (default T for every row).
 

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from tandem.model import CausalLM
-from tandem.model.paged_kv import PagedKVCache, key_mask
+from tandem.model.paged_kv import PagedKVCache, gather_blocks, key_mask
 from tandem.rollout.block_manager import BlockManager
 from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.sampler import exponential_noise, sample_next
@@ -51,7 +51,8 @@ class PagedBatch:
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """k, v (B, Hkv, T, D) -> every key and value of the rows' blocks (B, Hkv, S, D)."""
         self.cache.write(layer, self.slot_mapping, k.transpose(1, 2), v.transpose(1, 2))
-        keys, values, _ = self.cache.gather(layer, self.block_tables, self.context_lens)
+        keys = gather_blocks(self.cache.k[layer], self.block_tables)
+        values = gather_blocks(self.cache.v[layer], self.block_tables)
         return keys.to(k.dtype), values.to(v.dtype)
 
 
@@ -90,16 +91,18 @@ class ModelRunner:
 
     def _batch(self, new: list[tuple[Sequence, int]]) -> tuple[PagedBatch, Tensor]:
         """Rows (sequence, its last n tokens to compute) -> the batch and token ids (B, T)."""
-        b, t = len(new), max(n for _, n in new)
+        t = max(n for _, n in new)
         tables = [self.bm.block_table(seq.seq_id) for seq, _ in new]
-        ids = torch.zeros(b, t, dtype=torch.long)
-        slots = torch.full((b, t), -1, dtype=torch.long)
-        block_tables = torch.full((b, max(map(len, tables))), -1, dtype=torch.long)
-        for i, ((seq, n), table) in enumerate(zip(new, tables, strict=True)):
+        m = max(map(len, tables))
+        # Padded Python lists, then one tensor each: a decode step has a row per running sequence,
+        # and a small tensor per row costs more than the row's whole share of the forward.
+        ids, slots, block_tables = [], [], []
+        for (seq, n), table in zip(new, tables, strict=True):
             ctx = len(seq)
-            ids[i, :n] = torch.tensor(seq.token_ids[ctx - n :])
-            slots[i, :n] = torch.tensor(self.bm.slots(seq.seq_id, ctx - n, ctx))
-            block_tables[i, : len(table)] = torch.tensor(table)
+            ids.append(seq.token_ids[ctx - n :] + [0] * (t - n))
+            slots.append(self.bm.slots(seq.seq_id, ctx - n, ctx) + [-1] * (t - n))
+            block_tables.append(table + [-1] * (m - len(table)))
+        ids, slots, block_tables = (torch.tensor(x, dtype=torch.long) for x in (ids, slots, block_tables))
         context = torch.tensor([len(seq) for seq, _ in new])
         query = torch.tensor([n for _, n in new])
         to = self.device
