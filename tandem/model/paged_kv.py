@@ -75,8 +75,11 @@ def gather_blocks(pool: Tensor, block_tables: Tensor) -> Tensor:
 
     Table entries below 0 pad short rows; they read block 0, which the key mask hides.
     """
-    blocks = pool[:, block_tables.clamp(min=0)]  # (Hkv, B, M, bs, D)
-    return blocks.flatten(2, 3).transpose(0, 1)
+    hkv, _, bs, d = pool.shape
+    b, m = block_tables.shape
+    # index_select copies whole blocks (bs·D values each): several times faster than pool[:, tables].
+    blocks = pool.view(hkv, -1, bs * d).index_select(1, block_tables.clamp(min=0).flatten())
+    return blocks.view(hkv, b, m * bs, d).transpose(0, 1)
 
 
 def key_mask(context_lens: Tensor, width: int) -> Tensor:
