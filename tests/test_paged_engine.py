@@ -1,8 +1,10 @@
 """PagedEngine: continuous batching over the paged KV cache. Logprobs equal the trainer's recompute
-(plain, ragged lengths with sequences admitted mid-run, GRPO groups, prefix-cache hits, after
-preemption); greedy outputs equal BuiltinEngine's and do not depend on the KV budget; a group's
+(plain, ragged lengths with sequences admitted mid-run, chunked prefill, GRPO groups, prefix-cache
+hits, after preemption); greedy outputs equal BuiltinEngine's and do not depend on the KV budget; a group's
 prompt is prefilled once. The partial-rollout / update / abort contract that every engine keeps is
 in test_engine_contract.py."""
+
+from itertools import pairwise
 
 import pytest
 import torch
@@ -66,6 +68,28 @@ def test_continuous_batching_of_ragged_lengths_matches_recompute():
     assert [len(s.response_ids) for s in samples] == caps
     assert len(steps) > max(caps)  # admissions (prefill steps) happened between decode steps
     assert_logprobs_match_recompute(model, samples)
+
+
+def test_chunked_prefill_keeps_the_token_budget_and_matches_recompute():
+    """Prompts up to 30 tokens under a budget of 8 per step: long ones are prefilled in chunks
+    between the decode steps of the running sequences, with the outputs of an unchunked engine."""
+    model = tiny_model(std=0.3)
+    ids, params = ragged(8), SamplingParams(temperature=0.0, max_new_tokens=10)
+    unchunked = run(paged(model, max_num_seqs=4), ids, params, n=2)
+    engine = paged(model, max_num_seqs=4, max_num_batched_tokens=8)
+    forwards = []  # (tokens computed, rows) of every forward
+    hook = model.register_forward_pre_hook(lambda _, a: forwards.append((int(a[2].sum()), a[0].shape[0])))
+    try:
+        chunked = run(engine, ids, params, n=2)
+    finally:
+        hook.remove()
+    assert max(tokens for tokens, _ in forwards) <= 8
+    assert engine.runner.num_prefill_tokens == sum(map(len, ids))  # each prompt once, in pieces
+    prefills = [i for i, (tokens, rows) in enumerate(forwards) if tokens > rows]  # prefill forwards
+    assert any(b - a > 1 for a, b in pairwise(prefills)), "no decode step between chunks"
+    assert [s.response_ids for s in chunked] == [s.response_ids for s in unchunked]
+    assert_logprobs_match_recompute(model, chunked)
+    assert engine.block_manager.num_used_blocks == 0
 
 
 def test_grpo_groups_share_the_prompt_prefill_and_match_recompute():

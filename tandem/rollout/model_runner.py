@@ -77,34 +77,37 @@ class ModelRunner:
         members all get the logits of the one row computed for it."""
         if step.decode:
             self.cache.copy_blocks(step.copies)
-            new = [(seq, 1) for seq in step.decode]
+            new = [(seq, len(seq) - 1, len(seq)) for seq in step.decode]
         else:
-            new = [(g[0], len(g[0]) - self.bm.num_cached_tokens(g[0].seq_id)) for g in step.prefill]
-            self.num_prefill_tokens += sum(n for _, n in new)
+            new = [(g[0], start, end) for g, (start, end) in zip(step.prefill, step.spans, strict=True)]
+            self.num_prefill_tokens += sum(end - start for _, start, end in new)
         batch, ids = self._batch(new)
         logits = self.model(ids, batch.positions(), batch.slot_mapping >= 0, batch)  # (B, T, V)
         last = logits[torch.arange(len(new), device=self.device), batch.query_lens - 1]  # (B, V)
         if step.decode:
             return last
-        owner = [i for i, g in enumerate(step.prefill) for _ in g]
-        return last[torch.tensor(owner, device=self.device)]
+        # A group's members share its head's logits; a chunk short of the prompt's end gives none.
+        spans = zip(step.prefill, step.spans, strict=True)
+        owner = [i for i, (g, (_, end)) in enumerate(spans) if end == len(g[0]) for _ in g]
+        return last[torch.tensor(owner, dtype=torch.long, device=self.device)]
 
-    def _batch(self, new: list[tuple[Sequence, int]]) -> tuple[PagedBatch, Tensor]:
-        """Rows (sequence, its last n tokens to compute) -> the batch and token ids (B, T)."""
-        t = max(n for _, n in new)
-        tables = [self.bm.block_table(seq.seq_id) for seq, _ in new]
+    def _batch(self, new: list[tuple[Sequence, int, int]]) -> tuple[PagedBatch, Tensor]:
+        """Rows (sequence, start, end): compute its tokens start..end-1, after the `start` whose keys
+        are cached -> the batch and token ids (B, T)."""
+        t = max(end - start for _, start, end in new)
+        tables = [self.bm.block_table(seq.seq_id) for seq, _, _ in new]
         m = max(map(len, tables))
         # Padded Python lists, then one tensor each: a decode step has a row per running sequence,
         # and a small tensor per row costs more than the row's whole share of the forward.
         ids, slots, block_tables = [], [], []
-        for (seq, n), table in zip(new, tables, strict=True):
-            ctx = len(seq)
-            ids.append(seq.token_ids[ctx - n :] + [0] * (t - n))
-            slots.append(self.bm.slots(seq.seq_id, ctx - n, ctx) + [-1] * (t - n))
+        for (seq, start, end), table in zip(new, tables, strict=True):
+            pad = t - (end - start)
+            ids.append(seq.token_ids[start:end] + [0] * pad)
+            slots.append(self.bm.slots(seq.seq_id, start, end) + [-1] * pad)
             block_tables.append(table + [-1] * (m - len(table)))
         ids, slots, block_tables = (torch.tensor(x, dtype=torch.long) for x in (ids, slots, block_tables))
-        context = torch.tensor([len(seq) for seq, _ in new])
-        query = torch.tensor([n for _, n in new])
+        context = torch.tensor([end for _, _, end in new])
+        query = torch.tensor([end - start for _, start, end in new])
         to = self.device
         batch = PagedBatch(self.cache, slots.to(to), block_tables.to(to), context.to(to), query.to(to))
         return batch, ids.to(to)

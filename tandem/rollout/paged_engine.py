@@ -37,7 +37,8 @@ class PagedEngine(BuiltinEngine):
 
     kv_budget_mb: size the blocks from a memory budget instead (overrides num_kv_blocks).
     max_num_seqs: sequences in the running batch; max_num_batched_tokens: prompt tokens one prefill
-    step may compute (a longer prompt still runs, alone). `num_preemptions` counts preemptions.
+    step may compute (a longer prompt is prefilled in chunks, between decode steps).
+    `num_preemptions` counts preemptions.
     group_sharing / prefix_caching: prefill a group's prompt once / reuse computed prompt blocks
     across requests; both on by default, off only to measure what they buy (bench/engine.py).
     """
@@ -127,8 +128,8 @@ class PagedEngine(BuiltinEngine):
             version = self._version
             logits = self.runner.run(step)
             scheduler.computed(step)
-            rows = step.rows
-            tokens, logprobs = self.runner.sample(logits, rows, params, self.generator)
+            rows = step.rows  # none after a chunk that leaves its prompt unfinished
+            tokens, logprobs = self.runner.sample(logits, rows, params, self.generator) if rows else ([], [])
             for seq, token, logprob in zip(rows, tokens, logprobs, strict=True):
                 seq.record(token, logprob, version)
                 seq.stopped = token in stop_ids

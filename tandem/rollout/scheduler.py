@@ -2,7 +2,16 @@
 
 Each step is a prefill or a decode (nano-vllm's split). A prefill admits waiting sequences while
 the sequence budget (`max_num_seqs`), the token budget (`max_num_batched_tokens`) and the KV budget
-(`BlockManager.can_allocate`) allow; otherwise every running sequence decodes one token. When a
+(`BlockManager.can_allocate`) allow; otherwise every running sequence decodes one token.
+
+Chunked prefill: a prompt that does not fit in what is left of a step's token budget is computed
+in chunks, one per prefill step, each after the keys of the chunks before it are in the cache. Its
+group waits in `partial` (holding its blocks, not decoding) and takes turns with the decode steps
+of the running sequences, so a long prompt neither breaks the budget nor stalls them; it joins
+`running` once its last chunk gives it logits. No step mixes prefill and decode rows: the runner
+pads a step's rows to its longest, so a decode row in a prefill step would cost a whole chunk.
+
+When a
 decode finds no free block, the most recently admitted running sequence is preempted: its blocks
 are freed and it goes back to the front of the waiting queue, to be recomputed from its prompt and
 the tokens it has so far (never an out-of-memory error). A sequence leaves as soon as it ends.
@@ -23,16 +32,25 @@ from tandem.rollout.sequence import SeqState, Sequence
 @dataclass
 class Step:
     """One forward's worth of work: prefill groups (the first of each is computed, the rest share
-    its blocks and logits), or decode rows with the block copies to make before it."""
+    its blocks and logits) with the token span [start, end) each head computes, or decode rows with
+    the block copies to make before it."""
 
     prefill: list[list[Sequence]] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)  # per prefill group
     decode: list[Sequence] = field(default_factory=list)
     copies: list[BlockCopy] = field(default_factory=list)
 
     @property
+    def sampling_groups(self) -> list[list[Sequence]]:
+        """The prefill groups whose prompt this step completes (a chunk short of the end gives no logits)."""
+        return [g for g, (_, end) in zip(self.prefill, self.spans, strict=True) if end == len(g[0])]
+
+    @property
     def rows(self) -> list[Sequence]:
         """The sequences that sample a token from this step's logits."""
-        return [s for group in self.prefill for s in group] if self.prefill else list(self.decode)
+        if self.prefill:
+            return [s for group in self.sampling_groups for s in group]
+        return list(self.decode)
 
 
 class Scheduler:
@@ -50,11 +68,13 @@ class Scheduler:
         self.group_sharing = group_sharing
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
+        self.partial: list[Sequence] | None = None  # a group whose prompt is being chunk-prefilled
+        self._chunk_turn = True  # with a partial group, chunk and decode steps alternate
         self.num_preemptions = 0
 
     @property
     def is_done(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and self.partial is None
 
     def add(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
@@ -66,19 +86,36 @@ class Scheduler:
             self.waiting.append(seq)
 
     def schedule(self) -> Step:
-        """The next step: admit what fits (prefill), else decode every running sequence."""
-        if groups := self._admit():
-            return Step(prefill=groups)
+        """The next step: the next chunk of a partial prompt or admit what fits (prefill), else
+        decode every running sequence."""
+        if self.partial is not None and (self._chunk_turn or not self.running):
+            self._chunk_turn = False
+            head = self.partial[0]
+            end = min(len(head), head.num_computed + self.max_num_batched_tokens)
+            return Step(prefill=[self.partial], spans=[(head.num_computed, end)])
+        self._chunk_turn = True
+        if self.partial is None and (step := self._admit()):
+            return step
         decode, copies = self._reserve_decode()
         if decode:
             return Step(decode=decode, copies=copies)
-        if groups := self._admit():  # every running sequence was preempted: recompute them
-            return Step(prefill=groups)
+        if step := self._admit():  # every running sequence was preempted: recompute them
+            return step
         raise RuntimeError("the scheduler found nothing to run")  # add() rules this out
 
     def computed(self, step: Step) -> None:
-        """After the forward: the keys of every row's tokens are in the cache."""
-        for seq in step.rows:
+        """After the forward: the keys of every computed token are in the cache. A partial group
+        whose last chunk this was starts decoding."""
+        for group, (_, end) in zip(step.prefill, step.spans, strict=True):
+            self.bm.mark_computed(group[0].seq_id, end)
+            for seq in group:
+                seq.num_computed = end
+                if seq is not group[0]:
+                    self.bm.mark_computed(seq.seq_id, end)
+            if group is self.partial and end == len(group[0]):
+                self.running.extend(group)
+                self.partial = None
+        for seq in step.decode:
             self.bm.mark_computed(seq.seq_id, self.bm.num_tokens(seq.seq_id))
 
     def finish(self, seq: Sequence) -> None:
@@ -88,23 +125,25 @@ class Scheduler:
         seq.state = SeqState.FINISHED
 
     def clear(self) -> None:
-        """End of the call: free every running sequence's blocks, forget the waiting ones."""
-        for seq in self.running:
+        """End of the call: free every running (or partly prefilled) sequence's blocks, forget the
+        waiting ones."""
+        for seq in self.running + (self.partial or []):
             self.bm.free(seq.seq_id)
         self.running.clear()
+        self.partial = None
         self.waiting.clear()
 
-    def _admit(self) -> list[list[Sequence]]:
-        groups: list[list[Sequence]] = []
-        tokens = 0  # counts whole prefixes: an upper bound, prefix-cache hits are known only later
-        while self.waiting and len(self.running) < self.max_num_seqs:
+    def _admit(self) -> Step | None:
+        """Admit waiting groups into one prefill step while the budgets allow; the last may get only
+        a first chunk of its prompt (it becomes `partial`) -> the step, or None if none fits."""
+        step, tokens = Step(), 0  # tokens to compute: the prompt less what the prefix cache holds
+        while self.waiting and len(self.running) < self.max_num_seqs and tokens < self.max_num_batched_tokens:
             head = self.waiting[0]
-            if groups and tokens + len(head) > self.max_num_batched_tokens:
-                break
             if not self.bm.can_allocate(len(head)):
                 break
             self.waiting.popleft()
             self.bm.allocate(head.seq_id, head.token_ids)
+            head.num_computed = self.bm.num_cached_tokens(head.seq_id)
             group = [head]
             while (
                 self.group_sharing
@@ -117,10 +156,16 @@ class Scheduler:
                 group.append(member)
             for seq in group:
                 seq.state = SeqState.RUNNING
+            end = min(len(head), head.num_computed + self.max_num_batched_tokens - tokens)
+            step.prefill.append(group)
+            step.spans.append((head.num_computed, end))
+            tokens += end - head.num_computed
+            if end < len(head):  # the rest of its prompt comes in later chunks
+                self.partial = group
+                self._chunk_turn = False
+                break
             self.running.extend(group)
-            groups.append(group)
-            tokens += len(head)
-        return groups
+        return step if step.prefill else None
 
     def _reserve_decode(self) -> tuple[list[Sequence], list[BlockCopy]]:
         """Reserve each running sequence's next slot, preempting the newest when blocks run out."""

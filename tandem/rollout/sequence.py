@@ -33,6 +33,7 @@ class Sequence:
     new_versions: list[int] = field(default_factory=list)
     state: SeqState = SeqState.WAITING
     stopped: bool = False  # ended on a stop token or stop string
+    num_computed: int = 0  # leading tokens whose keys are in the cache, while its prompt is prefilled
 
     @classmethod
     def start(cls, seq_id: int, sample: Sample, cap: int) -> "Sequence":
