@@ -52,6 +52,7 @@ class RolloutConfig:
     # GPU and the vllm package; docs/rollout.md "vLLM backend")
     engine: str = "builtin"
     kv_cache_mb: float = 256.0  # paged engine: memory for the KV blocks; it preempts when they run out
+    max_num_batched_tokens: int = 8192  # paged engine: prompt tokens per prefill step (longer: chunked)
     # builtin / paged: decode steps through torch.compile (needs a C++ compiler; the first calls of
     # each rollout worker compile for tens of seconds; docs/rollout.md "Speed")
     compile: bool = False

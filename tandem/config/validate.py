@@ -55,6 +55,7 @@ def validate(cfg: Config) -> None:
     _one_of(cfg.rollout.logprobs_mode, ("raw", "processed"), "rollout.logprobs_mode", "logprobs mode")
     _check(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1.")
     _check(cfg.rollout.max_batch_size >= 1, "rollout.max_batch_size", "must be >= 1.")
+    _check(cfg.rollout.max_num_batched_tokens >= 1, "rollout.max_num_batched_tokens", "must be >= 1.")
     if cfg.rollout.engine == "vllm":
         _check_vllm(cfg)
     _check(cfg.run.save_every >= 0, "run.save_every", "must be >= 0 (0 = only the final checkpoint).")

@@ -159,6 +159,7 @@ def _paged_engine(cfg: Config, tokenizer, seed: int) -> RolloutEngine:
         pad_token_id(tokenizer),
         kv_budget_mb=r.kv_cache_mb,
         max_num_seqs=r.max_batch_size,
+        max_num_batched_tokens=r.max_num_batched_tokens,
         seed=seed,
         on_update=r.on_update,
         compile=r.compile,
