@@ -21,6 +21,9 @@ All in one run, on one model:
    M=--peak-m (2048) rows in the model's dtype (the machine's peak on this model's shapes), against
    the decode rate of the largest batch's row: 2 x (weights of every matmul, lm_head included) x
    new tokens/s. That counts neither the prefill, the attention over the cache, nor the sampling.
+6. Memory: 64 random prompts x --new-tokens greedy tokens (EOS ignored) on a PagedEngine whose
+   KV blocks hold a quarter of what the batch needs, against one that holds all of it: the small
+   one must preempt and recompute, never fail, and give the same tokens.
 5. Ceiling: the same matmuls at M = each batch size give the tokens/s of a decode step that
    cost nothing but its matmuls (no attention, norms, sampling, Python), and so the largest ratio
    to `generate` any engine could reach on this machine in this dtype (`ceiling_ratio_b8`, ...).
@@ -441,6 +444,36 @@ def peak_fraction(model: CausalLM, m: int, figures: dict[str, float], batch: int
     return out
 
 
+# ---------------------------------------------------------------- 6. memory
+
+
+def memory(setup: Setup, new_tokens: int, requests: int = 64) -> dict:
+    prompts, ids = setup.random_prompts(requests, 24, seed=4)
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+    need = requests * math.ceil((24 + new_tokens) / BLOCK)  # blocks the whole batch would hold
+    small = PagedEngine(
+        setup.model, [setup.eos], setup.pad, num_kv_blocks=need // 4, block_size=BLOCK, max_num_seqs=requests
+    )
+    engines = {"large": setup.paged(requests, 24 + new_tokens), "small": small}
+    outputs, seconds = {}, {}
+    for name, engine in engines.items():
+        samples = make_groups(prompts, ids, n=1)
+        seconds[name] = time_engine(engine, samples, params)
+        outputs[name] = [s.response_ids for s in samples]
+    same = outputs["small"] == outputs["large"]
+    print(
+        f"memory ({requests} prompts x {new_tokens} greedy tokens): KV blocks for a quarter of the batch "
+        f"({small.block_manager.num_blocks} of {need}): {small.num_preemptions} preemptions, "
+        f"{'the same' if same else 'DIFFERENT'} tokens as with room for all, "
+        f"{seconds['small'] / seconds['large']:.2f}x its time"
+    )
+    return {
+        "memory_preemptions": small.num_preemptions,
+        "memory_same_outputs": float(same),
+        "memory_time_ratio": seconds["small"] / seconds["large"],
+    }
+
+
 # ---------------------------------------------------------------- 5. ceiling
 
 
@@ -500,6 +533,7 @@ def main() -> None:
     figures.update(prefix_sharing(setup, args.repeats, args.groups))
     figures.update(peak_fraction(setup.model, args.peak_m, figures, max(args.batches)))
     figures.update(ceiling(setup.model, args.batches, figures))
+    figures.update(memory(setup, args.new_tokens))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)
