@@ -35,39 +35,6 @@ def full_forward_logprobs(model, prompt_ids, response_ids, temperature=1.0):
     return token_logprobs(logits[0, p - 1 : -1], ids[0, p:], temperature)
 
 
-def test_greedy_matches_an_argmax_loop_and_logprobs_match_recompute():
-    model = tiny_model(std=0.3)
-    engine = BuiltinEngine(model, [EOS], pad_token_id=0)
-    ids = prompts(6)
-    samples = run(engine, ids, SamplingParams(temperature=0.0, max_new_tokens=10))
-    for s in samples:
-        seq = list(s.prompt_ids)
-        with torch.no_grad():
-            for _ in range(len(s.response_ids)):
-                t = torch.tensor(seq)[None]
-                logits = model(t, torch.arange(t.shape[1])[None], torch.ones_like(t, dtype=torch.bool))
-                seq.append(int(logits[0, -1].argmax()))
-                if seq[-1] == EOS:
-                    break
-        assert s.response_ids == seq[len(s.prompt_ids) :]
-        with torch.no_grad():
-            expected = full_forward_logprobs(model, s.prompt_ids, s.response_ids)
-        torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_sampled_logprobs_match_recompute_at_the_sampling_temperature(temperature):
-    model = tiny_model(std=0.3)
-    engine = BuiltinEngine(model, [EOS], pad_token_id=0, seed=1)
-    samples = run(engine, prompts(4), SamplingParams(temperature=temperature, max_new_tokens=12), n=3)
-    assert len(samples) == 12 and {s.group_id for s in samples} == {0, 1, 2, 3}
-    for s in samples:
-        assert s.status is Status.FINISHED and s.versions == [0] * len(s.response_ids)
-        with torch.no_grad():
-            expected = full_forward_logprobs(model, s.prompt_ids, s.response_ids, temperature)
-        torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-5, rtol=0)
-
-
 def test_stop_tokens_end_responses_and_length_limits_them():
     model = tiny_model(std=0.3)
     engine = BuiltinEngine(model, [EOS], pad_token_id=0, seed=0)
@@ -190,22 +157,6 @@ def test_an_aborted_and_continued_call_equals_one_uninterrupted_call():
         torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
 
 
-def test_partials_that_need_no_token_finish_as_they_are():
-    engine = BuiltinEngine(tiny_model(std=0.3), [EOS], 0)
-    base = make_groups([Prompt(text="p")], prompts(1), 3)[0]
-    base.response_ids, base.logprobs, base.versions, base.loss_mask = [5, 6, 7], [-1.0] * 3, [0] * 3, [1] * 3
-    at_limit, ends_on_eos = partial(base, 3), partial(base, 3)
-    ends_on_eos.response_ids = [5, 6, EOS]
-    engine.generate([at_limit, ends_on_eos], SamplingParams(max_new_tokens=3))
-    assert (at_limit.finish_reason, ends_on_eos.finish_reason) == ("length", "stop")
-    assert at_limit.response_ids == [5, 6, 7] and ends_on_eos.response_ids == [5, 6, EOS]
-    assert {at_limit.status, ends_on_eos.status} == {Status.FINISHED}
-    broken = partial(base, 3)
-    broken.versions = [0]
-    with pytest.raises(ValueError, match="1 versions"):
-        engine.generate([broken], SamplingParams())
-
-
 def test_a_group_continues_partials_of_different_lengths_in_one_call():
     model = tiny_model(std=0.3)
     ids, greedy = prompts(2), SamplingParams(temperature=0.0, max_new_tokens=9, ignore_eos=True)
@@ -268,66 +219,6 @@ def test_continue_swaps_weights_between_decode_steps_and_versions_switch_at_the_
         assert (expected[4:] - on_new[4:]).abs().max() > 1e-3
 
 
-def test_abort_policy_returns_partials_that_finish_on_the_new_weights_when_resubmitted():
-    old, new = tiny_model(std=0.3), tiny_model(seed=5, std=0.3)
-    engine = BuiltinEngine(clone_model(old), [EOS], 0, seed=3, on_update="abort")
-    engine.on_step = at_step(3, lambda: engine.set_pending_update(1, copy_into(engine, new)))
-    params = SamplingParams(max_new_tokens=8, stop_token_ids=list(range(3, 12)))
-    samples = run(engine, prompts(6), params, n=2)
-    assert engine.version == 0 and same_weights(engine.model, old)  # applied at the next call
-    assert {s.status for s in samples} == {Status.FINISHED, Status.ABORTED}
-    for s in samples:
-        assert_aligned(s)
-        assert s.versions == [0] * len(s.response_ids)
-        if s.status is Status.ABORTED:
-            assert s.finish_reason == "abort" and len(s.response_ids) == 3
-        else:
-            assert s.finish_reason == "stop" and len(s.response_ids) <= 3
-    before = [(list(s.response_ids), list(s.logprobs), s.status) for s in samples]
-    engine.on_step = None
-    engine.generate(samples, params)
-    assert engine.version == 1 and same_weights(engine.model, new)
-    for s, (ids, logprobs, status) in zip(samples, before, strict=True):
-        assert s.status is Status.FINISHED and s.response_ids[: len(ids)] == ids
-        assert s.logprobs[: len(ids)] == logprobs and len(s.response_ids) <= 8
-        assert s.versions == [0] * len(ids) + [1] * (len(s.response_ids) - len(ids))
-        assert_aligned(s)
-        if status is Status.ABORTED:  # its new tokens come from the new weights on the whole prefix
-            with torch.no_grad():
-                expected = full_forward_logprobs(new, s.prompt_ids, s.response_ids)
-            torch.testing.assert_close(torch.tensor(s.logprobs[3:]), expected[3:], atol=1e-5, rtol=0)
-
-
-def test_drain_finishes_on_the_old_weights_and_the_next_call_uses_the_new():
-    old, new = tiny_model(std=0.3), tiny_model(seed=5, std=0.3)
-    ids, params = prompts(4), SamplingParams(max_new_tokens=8)
-    engine = BuiltinEngine(clone_model(old), [EOS], 0, seed=2)  # on_update="drain" by default
-    engine.on_step = at_step(2, lambda: engine.set_pending_update(1, copy_into(engine, new)))
-    samples = run(engine, ids, params, n=2)
-    assert engine.version == 0 and same_weights(engine.model, old)
-    for s in samples:
-        assert s.status is Status.FINISHED and s.versions == [0] * len(s.response_ids)
-        with torch.no_grad():
-            expected = full_forward_logprobs(old, s.prompt_ids, s.response_ids)
-        torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-5, rtol=0)
-    engine.on_step = None
-    after = run(engine, ids, params)
-    assert engine.version == 1 and same_weights(engine.model, new)
-    assert all(s.versions == [1] * len(s.response_ids) for s in after)
-
-
-def test_abort_stops_only_the_running_call():
-    engine = BuiltinEngine(tiny_model(std=0.3), [EOS], 0)
-    ids, params = prompts(4), SamplingParams(max_new_tokens=6, ignore_eos=True)
-    engine.abort()  # idle: nothing to stop, and nothing carried over
-    assert all(s.finish_reason == "length" for s in run(engine, ids, params))
-    engine.on_step = at_step(2, engine.abort)
-    assert all(len(s.response_ids) == 2 for s in run(engine, ids, params))
-    engine.on_step = at_step(6, engine.abort)  # never reached: no step follows the 6th token
-    after = run(engine, ids, params)
-    assert all(s.status is Status.FINISHED and len(s.response_ids) == 6 for s in after)
-
-
 def test_abort_and_an_update_from_another_thread():
     engine = BuiltinEngine(tiny_model(std=0.3), [EOS], 0, on_update="continue")
     reached, released = threading.Event(), threading.Event()
@@ -351,15 +242,6 @@ def test_abort_and_an_update_from_another_thread():
     assert all(s.status is Status.ABORTED and s.versions == [0, 0, 0] for s in samples)
     assert engine.version == 0  # abort wins: the update waits for the next call
     assert engine.apply_pending() == 7 and engine.version == 7 and engine.apply_pending() is None
-
-
-def test_a_later_pending_update_replaces_an_earlier_one():
-    engine = BuiltinEngine(tiny_model(), [EOS], 0)
-    applied = []
-    engine.set_pending_update(1, lambda: applied.append(1))
-    engine.set_pending_update(2, lambda: applied.append(2))
-    s = run(engine, prompts(1), SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
-    assert applied == [2] and engine.version == 2 and s.versions == [2, 2, 2]
 
 
 def test_the_worker_passes_updates_and_aborts_through_and_decodes_partials():

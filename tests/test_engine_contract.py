@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import tiny_config
-from test_engine import stepwise_logprobs
+from test_engine import assert_aligned, at_step, partial, stepwise_logprobs
 
 from tandem.data import build_char_tokenizer
 from tandem.model import CausalLM, init_weights, load_model, save_model
@@ -161,34 +161,8 @@ def update_to(engine, model: CausalLM):
     return lambda: [t.copy_(source[name]) for name, t in targets.items()]
 
 
-def at_step(j: int, action):
-    """An on_step hook that runs `action()` once, after the call's j-th step."""
-    return lambda step: action() if step == j else None
-
-
-def assert_aligned(s: Sample) -> None:
-    n = len(s.response_ids)
-    assert len(s.logprobs) == len(s.versions) == len(s.loss_mask) == n and s.loss_mask == [1] * n
-
-
 def assert_close(backend: Backend, actual: list[float], expected: torch.Tensor) -> None:
     torch.testing.assert_close(torch.tensor(actual), expected, atol=backend.atol, rtol=0)
-
-
-def partial(s: Sample, j: int) -> Sample:
-    """A copy of `s` cut after its first j tokens, as an aborted call returns it."""
-    return Sample(
-        prompt=s.prompt,
-        prompt_ids=list(s.prompt_ids),
-        group_id=s.group_id,
-        index=s.index,
-        response_ids=s.response_ids[:j],
-        logprobs=s.logprobs[:j],
-        versions=s.versions[:j],
-        loss_mask=s.loss_mask[:j],
-        status=Status.ABORTED,
-        finish_reason="abort",
-    )
 
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
