@@ -149,10 +149,11 @@ def test_preemption_recomputes_and_matches_recompute():
 # ---------------------------------------------------------------- greedy equalities
 
 
-def test_greedy_with_a_tiny_kv_budget_equals_a_large_one_and_builtin():
+@pytest.mark.parametrize("token_budget", [8192, 6])  # 6: long prompts chunked while others preempt
+def test_greedy_with_a_tiny_kv_budget_equals_a_large_one_and_builtin(token_budget):
     model = tiny_model(std=0.3)
     ids, greedy = ragged(8), SamplingParams(temperature=0.0, max_new_tokens=12)
-    tiny = paged(model, num_kv_blocks=12, block_size=4, max_num_seqs=6)
+    tiny = paged(model, num_kv_blocks=12, block_size=4, max_num_seqs=6, max_num_batched_tokens=token_budget)
     large = paged(model, num_kv_blocks=512)
     a, b = run(tiny, ids, greedy, n=2), run(large, ids, greedy, n=2)
     c = run(BuiltinEngine(model, [EOS], 0), ids, greedy, n=2)

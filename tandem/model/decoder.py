@@ -87,10 +87,10 @@ class Attention(nn.Module):
     ) -> Tensor:
         """x (B, T, E), mask (B, 1, T, S) additive float (0 or -inf) -> (B, T, E)."""
         b, t, _ = x.shape
-        h, d = self.cfg.num_attention_heads, self.cfg.head_dim
+        h, kv, d = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
         if self.fused is not None:
             qkv = F.linear(x, *self.fused).view(b, t, -1, d)  # (B, T, H + 2 Hkv, D)
-            q, k, v = qkv.split([h, (qkv.shape[2] - h) // 2, (qkv.shape[2] - h) // 2], dim=2)
+            q, k, v = qkv.split([h, kv, kv], dim=2)
         else:
             q = self.q_proj(x).view(b, t, -1, d)  # (B, T, H, D)
             k = self.k_proj(x).view(b, t, -1, d)

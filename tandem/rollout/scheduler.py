@@ -89,19 +89,26 @@ class Scheduler:
         """The next step: the next chunk of a partial prompt or admit what fits (prefill), else
         decode every running sequence."""
         if self.partial is not None and (self._chunk_turn or not self.running):
-            self._chunk_turn = False
-            head = self.partial[0]
-            end = min(len(head), head.num_computed + self.max_num_batched_tokens)
-            return Step(prefill=[self.partial], spans=[(head.num_computed, end)])
+            return self._next_chunk()
         self._chunk_turn = True
         if self.partial is None and (step := self._admit()):
             return step
         decode, copies = self._reserve_decode()
         if decode:
             return Step(decode=decode, copies=copies)
-        if step := self._admit():  # every running sequence was preempted: recompute them
+        # Every running sequence was preempted: finish the partial prompt, or recompute them.
+        if self.partial is not None:
+            return self._next_chunk()
+        if step := self._admit():
             return step
         raise RuntimeError("the scheduler found nothing to run")  # add() rules this out
+
+    def _next_chunk(self) -> Step:
+        """The partial group's next chunk, up to a whole step's token budget."""
+        self._chunk_turn = False
+        head = self.partial[0]
+        end = min(len(head), head.num_computed + self.max_num_batched_tokens)
+        return Step(prefill=[self.partial], spans=[(head.num_computed, end)])
 
     def computed(self, step: Step) -> None:
         """After the forward: the keys of every computed token are in the cache. A partial group
