@@ -8,7 +8,7 @@ from torch import Tensor
 
 from tandem.model import CausalLM, KVCache
 from tandem.model.decoder import apply_rope
-from tandem.model.paged_kv import PagedKVCache, paged_attention
+from tandem.model.paged_kv import PagedKVCache, paged_attention, real_tokens
 from tandem.rollout.block_manager import BlockCopy, BlockManager
 
 BLOCK_SIZE = 4
@@ -18,7 +18,10 @@ def test_write_gather_and_copy_blocks():
     cfg = tiny_config()
     cache = PagedKVCache(cfg, num_blocks=4, block_size=2, dtype=torch.float32, device=torch.device("cpu"))
     k = torch.randn(3, cfg.num_key_value_heads, cfg.head_dim)
-    cache.write(1, torch.tensor([5, -1, 2]), k, -k)  # the -1 token is padding, not stored
+    slots, index = real_tokens(torch.tensor([[5, -1, 2]]))  # the -1 token is padding, not stored
+    assert slots.tolist() == [5, 2] and index.tolist() == [0, 2]
+    assert real_tokens(torch.tensor([[4], [7]]))[1] is None  # a decode step: nothing to pick
+    cache.write(1, slots, k[index], -k[index])
     assert torch.equal(cache.k[1][:, 2, 1], k[0]) and torch.equal(cache.v[1][:, 1, 0], k[2].neg())
     written = cache.k[1].flatten(1, 2).abs().sum((0, 2)).nonzero().flatten()  # slots holding a key
     assert written.tolist() == [2, 5] and cache.k[0].abs().sum() == 0
@@ -63,7 +66,9 @@ def paged_forward(model: CausalLM, cache: PagedKVCache, bm: BlockManager, rows: 
             q, k = attn.q_norm(q), attn.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
         k = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2)  # (B, T, Hkv, D)
-        cache.write(i, slots, k, v)
+        real, index = real_tokens(slots)
+        flat = [x.reshape(-1, *x.shape[2:]) for x in (k, v)]  # (B·T, Hkv, D)
+        cache.write(i, real, *(x if index is None else x[index] for x in flat))
         out = paged_attention(q, cache.k[i], cache.v[i], tables, context_lens, query_lens)
         attn_outs.append(attn.o_proj(out.transpose(1, 2).reshape(b, t, -1)))
         x = x + attn_outs[-1]

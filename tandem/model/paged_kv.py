@@ -37,17 +37,12 @@ class PagedKVCache:
         per_layer = block_size * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
         return 2 * cfg.num_hidden_layers * per_layer
 
-    def write(self, layer: int, slot_mapping: Tensor, k: Tensor, v: Tensor) -> None:
-        """slot_mapping (...), k, v (..., Hkv, D): store each token's key and value in its slot.
-
-        A slot of -1 marks padding, which is not stored.
-        """
-        slots = slot_mapping.reshape(-1)
-        real = slots >= 0
+    def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """slots (N,), k, v (N, Hkv, D): store each token's key and value in its slot (no padding
+        here: `real_tokens` picks a padded batch's real tokens once per forward)."""
         for pool, new in ((self.k[layer], k), (self.v[layer], v)):
             flat = pool.view(pool.shape[0], -1, pool.shape[3])  # (Hkv, num_blocks * block_size, D)
-            tokens = new.reshape(-1, pool.shape[0], pool.shape[3])[real]  # (N, Hkv, D)
-            flat[:, slots[real]] = tokens.transpose(0, 1).to(pool.dtype)
+            flat.index_copy_(1, slots, new.transpose(0, 1).to(pool.dtype))
 
     def gather(self, layer: int, block_tables: Tensor, context_lens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """block_tables (B, M), context_lens (B,) -> k, v (B, Hkv, S, D) and key mask (B, S), S = M·bs.
@@ -67,6 +62,17 @@ class PagedKVCache:
         dst = torch.tensor([d for _, d in pairs], device=device)
         for pool in (*self.k, *self.v):
             pool[:, dst] = pool[:, src]
+
+
+def real_tokens(slot_mapping: Tensor) -> tuple[Tensor, Tensor | None]:
+    """slot_mapping (B, T), -1 for padding -> the real tokens' slots (N,) and their indices among
+    the B·T flattened tokens, or None when every token is real (a decode step)."""
+    slots = slot_mapping.reshape(-1)
+    real = slots >= 0
+    if bool(real.all()):
+        return slots, None
+    index = real.nonzero().squeeze(1)
+    return slots[index], index
 
 
 def gather_blocks(pool: Tensor, block_tables: Tensor) -> Tensor:

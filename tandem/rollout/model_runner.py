@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from tandem.model import CausalLM
-from tandem.model.paged_kv import PagedKVCache, gather_blocks, key_mask
+from tandem.model.paged_kv import PagedKVCache, gather_blocks, key_mask, real_tokens
 from tandem.rollout.block_manager import BlockManager
 from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.sampler import exponential_noise, sample_next
@@ -34,6 +34,9 @@ class PagedBatch:
     context_lens: Tensor
     query_lens: Tensor
 
+    def __post_init__(self) -> None:
+        self.write_slots, self.write_index = real_tokens(self.slot_mapping)  # once, not per layer
+
     def positions(self) -> Tensor:
         """-> (B, T): query t of row b sits at position context_lens[b] - query_lens[b] + t."""
         t = self.slot_mapping.shape[1]
@@ -50,7 +53,11 @@ class PagedBatch:
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """k, v (B, Hkv, T, D) -> every key and value of the rows' blocks (B, Hkv, S, D)."""
-        self.cache.write(layer, self.slot_mapping, k.transpose(1, 2), v.transpose(1, 2))
+        hkv, d = k.shape[1], k.shape[3]
+        k, v = (x.transpose(1, 2).reshape(-1, hkv, d) for x in (k, v))  # (B·T, Hkv, D)
+        if self.write_index is not None:
+            k, v = k.index_select(0, self.write_index), v.index_select(0, self.write_index)
+        self.cache.write(layer, self.write_slots, k, v)
         keys = gather_blocks(self.cache.k[layer], self.block_tables)
         values = gather_blocks(self.cache.v[layer], self.block_tables)
         return keys.to(k.dtype), values.to(v.dtype)
