@@ -271,6 +271,29 @@ def test_abort_from_another_thread_returns_partials_that_a_later_call_finishes(b
         assert_close(backend, s.logprobs, torch.tensor(w.logprobs))
 
 
+def test_abort_of_some_samples_returns_them_and_lets_the_rest_finish(backend):
+    """abort(samples): only the named requests stop, with their partials; a later call finishes
+    them as if they had never stopped (greedy)."""
+    engine, ids = backend.make(), prompts(4)
+    whole = run(engine, ids, GREEDY, n=2)
+    samples = make_groups([Prompt(text="p")] * len(ids), ids, 2)
+    picked = [samples[1], samples[4], samples[6]]
+    engine.on_step = at_step(3, lambda: engine.abort(picked))
+    engine.generate(samples, GREEDY)
+    engine.on_step = None
+    for s in samples:
+        assert_aligned(s)
+        if s in picked:
+            assert s.status is Status.ABORTED and s.finish_reason == "abort" and len(s.response_ids) == 3
+        else:
+            assert s.status is Status.FINISHED and s.finish_reason == "length" and len(s.response_ids) == 10
+    engine.abort(picked)  # idle: a no-op that must not reach the next call
+    engine.generate(picked, GREEDY)
+    for s, w in zip(samples, whole, strict=True):
+        assert s.status is Status.FINISHED and s.response_ids == w.response_ids
+        assert_close(backend, s.logprobs, torch.tensor(w.logprobs))
+
+
 def test_partials_of_different_lengths_continue_and_complete_ones_stay(backend):
     engine, ids = backend.make(), prompts(2)
     whole = run(engine, ids, GREEDY)

@@ -85,7 +85,11 @@ class BuiltinEngine(UpdateGate):
                 chunk = todo[start : start + self.max_batch_size]
                 if self._between_steps():  # stopped in an earlier chunk, or just now
                     _mark_aborted(chunk)
-                else:
+                    continue
+                aborted = self._aborted_samples()
+                _mark_aborted([s for s in chunk if (s.group_id, s.index) in aborted])
+                chunk = [s for s in chunk if (s.group_id, s.index) not in aborted]
+                if chunk:
                     self._generate_batch(chunk, params, stop, text)
         finally:
             self._leave()
@@ -143,6 +147,11 @@ class BuiltinEngine(UpdateGate):
             # so the NEXT token is the first of the new version; the cached keys stay as computed.
             if self._between_steps():
                 break
+            if aborted := self._aborted_samples():  # abort(samples): only they stop
+                keys = [(samples[i].group_id, samples[i].index) for i in run.rows.tolist()]
+                run.done |= torch.tensor([key in aborted for key in keys])
+                if run.all_done:
+                    break
             tokens, next_pos = run.compact(tokens, next_pos, cache)
             version = self._version
             step_mask = torch.ones(len(tokens), 1, dtype=torch.bool, device=self.device)

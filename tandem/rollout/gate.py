@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from tandem.rollout.protocol import ON_UPDATE_POLICIES
+from tandem.sample import Sample
 
 
 class UpdateGate:
@@ -35,6 +36,7 @@ class UpdateGate:
         self._pending: tuple[int, Callable[[], None]] | None = None
         self._running = False
         self._abort_requested = False
+        self._aborted: set[tuple[int, int]] = set()  # (group_id, index) of samples abort() named
 
     @property
     def version(self) -> int:
@@ -57,11 +59,18 @@ class UpdateGate:
                 raise RuntimeError("apply_pending() was called while generate() is running")
         return self._apply_pending()
 
-    def abort(self) -> None:
-        """Any thread: the running generate call stops at its next step; no-op when idle."""
+    def abort(self, samples: Iterable[Sample] | None = None) -> None:
+        """Any thread: the running generate call stops at its next step; no-op when idle.
+
+        With `samples` (of the running call, matched by group_id and index), only they stop: they
+        come back ABORTED with their partial responses while the rest of the call goes on."""
         with self._lock:
-            if self._running:
+            if not self._running:
+                return
+            if samples is None:
                 self._abort_requested = True
+            else:
+                self._aborted.update((s.group_id, s.index) for s in samples)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """While idle: copy the parameters (Hugging Face names) in now; replaces any pending update."""
@@ -82,11 +91,18 @@ class UpdateGate:
             if self._running:
                 raise RuntimeError("generate() is already running; calls must come one at a time")
             self._running, self._abort_requested = True, False
+            self._aborted = set()
 
     def _leave(self) -> None:
         with self._lock:
             # An abort() that came too late to stop this call must not stop the next one.
             self._running, self._abort_requested = False, False
+            self._aborted = set()
+
+    def _aborted_samples(self) -> set[tuple[int, int]]:
+        """(group_id, index) of the samples of the running call that abort(samples) stopped so far."""
+        with self._lock:
+            return set(self._aborted)
 
     def _apply_pending(self) -> int | None:
         with self._lock:

@@ -145,6 +145,10 @@ class PagedEngine(BuiltinEngine):
                 self.on_step(steps)
             if self._between_steps():
                 break
+            if aborted := self._aborted_samples():  # abort(samples): only they stop
+                scheduler.abort(aborted)
+                if scheduler.is_done:
+                    break
 
     @staticmethod
     def _check_text(rows: list[Sequence], text: StopCheck) -> None:

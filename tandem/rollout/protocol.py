@@ -118,10 +118,11 @@ class RolloutEngine(Protocol):
         Returns its version, or None when none was pending."""
         ...
 
-    def abort(self) -> None:
+    def abort(self, samples: Iterable[Sample] | None = None) -> None:
         """Thread-safe. The running generate call stops at its next decode step and returns its
-        unfinished samples ABORTED with their partial responses. No-op when no call runs; it never
-        carries over to a later call."""
+        unfinished samples ABORTED with their partial responses. With `samples` (requests of the
+        running call, matched by group_id and index) only those stop and the rest go on. No-op when
+        no call runs; it never carries over to a later call."""
         ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:

@@ -131,6 +131,14 @@ class Scheduler:
         self.running.remove(seq)
         seq.state = SeqState.FINISHED
 
+    def abort(self, keys: set[tuple[int, int]]) -> None:
+        """Drop the running and waiting sequences whose `key` is in `keys` (their blocks are freed
+        now; they are written back ABORTED with what they have). A group still being prefilled in
+        chunks is left to finish its prefill: the engine asks again every step."""
+        for seq in [s for s in self.running if s.key in keys]:
+            self.finish(seq)
+        self.waiting = deque(s for s in self.waiting if s.key not in keys)
+
     def clear(self) -> None:
         """End of the call: free every running (or partly prefilled) sequence's blocks, forget the
         waiting ones."""

@@ -81,8 +81,8 @@ class RolloutWorker:
     def apply_pending(self) -> int | None:
         return self.engine.apply_pending()
 
-    def abort(self) -> None:
-        self.engine.abort()
+    def abort(self, samples: Iterable[Sample] | None = None) -> None:
+        self.engine.abort(samples)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         self.engine.load_weights(named_tensors, version)
