@@ -8,7 +8,7 @@ from torch import Tensor
 
 from tandem.model import CausalLM, KVCache
 from tandem.model.decoder import apply_rope
-from tandem.model.paged_kv import PagedKVCache, paged_attention, real_tokens
+from tandem.model.paged_kv import PagedKVCache, key_mask, paged_attention, real_tokens
 from tandem.rollout.block_manager import BlockCopy, BlockManager
 
 BLOCK_SIZE = 4
@@ -25,7 +25,8 @@ def test_write_gather_and_copy_blocks():
     assert torch.equal(cache.k[1][:, 2, 1], k[0]) and torch.equal(cache.v[1][:, 1, 0], k[2].neg())
     written = cache.k[1].flatten(1, 2).abs().sum((0, 2)).nonzero().flatten()  # slots holding a key
     assert written.tolist() == [2, 5] and cache.k[0].abs().sum() == 0
-    keys, values, mask = cache.gather(1, torch.tensor([[2, 1], [1, -1]]), torch.tensor([4, 1]))
+    keys, values = cache.gather(1, torch.tensor([[2, 1], [1, -1]]))
+    mask = key_mask(torch.tensor([4, 1]), keys.shape[2])
     assert keys.shape == (2, cfg.num_key_value_heads, 4, cfg.head_dim)
     assert torch.equal(keys[0, :, 1], k[0]) and torch.equal(keys[0, :, 2], k[2])  # positions 1, 2
     assert torch.equal(values[1, :, 0], -k[2])

@@ -44,13 +44,10 @@ class PagedKVCache:
             flat = pool.view(pool.shape[0], -1, pool.shape[3])  # (Hkv, num_blocks * block_size, D)
             flat.index_copy_(1, slots, new.transpose(0, 1).to(pool.dtype))
 
-    def gather(self, layer: int, block_tables: Tensor, context_lens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """block_tables (B, M), context_lens (B,) -> k, v (B, Hkv, S, D) and key mask (B, S), S = M·bs.
-
-        Slot s of row b holds position s of sequence b; the mask marks s < context_lens[b].
-        """
-        k, v = gather_blocks(self.k[layer], block_tables), gather_blocks(self.v[layer], block_tables)
-        return k, v, key_mask(context_lens, k.shape[2])
+    def gather(self, layer: int, block_tables: Tensor) -> tuple[Tensor, Tensor]:
+        """block_tables (B, M) -> k, v (B, Hkv, S, D), S = M·bs: slot s of row b holds position s of
+        sequence b (`key_mask` marks which slots a row fills)."""
+        return gather_blocks(self.k[layer], block_tables), gather_blocks(self.v[layer], block_tables)
 
     def copy_blocks(self, pairs: Iterable[tuple[int, int]]) -> None:
         """Copy-on-write: for each (src, dst), block dst of every pool takes block src's contents."""

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from tandem.model import CausalLM
-from tandem.model.paged_kv import PagedKVCache, gather_blocks, key_mask, real_tokens
+from tandem.model.paged_kv import PagedKVCache, key_mask, real_tokens
 from tandem.rollout.block_manager import BlockManager
 from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.sampler import exponential_noise, sample_next
@@ -58,8 +58,7 @@ class PagedBatch:
         if self.write_index is not None:
             k, v = k.index_select(0, self.write_index), v.index_select(0, self.write_index)
         self.cache.write(layer, self.write_slots, k, v)
-        keys = gather_blocks(self.cache.k[layer], self.block_tables)
-        values = gather_blocks(self.cache.v[layer], self.block_tables)
+        keys, values = self.cache.gather(layer, self.block_tables)
         return keys.to(k.dtype), values.to(v.dtype)
 
 

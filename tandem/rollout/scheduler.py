@@ -114,11 +114,9 @@ class Scheduler:
         """After the forward: the keys of every computed token are in the cache. A partial group
         whose last chunk this was starts decoding."""
         for group, (_, end) in zip(step.prefill, step.spans, strict=True):
-            self.bm.mark_computed(group[0].seq_id, end)
             for seq in group:
                 seq.num_computed = end
-                if seq is not group[0]:
-                    self.bm.mark_computed(seq.seq_id, end)
+                self.bm.mark_computed(seq.seq_id, end)
             if group is self.partial and end == len(group[0]):
                 self.running.extend(group)
                 self.partial = None
