@@ -134,35 +134,38 @@ EngineBuilder = Callable[[Config, Any, int], RolloutEngine]  # (config, tokenize
 ENGINE_BUILDERS: Registry[EngineBuilder] = Registry("rollout engine")
 
 
-@ENGINE_BUILDERS.register("builtin")
-def _builtin_engine(cfg: Config, tokenizer, seed: int) -> RolloutEngine:
+def _on_tandem_model(engine_cls, cfg: Config, tokenizer, seed: int, **engine_kw) -> RolloutEngine:
+    """A built-in engine (`BuiltinEngine` or `PagedEngine`) on tandem's decoder, with the settings
+    both take; `engine_kw` are the engine's own."""
     model = load_model(resolve_model_path(cfg.model.path), dtype=DTYPES[cfg.model.dtype])
     r = cfg.rollout
-    return BuiltinEngine(
+    return engine_cls(
         model,
         [tokenizer.eos_token_id],
         pad_token_id(tokenizer),
-        max_batch_size=r.max_batch_size,
         seed=seed,
         on_update=r.on_update,
         compile=r.compile,
+        **engine_kw,
     )
+
+
+@ENGINE_BUILDERS.register("builtin")
+def _builtin_engine(cfg: Config, tokenizer, seed: int) -> RolloutEngine:
+    return _on_tandem_model(BuiltinEngine, cfg, tokenizer, seed, max_batch_size=cfg.rollout.max_batch_size)
 
 
 @ENGINE_BUILDERS.register("paged")
 def _paged_engine(cfg: Config, tokenizer, seed: int) -> RolloutEngine:
-    model = load_model(resolve_model_path(cfg.model.path), dtype=DTYPES[cfg.model.dtype])
     r = cfg.rollout
-    return PagedEngine(
-        model,
-        [tokenizer.eos_token_id],
-        pad_token_id(tokenizer),
+    return _on_tandem_model(
+        PagedEngine,
+        cfg,
+        tokenizer,
+        seed,
         kv_budget_mb=r.kv_cache_mb,
         max_num_seqs=r.max_batch_size,
         max_num_batched_tokens=r.max_num_batched_tokens,
-        seed=seed,
-        on_update=r.on_update,
-        compile=r.compile,
     )
 
 
