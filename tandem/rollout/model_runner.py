@@ -93,8 +93,8 @@ class ModelRunner:
         if step.decode:
             return last
         # A group's members share its head's logits; a chunk short of the prompt's end gives none.
-        spans = zip(step.prefill, step.spans, strict=True)
-        owner = [i for i, (g, (_, end)) in enumerate(spans) if end == len(g[0]) for _ in g]
+        done = zip(step.prefill, step.completes, strict=True)
+        owner = [i for i, (g, completes) in enumerate(done) if completes for _ in g]
         return last[torch.tensor(owner, dtype=torch.long, device=self.device)]
 
     def _batch(self, new: list[tuple[Sequence, int, int]]) -> tuple[PagedBatch, Tensor]:

@@ -41,15 +41,16 @@ class Step:
     copies: list[BlockCopy] = field(default_factory=list)
 
     @property
-    def sampling_groups(self) -> list[list[Sequence]]:
-        """The prefill groups whose prompt this step completes (a chunk short of the end gives no logits)."""
-        return [g for g, (_, end) in zip(self.prefill, self.spans, strict=True) if end == len(g[0])]
+    def completes(self) -> list[bool]:
+        """Per prefill group: whether this step computes the rest of its prompt, and so gives it
+        logits (a chunk short of the end gives none)."""
+        return [end == len(g[0]) for g, (_, end) in zip(self.prefill, self.spans, strict=True)]
 
     @property
     def rows(self) -> list[Sequence]:
         """The sequences that sample a token from this step's logits."""
         if self.prefill:
-            return [s for group in self.sampling_groups for s in group]
+            return [s for g, done in zip(self.prefill, self.completes, strict=True) if done for s in g]
         return list(self.decode)
 
 
@@ -113,11 +114,11 @@ class Scheduler:
     def computed(self, step: Step) -> None:
         """After the forward: the keys of every computed token are in the cache. A partial group
         whose last chunk this was starts decoding."""
-        for group, (_, end) in zip(step.prefill, step.spans, strict=True):
+        for group, (_, end), done in zip(step.prefill, step.spans, step.completes, strict=True):
             for seq in group:
                 seq.num_computed = end
                 self.bm.mark_computed(seq.seq_id, end)
-            if group is self.partial and end == len(group[0]):
+            if group is self.partial and done:
                 self.running.extend(group)
                 self.partial = None
         for seq in step.decode:
