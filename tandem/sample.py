@@ -59,6 +59,11 @@ class Sample:
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
+    def key(self) -> tuple[int, int]:
+        """(group_id, index): names the sample within one generate call (e.g. to `abort` it)."""
+        return self.group_id, self.index
+
+    @property
     def version_span(self) -> tuple[int, int]:
         """(oldest, newest) policy version among the response tokens; (-1, -1) when empty."""
         if not self.versions:

@@ -87,8 +87,8 @@ class BuiltinEngine(UpdateGate):
                     _mark_aborted(chunk)
                     continue
                 aborted = self._aborted_samples()
-                _mark_aborted([s for s in chunk if (s.group_id, s.index) in aborted])
-                chunk = [s for s in chunk if (s.group_id, s.index) not in aborted]
+                _mark_aborted([s for s in chunk if s.key in aborted])
+                chunk = [s for s in chunk if s.key not in aborted]
                 if chunk:
                     self._generate_batch(chunk, params, stop, text)
         finally:
@@ -148,8 +148,7 @@ class BuiltinEngine(UpdateGate):
             if self._between_steps():
                 break
             if aborted := self._aborted_samples():  # abort(samples): only they stop
-                keys = [(samples[i].group_id, samples[i].index) for i in run.rows.tolist()]
-                run.done |= torch.tensor([key in aborted for key in keys])
+                run.done |= torch.tensor([samples[i].key in aborted for i in run.rows.tolist()])
                 if run.all_done:
                     break
             tokens, next_pos = run.compact(tokens, next_pos, cache)

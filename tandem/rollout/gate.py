@@ -36,7 +36,7 @@ class UpdateGate:
         self._pending: tuple[int, Callable[[], None]] | None = None
         self._running = False
         self._abort_requested = False
-        self._aborted: set[tuple[int, int]] = set()  # (group_id, index) of samples abort() named
+        self._aborted: set[tuple[int, int]] = set()  # `Sample.key` of the samples abort() named
 
     @property
     def version(self) -> int:
@@ -70,7 +70,7 @@ class UpdateGate:
             if samples is None:
                 self._abort_requested = True
             else:
-                self._aborted.update((s.group_id, s.index) for s in samples)
+                self._aborted.update(s.key for s in samples)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """While idle: copy the parameters (Hugging Face names) in now; replaces any pending update."""
@@ -100,7 +100,7 @@ class UpdateGate:
             self._aborted = set()
 
     def _aborted_samples(self) -> set[tuple[int, int]]:
-        """(group_id, index) of the samples of the running call that abort(samples) stopped so far."""
+        """`Sample.key` of the samples of the running call that abort(samples) stopped so far."""
         with self._lock:
             return set(self._aborted)
 

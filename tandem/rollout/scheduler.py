@@ -131,12 +131,12 @@ class Scheduler:
         seq.state = SeqState.FINISHED
 
     def abort(self, keys: set[tuple[int, int]]) -> None:
-        """Drop the running and waiting sequences whose `key` is in `keys` (their blocks are freed
+        """Drop the running and waiting sequences whose sample's `key` is in `keys` (their blocks are freed
         now; they are written back ABORTED with what they have). A group still being prefilled in
         chunks is left to finish its prefill: the engine asks again every step."""
-        for seq in [s for s in self.running if s.key in keys]:
+        for seq in [s for s in self.running if s.sample.key in keys]:
             self.finish(seq)
-        self.waiting = deque(s for s in self.waiting if s.key not in keys)
+        self.waiting = deque(s for s in self.waiting if s.sample.key not in keys)
 
     def clear(self) -> None:
         """End of the call: free every running (or partly prefilled) sequence's blocks, forget the

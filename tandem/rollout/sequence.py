@@ -45,11 +45,6 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def key(self) -> tuple[int, int]:
-        """The sample's (group_id, index): what `abort(samples)` names it by."""
-        return self.sample.group_id, self.sample.index
-
-    @property
     def response_ids(self) -> list[int]:
         """The whole response so far: the sample's partial, then the new tokens."""
         return self.token_ids[len(self.sample.prompt_ids) :]

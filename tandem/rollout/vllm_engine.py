@@ -164,11 +164,7 @@ class VLLMEngine(UpdateGate):
                 if self._must_stop():
                     break
                 if aborted := self._aborted_samples():  # abort(samples): only they stop
-                    picked = {
-                        i: live.pop(i)
-                        for i, r in list(live.items())
-                        if (r.sample.group_id, r.sample.index) in aborted
-                    }
+                    picked = {i: live.pop(i) for i, r in list(live.items()) if r.sample.key in aborted}
                     for request in self._drop(picked):
                         request.write_back(Status.ABORTED, "abort")
                 if self._swap_now():  # "continue": tokens so far keep the old version
