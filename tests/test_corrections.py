@@ -357,7 +357,7 @@ def test_forward_passes_before_the_update(algo, expected):
 def test_bypass_uses_behaviour_logprobs_as_old():
     w = worker(tiny_model(), corrections=["bypass"])
     mu = T([[-0.5, -1.0]])
-    assert w._old_logprobs(None, mu, torch.zeros(1, 2), None) is mu
+    assert w._old_logprobs(w.old_source, None, mu, torch.zeros(1, 2), None) is mu
     # π_θ ≠ μ, so the first update's PPO ratio is not 1 and the clip acts on some tokens
     metrics = w.train_step(random_samples(2, 4))
     assert metrics["actor/pg_clipfrac"] > 0
@@ -381,7 +381,9 @@ def test_opsm_mask_reads_the_current_policy_after_the_first_update():
     mask = pad_rows([s.loss_mask for s in samples], width)
     mu = pad_rows([s.logprobs for s in samples], width)
     adv = w.advantages(samples, mask)
-    batch = MiniBatch(samples, mask, adv, mu, torch.zeros_like(mask), old=mu, ref=None)  # a stale π_old
+    batch = MiniBatch(
+        samples, torch.arange(len(samples)), mask, adv, mu, torch.zeros_like(mask), old=mu, ref=None
+    )  # a stale π_old
     # first update after a recompute: π_θ is π_old, so nothing drifted
     assert torch.equal(w._pg_mask(batch, first=True), mask)
     theta = w.compute_logprobs(samples)

@@ -27,7 +27,7 @@ from tandem.model import CausalLM, init_weights, load_model, save_model
 from tandem.rollout import BuiltinEngine, PagedEngine, SamplingParams, make_groups
 from tandem.rollout.vllm_engine import VLLMEngine
 from tandem.sample import Prompt, Sample, Status
-from tandem.train.ref import sequence_logprobs
+from tandem.train.batch import sequence_logprobs
 
 PAD, EOS = 0, 3  # the built-in tokenizer's <|pad|> and <|im_end|>
 FIRST_TEXT_ID = 5  # ids below are special tokens; prompts use byte tokens only
@@ -139,7 +139,7 @@ def run(engine, ids, params, n=1, seeds=None) -> list[Sample]:
 
 def recompute(model: CausalLM, samples: list[Sample], temperature: float = 1.0) -> list[torch.Tensor]:
     """The trainer's logprob of every response token: π_old as the trainer sees it."""
-    logp = sequence_logprobs(model, samples, PAD, 4096, temperature or 1.0)
+    logp = sequence_logprobs(model, samples, 4096, temperature or 1.0)
     return [row[: len(s.response_ids)] for s, row in zip(samples, logp, strict=True)]
 
 

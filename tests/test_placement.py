@@ -1,15 +1,15 @@
-"""Placement plans: task groups and ratios become per-actor CPU shares and thread counts."""
+"""Placement plans: task groups and ratios become per-actor CPU and GPU shares and thread counts."""
 
 import pytest
 
 from tandem.config import load_config
-from tandem.controller.placement import bundle, plan
+from tandem.controller.placement import bundles, check_fits, describe, plan
 from tandem.errors import TandemError
 
 
-def slots_by_role(overrides, cpus):
+def slots_by_role(overrides, cpus, gpus=0):
     out = {}
-    for s in plan(load_config(None, overrides), cpus):
+    for s in plan(load_config(None, overrides), cpus, gpus):
         out.setdefault(s.role, []).append(s)
     return out
 
@@ -71,6 +71,156 @@ def test_a_group_with_nothing_to_run_is_an_error():
 
 def test_vllm_rollout_workers_each_reserve_a_gpu_and_nothing_else_does():
     slots = plan(load_config(None, ["rollout.engine=vllm", "rollout.num_workers=2"]), 4)
-    assert [bundle(s)["GPU"] for s in slots if s.role == "generate"] == [1.0, 1.0]
-    assert all("GPU" not in bundle(s) for s in slots if s.role != "generate")
-    assert all("GPU" not in bundle(s) for s in plan(load_config(None, []), 4))
+    assert [bundles(slots)[s.bundle]["GPU"] for s in slots if s.role == "generate"] == [1.0, 1.0]
+    assert all("GPU" not in bundles(slots)[s.bundle] for s in slots if s.role != "generate")
+    assert all("GPU" not in b for b in bundles(plan(load_config(None, []), 4)))
+
+
+@pytest.mark.parametrize("device", ["cpu", "auto"])
+def test_on_the_cpu_gpus_change_nothing(device):
+    overrides = [f"run.device={device}", "train.num_workers=2", "rollout.num_workers=3", "algo.kl_coef=0.1"]
+    cfg = load_config(None, overrides)
+    assert plan(cfg, 8, 4) == plan(cfg, 8) == plan(load_config(None, overrides[1:]), 8)
+    assert all(s.gpus == 0 for s in plan(cfg, 8, 4))
+
+
+CUDA = ["run.device=cuda"]
+
+
+def test_colocated_on_gpus_puts_one_of_each_role_on_every_gpu():
+    slots = plan(load_config(None, [*CUDA, "train.num_workers=4", "rollout.num_workers=4"]), 32, 4)
+    assert bundles(slots) == [{"CPU": 8.0, "GPU": 1.0}] * 4
+    for b in range(4):
+        assert sorted((s.role, s.rank, s.gpus, s.cpus, s.threads) for s in slots if s.bundle == b) == [
+            ("actor_train", b, 0.5, 4.0, 8),
+            ("generate", b, 0.5, 4.0, 8),
+        ]
+    assert [s.rank for s in slots if s.role == "actor_train"] == [0, 1, 2, 3]  # rank 0 first
+
+
+def test_colocated_gpus_split_unevenly_when_a_role_has_more_workers_than_gpus():
+    cfg = load_config(None, [*CUDA, "train.num_workers=2", "rollout.num_workers=3", "algo.kl_coef=0.1"])
+    slots = plan(cfg, 8, 2)
+    on = {(s.role, s.rank): (s.bundle, round(s.gpus, 3)) for s in slots}
+    assert on[("generate", 0)] == on[("generate", 2)] == on[("actor_train", 0)] == on[("ref_logp", 0)]
+    assert on[("generate", 0)] == (0, 0.25) and on[("generate", 1)] == on[("actor_train", 1)] == (1, 0.5)
+    assert [b["GPU"] for b in bundles(slots)] == [1.0, 1.0]
+    assert "0.25-0.5 GPU" in describe(slots)
+
+
+def test_task_groups_split_gpus_by_ratio_in_whole_gpus():
+    roles = slots_by_role(
+        [
+            *CUDA,
+            "placement.groups=[[actor_train],[generate]]",
+            "placement.ratios=[0.5,0.5]",
+            "train.num_workers=4",
+            "rollout.num_workers=2",
+        ],
+        16,
+        8,
+    )
+    assert [(s.gpus, s.cpus) for s in roles["actor_train"]] == [(1.0, 2.0)] * 4
+    assert [(s.gpus, s.cpus) for s in roles["generate"]] == [(2.0, 4.0)] * 2
+    assert "actor_train ×4 (2 CPU, 1 GPU, 2 threads each)" in describe([s for r in roles.values() for s in r])
+
+
+@pytest.mark.parametrize(
+    "gpus, trainer, rollout",
+    [
+        (3, 1.0, 0.5),  # 1.5 GPUs per group: the trainer takes 1 (never 1.5), two rollouts 0.75 -> 1/2
+        (1, 0.5, 0.25),  # exact fractions: the rollout group's 0.5 GPU over two workers
+        (1.2, 0.5, 0.25),  # 0.6 and 0.3 round down to 1/2 and 1/4, so they pack onto whole GPUs
+    ],
+)
+def test_group_gpu_parts_round_down_to_what_ray_can_pack(gpus, trainer, rollout):
+    roles = slots_by_role(
+        [
+            *CUDA,
+            "placement.groups=[actor_train,generate]",
+            "placement.ratios=[0.5,0.5]",
+            "rollout.num_workers=2",
+        ],
+        4,
+        gpus,
+    )
+    assert [s.gpus for s in roles["actor_train"]] == [trainer]
+    assert [s.gpus for s in roles["generate"]] == [rollout, rollout]
+
+
+def test_a_plan_may_span_more_gpus_than_this_machine_has():
+    cfg = load_config(
+        None,
+        [
+            *CUDA,
+            "placement.groups=[actor_train,generate]",
+            "placement.ratios=[0.5,0.5]",
+            "train.num_workers=32",
+            "rollout.num_workers=16",
+        ],
+    )
+    slots = plan(cfg, 512, 64)
+    assert sum(b["GPU"] for b in bundles(slots)) == 64 and len(bundles(slots)) == 48
+    check_fits(slots, 512, 64)
+    colocated = plan(load_config(None, [*CUDA, "train.num_workers=64", "rollout.num_workers=64"]), 512, 64)
+    assert len(bundles(colocated)) == 64
+
+
+@pytest.mark.parametrize(
+    "overrides, gpus",
+    [
+        (["train.num_workers=2"], 1),  # colocated: both ranks on the only GPU
+        (["train.num_workers=2", "placement.groups=[actor_train,generate]", "placement.ratios=[0.5,0.5]"], 2),
+        (["sync.transport=broadcast"], 1),  # rollout worker 0 sits on train rank 0's GPU
+    ],
+)
+def test_two_nccl_ranks_on_one_gpu_is_an_error(overrides, gpus):
+    with pytest.raises(TandemError, match="NCCL needs one GPU per rank"):
+        plan(load_config(None, [*CUDA, *overrides]), 8, gpus)
+
+
+def test_separate_gpus_satisfy_nccl():
+    plan(load_config(None, [*CUDA, "train.num_workers=2"]), 8, 2)  # no error
+    split = [
+        "placement.groups=[actor_train,generate]",
+        "placement.ratios=[0.5,0.5]",
+        "sync.transport=broadcast",
+    ]
+    plan(load_config(None, [*CUDA, *split, "train.num_workers=2", "rollout.num_workers=2"]), 8, 4)
+
+
+@pytest.mark.parametrize(
+    "overrides, gpus, message",
+    [
+        ([], 0, "no GPUs"),
+        ([], 1.5, "must be whole"),
+        (
+            [
+                "placement.groups=[actor_train,generate]",
+                "placement.ratios=[0.5,0.5]",
+                "rollout.num_workers=16",
+            ],
+            1,
+            r"\['generate'\] gets 0.5 GPUs for 16 actors",
+        ),
+    ],
+)
+def test_unusable_gpu_counts_are_clear_errors(overrides, gpus, message):
+    with pytest.raises(TandemError, match=message):
+        plan(load_config(None, [*CUDA, *overrides]), 8, gpus)
+
+
+def test_bundles_reserve_no_less_than_their_actors_ask_for():
+    slots = plan(load_config(None, [*CUDA, "rollout.num_workers=9"]), 3, 1)  # ten actors on one GPU
+    assert bundles(slots) == [{"CPU": 3.0, "GPU": 1.0}]
+
+
+def test_check_fits_names_what_was_asked_and_what_exists():
+    slots = plan(load_config(None, [*CUDA, "train.num_workers=4", "rollout.num_workers=4"]), 32, 4)
+    check_fits(slots, 32, 4)
+    with pytest.raises(TandemError, match=r"asks for 32 CPUs and 4 GPUs.*has 32 CPUs and 2 GPUs"):
+        check_fits(slots, 32, 2)
+    with pytest.raises(TandemError, match=r"asks for 32 CPUs and 4 GPUs.*has 16 CPUs and 8 GPUs"):
+        check_fits(slots, 16, 8)
+    with pytest.raises(TandemError, match="placement.num_gpus"):
+        check_fits(plan(load_config(None, ["rollout.engine=vllm"]), 4), 4, 0)

@@ -21,7 +21,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     init_world(rank, world, "127.0.0.1", port, backend="gloo", timeout_s=60)
     w = worker(tiny_model())
-    w.set_data_parallel(torch.distributed.group.WORLD)
+    w.parallelize(torch.distributed.group.WORLD)
     metrics = w.train_step(random_samples(4, 4))  # 16 samples, 2 mini-batches of 8: two steps
     torch.save(
         {"metrics": metrics, "weights": dict(w.named_weights()), "grads": grads(w.model)}, f"{out}/{rank}.pt"

@@ -14,6 +14,11 @@ from tandem.errors import TandemError
 
 TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 LIST_EXAMPLES = {int: "1, 2", float: "0.9, 0.999", str: "a.jsonl, b.jsonl"}
+# Keys that existed once, with what replaced them: an old recipe gets told, not just refused.
+RENAMED = {
+    "model.dtype": "train.dtype (the trainer's compute dtype; its weights stay fp32) and rollout.dtype "
+    "(the engines')",
+}
 
 
 def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -60,6 +65,8 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 def _build(cls: type, tree: dict[str, Any], prefix: str) -> Any:
     known = {f.name: f for f in fields(cls)}
     for key in tree:
+        if key not in known and f"{prefix}{key}" in RENAMED:
+            raise TandemError(f"Config '{prefix}{key}' is gone: use {RENAMED[prefix + key]}.")
         if key not in known:
             where = f" in section '{prefix[:-1]}'" if prefix else ""
             close = difflib.get_close_matches(key, list(known), n=1)

@@ -24,6 +24,9 @@ class RunConfig:
     progress: bool = True
     threads: int = 0  # torch intra-op threads per role; 0 = the CPUs its placement gives it
     timeout_s: float = 600.0  # longest wait for any one role's result before the run stops with an error
+    # Where the train workers, the reference worker and the built-in engines run: auto | cpu | cuda.
+    # auto = cuda when the Ray cluster has GPUs (the driver decides once, before any actor starts).
+    device: str = "auto"
 
 
 @dataclass
@@ -31,7 +34,6 @@ class ModelSection:
     # A Hugging Face checkpoint directory, or "builtin:<task>" for a warm start shipped with tandem.
     path: str = "builtin:addition"
     tokenizer: str = ""  # default: the model's directory
-    dtype: str = "float32"
 
 
 @dataclass
@@ -51,6 +53,9 @@ class RolloutConfig:
     # builtin (static batches) | paged (continuous batching, paged KV cache) | vllm (vLLM, needs a
     # GPU and the vllm package; docs/rollout.md "vLLM backend")
     engine: str = "builtin"
+    # The engines' weights and compute: auto | float32 | bfloat16 | float16. auto = the trainer's
+    # compute dtype (train.dtype), so the engine samples from the policy the trainer computes.
+    dtype: str = "auto"
     kv_cache_mb: float = 256.0  # paged engine: memory for the KV blocks; it preempts when they run out
     max_num_batched_tokens: int = 8192  # paged engine: prompt tokens per prefill step (longer: chunked)
     # builtin / paged: decode steps through torch.compile (needs a C++ compiler; the first calls of
@@ -124,8 +129,20 @@ class TrainConfig:
     grad_clip: float = 1.0
     mini_batch_size: int = 0  # samples per optimizer step; 0 = the whole batch
     epochs: int = 1  # passes over each batch
-    micro_batch_tokens: int = 8192  # padded tokens per forward/backward (gradient accumulation)
-    num_workers: int = 1  # data-parallel train workers (torch.distributed, gloo on CPU)
+    micro_batch_tokens: int = 8192  # tokens per forward/backward (gradient accumulation)
+    num_workers: int = 1  # data-parallel train workers (torch.distributed: gloo on CPU, NCCL on GPU)
+    # Compute dtype: auto | float32 | bfloat16. Weights, gradients' reduction and Adam's state stay
+    # fp32 (master weights); logprobs and the loss are fp32. auto = bfloat16 on cuda and on a CPU
+    # with native bf16 matmuls (AVX512-BF16 / AMX), else float32 (docs/training.md).
+    dtype: str = "auto"
+    # ddp (torch DistributedDataParallel: a full replica per rank) | fsdp2 (fully_shard per decoder
+    # layer and the root: parameters, gradients and optimizer state ~1/N per rank).
+    strategy: str = "ddp"
+    gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward
+    offload: str = "none"  # none | optimizer (fsdp2: sharded params, grads and AdamW step on the CPU)
+    # Micro-batches as variable-length sequences packed back to back (no padding); false pads each
+    # row to the micro-batch's longest.
+    padding_free: bool = True
 
 
 @dataclass
@@ -135,6 +152,7 @@ class PlacementConfig:
     groups: list[list[str] | str] = field(default_factory=list)
     ratios: list[float] = field(default_factory=list)
     num_cpus: float = 0  # CPUs to place roles on; 0 = all the Ray cluster has
+    num_gpus: float = 0  # GPUs to place roles on (run.device=cuda); 0 = all the Ray cluster has
 
 
 @dataclass

@@ -9,7 +9,12 @@ TRANSPORTS = ("object_store", "broadcast")
 TASKS = ("generate", "actor_train", "logp", "ref_logp")
 ENGINES = ("builtin", "paged", "vllm")
 SCHEDULES = ("constant", "linear", "cosine")
-DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ROLLOUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# float16 training would need loss scaling, which tandem does not do; bf16 has fp32's range.
+TRAIN_DTYPES = ("auto", "float32", "bfloat16")
+STRATEGIES = ("ddp", "fsdp2")
+OFFLOADS = ("none", "optimizer")
 PROX_LOGPROBS = ("recompute", "interpolate")
 
 
@@ -42,7 +47,9 @@ def validate(cfg: Config) -> None:
     _check_placement(cfg)
     _check(cfg.run.steps >= 1, "run.steps", f"must be >= 1, got {cfg.run.steps}.")
     _check(cfg.run.val_every >= 0, "run.val_every", "must be >= 0 (0 = validate only at start and end).")
-    _one_of(cfg.model.dtype, DTYPES, "model.dtype", "dtype")
+    _one_of(cfg.run.device, DEVICES, "run.device", "device")
+    _one_of(cfg.rollout.dtype, ROLLOUT_DTYPES, "rollout.dtype", "dtype")
+    _check_train_precision(cfg)
     _one_of(cfg.rollout.engine, ENGINES, "rollout.engine", "engine")
     _check(cfg.rollout.batch_size >= 1, "rollout.batch_size", "must be >= 1.")
     _check(cfg.rollout.kv_cache_mb > 0, "rollout.kv_cache_mb", "must be > 0.")
@@ -94,6 +101,19 @@ def validate(cfg: Config) -> None:
         cfg.sft.num_attention_heads % cfg.sft.num_key_value_heads == 0,
         "sft.num_key_value_heads",
         "must divide sft.num_attention_heads.",
+    )
+
+
+def _check_train_precision(cfg: Config) -> None:
+    t = cfg.train
+    what = "train compute dtype (float16 would need loss scaling: use bfloat16)"
+    _one_of(t.dtype, TRAIN_DTYPES, "train.dtype", what)
+    _one_of(t.strategy, STRATEGIES, "train.strategy", "training strategy")
+    _one_of(t.offload, OFFLOADS, "train.offload", "offload policy")
+    _check(
+        t.offload == "none" or t.strategy == "fsdp2",
+        "train.offload",
+        f"is {t.offload!r}, which is FSDP2's CPU offload: set train.strategy=fsdp2 as well.",
     )
 
 
@@ -174,6 +194,7 @@ def _check_corrections(cfg: Config) -> None:
 def _check_placement(cfg: Config) -> None:
     p = cfg.placement
     _check(p.num_cpus >= 0, "placement.num_cpus", "must be >= 0 (0 = all the cluster has).")
+    _check(p.num_gpus >= 0, "placement.num_gpus", "must be >= 0 (0 = all the cluster has).")
     if not p.groups:
         _check(not p.ratios, "placement.ratios", "needs placement.groups (one ratio per task group).")
         return

@@ -12,9 +12,9 @@ import ray
 import torch
 
 from tandem.config import Config
-from tandem.controller.roles import build_rollout, build_trainer, load_checked_tokenizer, pad_token_id
+from tandem.controller.roles import build_rollout, build_trainer, load_checked_tokenizer, load_policy
 from tandem.controller.timeline import Span
-from tandem.model import load_model, resolve_model_path
+from tandem.devices import DTYPES
 from tandem.reward import RewardPool
 from tandem.rollout import SamplingParams
 from tandem.sample import Sample
@@ -23,7 +23,11 @@ from tandem.train.ref import RefWorker
 
 
 def _plan(cfg: Config, named) -> BucketPlan:
-    return BucketPlan.from_named_tensors(named, cfg.sync.produce_bucket_mb, cfg.sync.consume_bucket_mb)
+    """The same plan on both sides: the trainer's fp32 masters travel in the engines' dtype."""
+    s = cfg.sync
+    return BucketPlan.from_named_tensors(
+        named, s.produce_bucket_mb, s.consume_bucket_mb, DTYPES[cfg.rollout.dtype]
+    )
 
 
 def _transport(actor, plan: BucketPlan):
@@ -44,7 +48,9 @@ class _DistMember:
     """Joins the run's torch.distributed world: trainers are ranks 0..T-1, rollout workers after."""
 
     def join(self, rank: int, world: int, addr: str, port: int, trainers: int, sync_ranks: list[int]) -> bool:
-        init_world(rank, world, addr, port, backend="gloo", timeout_s=self.cfg.sync.timeout_s)
+        # On GPUs, CUDA tensors go over NCCL and CPU tensors (metrics) over gloo, in the same groups.
+        backend = "cpu:gloo,cuda:nccl" if self.cfg.run.device == "cuda" else "gloo"
+        init_world(rank, world, addr, port, backend=backend, timeout_s=self.cfg.sync.timeout_s)
         # new_group is collective over the whole world: every rank creates both, in the same order.
         self.dp_group = new_group(list(range(trainers)))
         self.sync_group = new_group(sync_ranks) if len(sync_ranks) > 1 else None
@@ -106,8 +112,7 @@ class TrainActor(_Timed, _DistMember):
 
     def join(self, *args) -> bool:
         _DistMember.join(self, *args)
-        if self.cfg.train.num_workers > 1:
-            self.trainer.set_data_parallel(self.dp_group)
+        self.trainer.parallelize(self.dp_group)
         return True
 
     def train_step(self, samples: list[Sample]) -> tuple[dict[str, float], list[Span]]:
@@ -124,8 +129,13 @@ class TrainActor(_Timed, _DistMember):
         return {n: t.clone() for n, t in self.trainer.named_weights()}
 
     def send_weights(self, version: int):
-        """Rank 0 only: push the policy's weights; -> (the transport's handle, span)."""
+        """Every rank: rank 0 pushes the policy's weights, one bucket at a time; under fsdp2 the
+        others take part in gathering each tensor from the shards. -> (the transport's handle or
+        None, span)."""
         start = time.time()
+        if self.rank > 0:
+            self.trainer.gather_weights([slot.spec.name for b in self.plan.buckets for slot in b])
+            return None, self._span("sync", start)
         if self.transport is None:
             self.transport = _transport(self, self.plan)
         handle = self.transport.send(self.trainer.named_weights(), version)
@@ -145,11 +155,8 @@ class RefActor(_Timed):
     def __init__(self, cfg: Config, threads: int):
         torch.set_num_threads(cfg.run.threads or threads)
         self.name = "ref/0"
-        from tandem.controller.roles import DTYPES
-
-        model = load_model(resolve_model_path(cfg.model.path), dtype=DTYPES[cfg.model.dtype])
-        pad = pad_token_id(load_checked_tokenizer(cfg))
-        self.worker = RefWorker(model, pad, cfg.train.micro_batch_tokens, cfg.rollout.temperature)
+        model = load_policy(cfg, cfg.train.dtype)  # frozen: the compute dtype loses nothing to rounding
+        self.worker = RefWorker(model, cfg.train.micro_batch_tokens, cfg.rollout.temperature)
 
     def score(self, samples: list[Sample]) -> tuple[list[Sample], Span]:
         start = time.time()

@@ -14,6 +14,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from tandem import devices
 from tandem.config import Config
 from tandem.controller import placement
 from tandem.controller.actors import RefActor, RewardActor, RolloutActor, TrainActor
@@ -47,9 +48,13 @@ class Cluster:
     @classmethod
     def start(cls, cfg: Config) -> "Cluster":
         start_ray(cfg)
-        cpus = cfg.placement.num_cpus or ray.cluster_resources().get("CPU", 1)
-        slots = placement.plan(cfg, cpus)
-        pg = placement_group([placement.bundle(s) for s in slots], strategy="PACK")
+        have = ray.cluster_resources()
+        cfg = devices.resolve(cfg, have.get("GPU", 0))  # a no-op on a config run_training resolved
+        cpus = cfg.placement.num_cpus or have.get("CPU", 1)
+        gpus = cfg.placement.num_gpus or have.get("GPU", 0)
+        slots = placement.plan(cfg, cpus, gpus)
+        placement.check_fits(slots, have.get("CPU", 0), have.get("GPU", 0))  # fail now, not in 600 s
+        pg = placement_group(placement.bundles(slots), strategy="PACK")
         try:
             ray.get(pg.ready(), timeout=cfg.run.timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -79,17 +84,17 @@ class Cluster:
         ]
         keep_ref = not on.get("ref_logp")
         trainers = [
-            TrainActor.options(num_cpus=s.cpus, scheduling_strategy=strategy[s.bundle]).remote(
-                cfg, s.rank, s.threads, keep_ref
-            )
+            TrainActor.options(
+                num_cpus=s.cpus, num_gpus=s.gpus, scheduling_strategy=strategy[s.bundle]
+            ).remote(cfg, s.rank, s.threads, keep_ref)
             for s in on["actor_train"]
         ]
         ref = None
         if on.get("ref_logp"):
             s = on["ref_logp"][0]
-            ref = RefActor.options(num_cpus=s.cpus, scheduling_strategy=strategy[s.bundle]).remote(
-                cfg, s.threads
-            )
+            ref = RefActor.options(
+                num_cpus=s.cpus, num_gpus=s.gpus, scheduling_strategy=strategy[s.bundle]
+            ).remote(cfg, s.threads)
         reward = RewardActor.options(num_cpus=0).remote(cfg)
         names = {
             "rollout": [f"rollout/{i}" for i in range(len(rollouts))],
@@ -103,7 +108,7 @@ class Cluster:
 
     def _join_world(self, cfg: Config) -> None:
         broadcast = cfg.sync.transport == "broadcast"
-        if len(self.trainers) == 1 and not broadcast:
+        if len(self.trainers) == 1 and not broadcast and cfg.train.strategy != "fsdp2":
             return
         members = self.trainers + (self.rollouts if broadcast else [])
         t = len(self.trainers)

@@ -242,11 +242,13 @@ class Loop:
             self.on_step(self.version)
 
     def push_weights(self) -> None:
-        send = self.cluster.trainers[0].send_weights.remote(self.version)
-        self.pending[send] = Call("send", "train/0", version=self.version)
+        # Every train rank takes part (under fsdp2 each tensor is gathered from all shards); rank 0 sends.
+        sends = [t.send_weights.remote(self.version) for t in self.cluster.trainers]
+        for rank, ref in enumerate(sends):
+            self.pending[ref] = Call("send", f"train/{rank}", version=self.version)
         # The object store's receivers take the send's result (Ray hands it over once the send is
         # done); broadcast receivers must run while the send runs, so they take none.
-        self.last_handle = None if TRANSPORTS.get(self.cfg.sync.transport).collective else send
+        self.last_handle = None if TRANSPORTS.get(self.cfg.sync.transport).collective else sends[0]
         self.receiving[self.version] = len(self.cluster.rollouts)
         for i, r in enumerate(self.cluster.rollouts):
             ref = r.receive_weights.remote(self.last_handle, self.version)
@@ -368,7 +370,9 @@ class Loop:
         from pathlib import Path
 
         path = Path(self.cfg.run.out_dir) / self.cfg.run.name / "checkpoints" / name
-        ray.get(self.cluster.trainers[0].save.remote(str(path)), timeout=self.cfg.run.timeout_s)
+        # Every rank: under fsdp2 the weights are gathered from all shards; rank 0 writes.
+        saves = [t.save.remote(str(path)) for t in self.cluster.trainers]
+        ray.get(saves, timeout=self.cfg.run.timeout_s)
 
     def summary(self) -> dict[str, float]:
         wall = time.time() - self.started

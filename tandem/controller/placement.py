@@ -1,13 +1,24 @@
-"""Placement: which CPUs each role's actors get, from `placement.groups` and `placement.ratios`.
+"""Placement: which CPUs and GPUs each role's actors get, from `placement.groups` and `placement.ratios`.
 
 Task names follow the seeds' pull request: `generate` (rollout workers), `actor_train` (train
 workers, which also compute π_old, so `logp` goes with them), `ref_logp` (the reference worker).
-A task group shares `ratio × cpus`; each actor in it gets an equal part as its own placement-group
-bundle (so groups can span nodes) and as many torch threads as whole CPUs in its part. With no
-groups every role is colocated: they share all CPUs, each with that many threads, and take turns.
-GPUs: each rollout worker of rollout.engine=vllm reserves one; every other role runs on the CPU.
+
+run.device=cpu (and an `auto` not yet resolved): a task group shares `ratio × cpus`; each actor in
+it gets an equal part as its own placement-group bundle (so groups can span nodes) and as many torch
+threads as whole CPUs in its part. With no groups every role is colocated: they share all CPUs, each
+with that many threads, and take turns. Only rollout workers of rollout.engine=vllm take a GPU, one.
+
+run.device=cuda: every role runs on GPUs. A task group also shares `ratio × gpus`, split equally
+among its actors, each still its own bundle: a part above one GPU is rounded down to whole GPUs and
+one below to 1/k of a GPU, the amounts Ray can pack. With no groups (verl's layout) there is one
+bundle per GPU holding `cpus / gpus` CPUs; the i-th actor of every role goes on bundle i % gpus and
+the actors of a bundle share its GPU and CPUs equally, with as many threads as the bundle's CPUs.
+Bundles no actor lands on are not reserved. NCCL allows one rank of a communicator per GPU, so the
+plan refuses to put two train workers (or, with sync.transport=broadcast, two members of the
+broadcast) where they could share one.
 """
 
+import math
 from dataclasses import dataclass
 
 from tandem.config import Config
@@ -15,18 +26,19 @@ from tandem.errors import TandemError
 
 # The driver and the reward actor are light; the reward pool's processes run outside any bundle.
 ROLES = ("generate", "actor_train", "ref_logp")
+MIN_SHARE = 0.05  # the least CPU or GPU an actor may get; less is a mistake, not a plan
 
 
 @dataclass
 class Slot:
-    """One actor's share: the bundle it lives in, its Ray CPU amount and torch thread count."""
+    """One actor's share: the bundle it lives in, its Ray CPU and GPU amounts, its torch threads."""
 
     role: str
     rank: int
     cpus: float
     threads: int
     bundle: int = 0
-    gpus: float = 0.0  # a rollout worker on rollout.engine=vllm takes one whole GPU
+    gpus: float = 0.0  # run.device=cuda: its part of a GPU or whole GPUs; cpu: 1 for a vLLM rollout
 
 
 def role_counts(cfg: Config) -> dict[str, int]:
@@ -48,32 +60,120 @@ def _task_groups(cfg: Config) -> tuple[list[list[str]], list[float]]:
     return groups, list(p.ratios)
 
 
-def plan(cfg: Config, total_cpus: float) -> list[Slot]:
-    """One Slot per actor, bundles numbered in order; raises when a share is too small to use."""
+def plan(cfg: Config, total_cpus: float, total_gpus: float = 0) -> list[Slot]:
+    """One Slot per actor, each role's in rank order; raises when a share is too small to use.
+
+    total_gpus counts only with run.device=cuda; it is what the plan spreads, not checked against
+    the cluster (`check_fits` does that).
+    """
     counts = role_counts(cfg)
+    if cfg.run.device != "cuda":
+        return _on_ray_grid(_grouped(cfg, counts, total_cpus, 0.0))
+    if total_gpus <= 0:
+        raise TandemError(
+            "run.device=cuda but there are no GPUs to place roles on (placement.num_gpus and the Ray "
+            "cluster give 0). Give Ray GPUs or set run.device=cpu."
+        )
+    if cfg.placement.groups:
+        slots = _grouped(cfg, counts, total_cpus, total_gpus)
+    else:
+        slots = _colocated_on_gpus(counts, total_cpus, total_gpus)
+    _check_nccl(cfg, slots)
+    return _on_ray_grid(slots)
+
+
+def _on_ray_grid(slots: list[Slot]) -> list[Slot]:
+    for s in slots:
+        s.cpus, s.gpus = ray_amount(s.cpus), ray_amount(s.gpus)
+    return slots
+
+
+def _grouped(cfg: Config, counts: dict[str, int], total_cpus: float, total_gpus: float) -> list[Slot]:
+    """Each task group's share split among its actors, one bundle per actor (on cpu, also colocated)."""
     groups, ratios = _task_groups(cfg)
     colocated = not cfg.placement.groups
     slots: list[Slot] = []
     for group, ratio in zip(groups, ratios, strict=True):
-        share = ratio * total_cpus
         actors = sum(counts[t] for t in group)
         if actors == 0:
             raise TandemError(
                 f"Placement group {group} gets {ratio:.0%} of the CPUs but runs nothing "
                 f"(ref_logp needs algo.kl_coef > 0)."
             )
-        each = share / actors
-        if each < 0.05:
-            raise TandemError(
-                f"Placement group {group} gets {share:.2f} CPUs for {actors} actors: too little. "
-                f"Raise its ratio, lower the worker counts, or give Ray more CPUs."
-            )
-        threads = max(1, round(total_cpus if colocated else each))
+        cpus = _enough(ratio * total_cpus / actors, f"Placement group {group}", "CPU", actors)
+        gpus = _gpu_part(ratio * total_gpus / actors, group, actors) if total_gpus else 0.0
+        threads = max(1, round(total_cpus if colocated else cpus))
         for task in group:
-            gpus = 1.0 if task == "generate" and cfg.rollout.engine == "vllm" else 0.0
+            vllm = not total_gpus and task == "generate" and cfg.rollout.engine == "vllm"
+            own = 1.0 if vllm else gpus  # with the rest on the CPU, vLLM still needs a GPU of its own
             for rank in range(counts[task]):
-                slots.append(Slot(task, rank, each, threads, bundle=len(slots), gpus=gpus))
+                slots.append(Slot(task, rank, cpus, threads, bundle=len(slots), gpus=own))
     return slots
+
+
+def _gpu_part(each: float, group: list[str], actors: int) -> float:
+    """An actor's GPU amount in a task group: whole GPUs, or 1/k of one."""
+    each = _enough(each, f"Placement group {group}", "GPU", actors)
+    if each >= 1 - 1e-9:
+        return float(math.floor(each + 1e-9))  # Ray gives one actor 1 or 2 GPUs, never 1.5
+    # k actors at 1/k fill a GPU exactly; at 2/3 each, three actors on two GPUs would not fit.
+    return 1 / math.ceil(1 / each - 1e-9)
+
+
+def _enough(each: float, who: str, resource: str, actors: int) -> float:
+    if each < MIN_SHARE:
+        raise TandemError(
+            f"{who} gets {each * actors:.3g} {resource}s for {actors} actors ({each:.3g} each): too "
+            f"little. Raise its ratio or placement.num_{resource.lower()}s, lower the worker counts, "
+            f"or give Ray more {resource}s."
+        )
+    return each
+
+
+def _colocated_on_gpus(counts: dict[str, int], total_cpus: float, total_gpus: float) -> list[Slot]:
+    """One bundle per GPU; the i-th actor of every role on bundle i % gpus, sharing it equally."""
+    if total_gpus != int(total_gpus):
+        raise TandemError(
+            f"Colocated roles take one bundle per GPU, so the GPU count must be whole; got "
+            f"{total_gpus:g}. Set placement.num_gpus to a whole number or use placement.groups."
+        )
+    n = int(total_gpus)
+    on_bundle = [0] * n
+    for role in ROLES:
+        for rank in range(counts[role]):
+            on_bundle[rank % n] += 1
+    cpus = total_cpus / n  # per bundle, so a bundle fits a node with its GPU's share of the CPUs
+    _enough(cpus / max(on_bundle), "Each GPU's bundle", "CPU", max(on_bundle))
+    return [
+        Slot(role, rank, cpus / on_bundle[b], max(1, round(cpus)), bundle=b, gpus=1 / on_bundle[b])
+        for role in ROLES
+        for rank in range(counts[role])
+        for b in [rank % n]
+    ]
+
+
+def _check_nccl(cfg: Config, slots: list[Slot]) -> None:
+    """NCCL refuses a communicator with two ranks on one GPU; catch it here, not at the first step."""
+    train = [s for s in slots if s.role == "actor_train"]
+    worlds = {"the train workers (train.num_workers)": train}
+    if cfg.sync.transport == "broadcast":
+        rollouts = [s for s in slots if s.role == "generate"]
+        worlds["train rank 0 and the rollout workers (sync.transport=broadcast)"] = train[:1] + rollouts
+    for name, ranks in worlds.items():
+        if len(ranks) < 2:
+            continue
+        if cfg.placement.groups:  # one bundle each: a part of a GPU may share it with anyone
+            shared = min(s.gpus for s in ranks) < 1
+            where = f"{min(s.gpus for s in ranks):.3g} GPU each"
+        else:
+            shared = len({s.bundle for s in ranks}) < len(ranks)
+            where = f"{len({s.bundle for s in ranks})} GPUs (colocated: rank i on GPU i % gpus)"
+        if shared:
+            raise TandemError(
+                f"NCCL needs one GPU per rank, but {name} are {len(ranks)} ranks on {where}. Give "
+                f"each its own GPU: fewer workers, more GPUs (placement.num_gpus), a task group "
+                f"with a whole GPU per actor, or sync.transport=object_store for the broadcast."
+            )
 
 
 def describe(slots: list[Slot]) -> str:
@@ -81,11 +181,47 @@ def describe(slots: list[Slot]) -> str:
     for role in ROLES:
         mine = [s for s in slots if s.role == role]
         if mine:
-            gpu = f", {mine[0].gpus:g} GPU" if mine[0].gpus else ""
-            parts.append(f"{role} ×{len(mine)} ({mine[0].cpus:g} CPU{gpu}, {mine[0].threads} threads each)")
+            gpu = f", {_amount([s.gpus for s in mine])} GPU" if any(s.gpus for s in mine) else ""
+            cpu, threads = _amount([s.cpus for s in mine]), _amount([s.threads for s in mine])
+            parts.append(f"{role} ×{len(mine)} ({cpu} CPU{gpu}, {threads} threads each)")
     return "; ".join(parts)
 
 
-def bundle(slot: Slot) -> dict[str, float]:
-    """The Ray resources of a slot's placement-group bundle."""
-    return {"CPU": slot.cpus, **({"GPU": slot.gpus} if slot.gpus else {})}
+def _amount(values: list[float]) -> str:
+    """'0.5', or '0.33-0.5' when the actors of a role got different amounts (colocated on GPUs)."""
+    lo, hi = (f"{round(v, 2):g}" for v in (min(values), max(values)))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def bundles(slots: list[Slot]) -> list[dict[str, float]]:
+    """The Ray resources of each placement-group bundle, index = Slot.bundle: its slots' sums."""
+    out = [{"CPU": 0.0, "GPU": 0.0} for _ in range(max(s.bundle for s in slots) + 1)]
+    for s in slots:
+        out[s.bundle]["CPU"] += s.cpus
+        out[s.bundle]["GPU"] += s.gpus
+    return [{k: ray_amount(v) for k, v in b.items() if v > 0} for b in out]
+
+
+def ray_amount(v: float) -> float:
+    """v rounded down to Ray's resource step of 1e-4; the 1e-6 keeps ten 0.1s summing to 0.99999… at 1.
+    Slots and bundles both use it, so an actor never asks for more than its bundle reserved."""
+    return math.floor(v * 1e4 + 1e-6) / 1e4
+
+
+def check_fits(slots: list[Slot], cpus: float, gpus: float) -> None:
+    """Raise unless the plan's CPUs and GPUs, summed over all bundles, exist in the cluster.
+
+    Ray would otherwise wait run.timeout_s for a reservation it can never make. Totals only: a
+    bundle larger than any one node is still left to Ray.
+    """
+    asked = bundles(slots)
+    want_cpus = sum(b.get("CPU", 0.0) for b in asked)
+    want_gpus = sum(b.get("GPU", 0.0) for b in asked)
+    if want_cpus <= cpus + 1e-6 and want_gpus <= gpus + 1e-6:
+        return
+    raise TandemError(
+        f"The placement asks for {want_cpus:g} CPUs and {want_gpus:g} GPUs ({describe(slots)}), but "
+        f"the Ray cluster has {cpus:g} CPUs and {gpus:g} GPUs. Lower placement.num_cpus / "
+        f"placement.num_gpus to what exists (0 = all of it), lower rollout.num_workers or "
+        f"train.num_workers, or set run.device=cpu."
+    )

@@ -16,8 +16,9 @@ from tandem.config import Config
 from tandem.data import encode_prompts, load_prompts, load_tokenizer, prompts_from_rows
 from tandem.data.loader import PromptLoader
 from tandem.data.tasks import TASKS
+from tandem.devices import DTYPES, check_runnable
 from tandem.errors import TandemError
-from tandem.model import ModelConfig, load_model, resolve_model_path
+from tandem.model import CausalLM, ModelConfig, load_model, resolve_model_path
 from tandem.registry import Registry
 from tandem.rollout import (
     BuiltinEngine,
@@ -31,8 +32,6 @@ from tandem.rollout.vllm_engine import require_vllm
 from tandem.rollout.vllm_logprobs import choose_logprobs_mode
 from tandem.sample import Prompt
 from tandem.train import TrainWorker
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_split(cfg: Config, files: list[str], split: str, size: int, seed: int) -> tuple[list[Prompt], str]:
@@ -135,9 +134,9 @@ ENGINE_BUILDERS: Registry[EngineBuilder] = Registry("rollout engine")
 
 
 def _on_tandem_model(engine_cls, cfg: Config, tokenizer, seed: int, **engine_kw) -> RolloutEngine:
-    """A built-in engine (`BuiltinEngine` or `PagedEngine`) on tandem's decoder, with the settings
-    both take; `engine_kw` are the engine's own."""
-    model = load_model(resolve_model_path(cfg.model.path), dtype=DTYPES[cfg.model.dtype])
+    """A built-in engine (`BuiltinEngine` or `PagedEngine`) on tandem's decoder, on run.device in
+    rollout.dtype, with the settings both take; `engine_kw` are the engine's own."""
+    model = load_policy(cfg, cfg.rollout.dtype)
     r = cfg.rollout
     return engine_cls(
         model,
@@ -179,7 +178,7 @@ def _vllm_engine(cfg: Config, tokenizer, seed: int) -> RolloutEngine:
         pad_token_id(tokenizer),
         seed=seed,
         on_update=r.on_update,
-        dtype=cfg.model.dtype,
+        dtype=cfg.rollout.dtype,
         logprobs_mode=choose_logprobs_mode(calls),  # validate() has checked that one exists
         tokenizer=cfg.model.tokenizer or None,
         gpu_memory_utilization=r.vllm_gpu_memory_utilization,
@@ -192,10 +191,18 @@ def pad_token_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
+def load_policy(cfg: Config, dtype: str) -> CausalLM:
+    """The checkpoint at model.path on run.device (resolved: cpu or cuda) in `dtype`."""
+    device = check_runnable(cfg.run.device, dtype)
+    return load_model(resolve_model_path(cfg.model.path), dtype=DTYPES[dtype], device=device)
+
+
 def build_trainer(cfg: Config, tokenizer, keep_ref: bool = True) -> TrainWorker:
-    """The policy's train worker; `keep_ref=False` when a ref worker computes reference logprobs."""
+    """The policy's train worker (fp32 master weights, train.dtype compute); `keep_ref=False` when a
+    ref worker computes reference logprobs."""
     torch.manual_seed(cfg.run.seed)
-    policy = load_model(resolve_model_path(cfg.model.path), dtype=DTYPES[cfg.model.dtype])
+    check_runnable(cfg.run.device, cfg.train.dtype)
+    policy = load_policy(cfg, "float32")
     mini = cfg.train.mini_batch_size or cfg.rollout.batch_size * cfg.rollout.n
     updates_per_step = cfg.train.epochs * -(-cfg.rollout.batch_size * cfg.rollout.n // mini)
     return TrainWorker(
@@ -208,12 +215,17 @@ def build_trainer(cfg: Config, tokenizer, keep_ref: bool = True) -> TrainWorker:
         seed=cfg.run.seed,
         norm_len=cfg.rollout.max_new_tokens,
         keep_ref=keep_ref,
+        device=policy.lm_head.weight.device,
+        dtype=DTYPES[cfg.train.dtype],
     )
 
 
 def save_checkpoint(trainer: TrainWorker, tokenizer, path: Path) -> None:
-    """A Hugging Face checkpoint directory: model and tokenizer, loadable by transformers."""
+    """A Hugging Face checkpoint directory: model and tokenizer, loadable by transformers. Every
+    train rank calls it (under fsdp2 the weights are gathered from the shards); rank 0 writes."""
     from tandem.model import save_model
 
-    save_model(trainer.model, path)
-    tokenizer.save_pretrained(str(path))
+    tensors = trainer.full_weights()
+    if trainer.rank == 0:
+        save_model(trainer.model, path, tensors=tensors)
+        tokenizer.save_pretrained(str(path))

@@ -4,8 +4,11 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import ray
+
+from tandem import devices
 from tandem.config import Config, save_config
-from tandem.controller.cluster import Cluster
+from tandem.controller.cluster import Cluster, start_ray
 from tandem.controller.loop import Loop
 from tandem.controller.metrics import MetricsLogger
 from tandem.controller.roles import build_data
@@ -31,10 +34,12 @@ def run_training(cfg: Config, on_step=None) -> dict[str, float]:
     after, throughput). `on_step(loop)` is called after each train step (tests use it)."""
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
     cfg = with_absolute_paths(cfg)
     data = build_data(cfg)  # bad input fails here, before any actor starts
     load_reward_fn(cfg.reward.fn)
+    start_ray(cfg)
+    cfg = devices.resolve(cfg, ray.cluster_resources().get("GPU", 0))
+    save_config(cfg, run_dir / "config.yaml")  # as resolved: device and dtypes concrete
     cluster = Cluster.start(cfg)
     log = MetricsLogger(run_dir, cfg.run.steps, cfg.run.tensorboard, cfg.run.progress)
     loop = Loop(cfg, data, cluster)

@@ -1,5 +1,8 @@
 """Evaluation and generation without training: `tandem eval` and `tandem generate`."""
 
+import torch
+
+from tandem import devices
 from tandem.config import Config
 from tandem.controller.evaluation import evaluate
 from tandem.controller.roles import build_rollout, load_split, sampling_params
@@ -9,7 +12,7 @@ from tandem.sample import Prompt
 
 
 def evaluate_checkpoint(cfg: Config, show: int = 0) -> dict[str, float]:
-    rollout, limit = build_rollout(cfg)
+    rollout, limit = build_rollout(devices.resolve(cfg, torch.cuda.device_count()))
     prompts, source = load_split(cfg, cfg.data.val_files, "test", cfg.data.val_size, cfg.run.seed + 1)
     ids = limit.encode(rollout.tokenizer, prompts, source)
     with RewardPool(cfg.reward.fn, cfg.reward.num_workers, cfg.reward.timeout_s) as reward:
@@ -21,7 +24,7 @@ def evaluate_checkpoint(cfg: Config, show: int = 0) -> dict[str, float]:
 
 
 def generate_text(cfg: Config, text: str, chat: bool = True) -> list[str]:
-    rollout, limit = build_rollout(cfg)
+    rollout, limit = build_rollout(devices.resolve(cfg, torch.cuda.device_count()))
     prompt = Prompt(messages=[{"role": "user", "content": text}]) if chat else Prompt(text=text)
     ids = limit.encode(rollout.tokenizer, [prompt], "the command line")
     samples = rollout.generate(

@@ -57,12 +57,20 @@ def load_model(
     return model.to(dtype)
 
 
-def save_model(model: CausalLM, path: str | Path, max_shard_mb: float | None = None) -> None:
-    """Write config.json and safetensors (sharded with an index when over `max_shard_mb`)."""
+def save_model(
+    model: CausalLM,
+    path: str | Path,
+    max_shard_mb: float | None = None,
+    tensors: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Write config.json and safetensors (sharded with an index when over `max_shard_mb`).
+    `tensors`: the weights by name when the model's own are shards (fsdp2 gathers them first)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(model.cfg.to_hf(), indent=2))
-    tensors = {n: p.detach().to("cpu").contiguous() for n, p in model.named_parameters()}
+    if tensors is None:
+        tensors = dict(model.named_parameters())
+    tensors = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
     if model.cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # shared with embed_tokens, as Hugging Face saves it
     limit = int(max_shard_mb * 2**20) if max_shard_mb else None

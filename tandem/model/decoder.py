@@ -12,6 +12,8 @@ from torch import Tensor, nn
 
 from tandem.model.config import ModelConfig
 from tandem.model.kv_cache import KVCache
+from tandem.model.logprobs import Targets, score_tokens
+from tandem.model.segments import Segments
 
 
 class BatchCache(Protocol):
@@ -81,11 +83,12 @@ class Attention(nn.Module):
         x: Tensor,
         cos: Tensor,
         sin: Tensor,
-        mask: Tensor,
+        mask: Tensor | Segments,
         layer: int,
         cache: KVCache | BatchCache | None,
     ) -> Tensor:
-        """x (B, T, E), mask (B, 1, T, S) additive float (0 or -inf) -> (B, T, E)."""
+        """x (B, T, E), mask (B, 1, T, S) additive float (0 or -inf), or the packed row's Segments
+        -> (B, T, E)."""
         b, t, _ = x.shape
         h, kv, d = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
         if self.fused is not None:
@@ -102,7 +105,9 @@ class Attention(nn.Module):
         v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(layer, k, v)
-        if t == 1:
+        if isinstance(mask, Segments):
+            out = mask.attend(q, k, v)
+        elif t == 1:
             out = decode_attention(q, k, v, mask)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
@@ -158,7 +163,7 @@ class DecoderLayer(nn.Module):
         x: Tensor,
         cos: Tensor,
         sin: Tensor,
-        mask: Tensor,
+        mask: Tensor | Segments,
         layer: int,
         cache: KVCache | BatchCache | None,
     ) -> Tensor:
@@ -212,18 +217,24 @@ class CausalLM(nn.Module):
         self,
         input_ids: Tensor,
         positions: Tensor,
-        token_mask: Tensor,
+        token_mask: Tensor | Segments,
         cache: KVCache | BatchCache | None = None,
-    ) -> Tensor:
-        """input_ids, positions, token_mask (B, T) -> logits (B, T, V) in fp32.
+        targets: Targets | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """input_ids, positions, token_mask (B, T) -> logits (B, T, V) in fp32; with `targets`,
+        (logp, entropy) (N,) of the target tokens instead (the trainer's forward: the full logits
+        never exist, `score_tokens` works in chunks).
 
         token_mask marks real tokens (False = padding). With a cache the T tokens are appended after
         the cached ones. A token attends to real keys at or before its own slot, and always to
         itself, so a padding row never has an empty (NaN) softmax. A `BatchCache` (the paged cache)
-        gives the mask itself: its rows may hold contexts of any lengths.
+        gives the mask itself: its rows may hold contexts of any lengths. `Segments` in place of the
+        mask: one (1, T) row of sequences packed back to back, each attending only to itself.
         """
+        if isinstance(token_mask, Segments):
+            return self._run(input_ids, positions, token_mask, None, targets)
         if cache is not None and not isinstance(cache, KVCache):
-            return self._run(input_ids, positions, cache.attention_mask(token_mask), cache)
+            return self._run(input_ids, positions, cache.attention_mask(token_mask), cache, targets)
         if cache is not None:
             cache.append_mask(token_mask)
             key_mask = cache.key_mask[:, : cache.length + input_ids.shape[1]]
@@ -235,29 +246,50 @@ class CausalLM(nn.Module):
         causal = slots[None, :] <= query_slots[:, None]  # (T, S)
         own = slots[None, :] == query_slots[:, None]
         mask = ((causal & key_mask[:, None, :]) | own)[:, None]  # (B, 1, T, S)
-        logits = self._run(input_ids, positions, mask, cache)
+        out = self._run(input_ids, positions, mask, cache, targets)
         if cache is not None:
             cache.advance(t)
-        return logits
+        return out
 
     def _run(
-        self, input_ids: Tensor, positions: Tensor, mask: Tensor, cache: KVCache | BatchCache | None
-    ) -> Tensor:
-        """The layers under a given attention mask (B, 1, T, S) bool -> logits (B, T, V) in fp32."""
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        mask: Tensor | Segments,
+        cache: KVCache | BatchCache | None,
+        targets: Targets | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The layers under a given attention mask (B, 1, T, S) bool (or Segments) -> logits
+        (B, T, V) in fp32, or (logp, entropy) of `targets`."""
         cos, sin = self.rope(positions)  # outside the compiled part: it reads positions.max()
-        # One additive mask for every layer: SDPA would turn a bool mask into it once per layer.
-        dtype = self.lm_head.weight.dtype
-        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        if isinstance(mask, Tensor):
+            # One additive mask for every layer: SDPA would turn a bool mask into it once per layer.
+            dtype = self.lm_head.weight.dtype
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        if targets is not None:
+            hidden = self._backbone(input_ids, cos, sin, mask, cache).flatten(0, 1)[targets.index]  # (N, E)
+            return score_tokens(hidden, self.lm_head.weight, targets.tokens, targets.temperature)
         compiled = self._decode_layers is not None and input_ids.shape[1] == 1
         return (self._decode_layers if compiled else self._layers)(input_ids, cos, sin, mask, cache)
 
     def _layers(
         self, input_ids: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: KVCache | BatchCache | None
     ) -> Tensor:
+        return self.lm_head(self._backbone(input_ids, cos, sin, mask, cache)).float()
+
+    def _backbone(
+        self,
+        input_ids: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | Segments,
+        cache: KVCache | BatchCache | None,
+    ) -> Tensor:
+        """-> the final norm's output (B, T, E)."""
         x = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, mask, i, cache)
-        return self.lm_head(self.model.norm(x)).float()
+        return self.model.norm(x)
 
 
 def fuse_projections(model: CausalLM) -> CausalLM:

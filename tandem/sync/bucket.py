@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from tandem.errors import TandemError
 from tandem.sync.plan import HEADER_BYTES, BucketPlan
@@ -46,6 +47,11 @@ def collect(plan: BucketPlan, named_tensors: Iterable[tuple[str, Tensor]]) -> di
     return tensors
 
 
+def full_tensor(t: Tensor) -> Tensor:
+    """The whole tensor: a DTensor shard is all-gathered (collective: every rank calls it in turn)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def pack_bucket(
     plan: BucketPlan, index: int, tensors: Mapping[str, Tensor], version: int, out: Tensor | None = None
 ) -> Tensor:
@@ -53,6 +59,8 @@ def pack_bucket(
 
     `out` (uint8, at least that long) is reused when given, on its device; tensors are cast to the
     plan's dtype on the way in. Padding between tensors is zeroed so the bytes are deterministic.
+    A sharded tensor (FSDP2's DTensor) is gathered here, one at a time, in bucket order: no more
+    than one whole tensor beside the bucket exists at once.
     """
     size = plan.bucket_nbytes[index]
     if out is None:
@@ -66,7 +74,7 @@ def pack_bucket(
         spec = slot.spec
         out[end : slot.offset].zero_()
         end = slot.offset + spec.nbytes
-        out[slot.offset : end].view(spec.dtype).view(spec.shape).copy_(tensors[spec.name])
+        out[slot.offset : end].view(spec.dtype).view(spec.shape).copy_(full_tensor(tensors[spec.name]))
     return out
 
 

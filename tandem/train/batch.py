@@ -1,48 +1,110 @@
-"""Turn Samples into padded tensors, and split a batch into micro-batches by a token budget."""
+"""Turn Samples into model inputs (packed or padded), score them, split batches over ranks and
+micro-batches by a token budget."""
 
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from tandem.model import Segments, Targets
 from tandem.sample import Sample
 
 
 @dataclass
-class Collated:
-    """A right-padded micro-batch. `resp_*` tensors are (b, R) and aligned with response tokens."""
+class Rows:
+    """A micro-batch as the model takes it, and where each scored token goes in a (b, R) table."""
 
-    ids: Tensor  # (b, T) prompt + response
-    mask: Tensor  # (b, T) bool, real tokens
-    resp_index: Tensor  # (b, R) position of the logits that predict each response token
-    resp_tokens: Tensor  # (b, R)
-    resp_mask: Tensor  # (b, R) float, 1 where the token is trained on
+    ids: Tensor  # (b, T) padded, or (1, total) packed
+    positions: Tensor  # like ids
+    mask: Tensor | Segments  # (b, T) bool real tokens, or the packed row's segments
+    targets: Targets  # the response tokens and the flat positions whose logits predict them
+    row: Tensor  # (N,) the sample each target belongs to
+    col: Tensor  # (N,) its index in that sample's response
 
 
-def collate(samples: list[Sample], pad_token_id: int, device: torch.device | str = "cpu") -> Collated:
-    b = len(samples)
+def packed(samples: list[Sample], device: torch.device | str = "cpu", temperature: float = 1.0) -> Rows:
+    """Prompt + response of every sample back to back in one (1, total) row, no padding."""
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    segments = Segments(lengths)
+    ids = torch.tensor([t for s in samples for t in s.prompt_ids + s.response_ids], dtype=torch.long)
+    starts = [0]
+    for n in lengths[:-1]:
+        starts.append(starts[-1] + n)
+    index = [start + len(s.prompt_ids) - 1 + j for s, start in zip(samples, starts, strict=True)
+             for j in range(len(s.response_ids))]  # fmt: skip
+    return _rows(samples, ids[None], segments.positions(), segments, index, device, temperature)
+
+
+def padded(
+    samples: list[Sample], pad_token_id: int, device: torch.device | str = "cpu", temperature: float = 1.0
+) -> Rows:
+    """One right-padded row per sample, (b, longest)."""
     width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    r = max(max(len(s.response_ids) for s in samples), 1)
-    ids = torch.full((b, width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros(b, width, dtype=torch.bool)
-    resp_index = torch.zeros(b, r, dtype=torch.long)
-    resp_tokens = torch.full((b, r), pad_token_id, dtype=torch.long)
-    resp_mask = torch.zeros(b, r)
+    ids = torch.full((len(samples), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(samples), width, dtype=torch.bool)
+    index = []
     for i, s in enumerate(samples):
         p, n = len(s.prompt_ids), len(s.response_ids)
         ids[i, : p + n] = torch.tensor(s.prompt_ids + s.response_ids)
         mask[i, : p + n] = True
-        resp_index[i, :n] = torch.arange(p - 1, p - 1 + n)
-        resp_tokens[i, :n] = torch.tensor(s.response_ids, dtype=torch.long)
-        resp_mask[i, :n] = torch.tensor(s.loss_mask or [1] * n, dtype=torch.float)
-    return Collated(*(t.to(device) for t in (ids, mask, resp_index, resp_tokens, resp_mask)))
+        index.extend(i * width + p - 1 + j for j in range(n))
+    positions = torch.arange(width).expand_as(ids)
+    return _rows(samples, ids, positions, mask, index, device, temperature)
 
 
-def response_logits(model, c: Collated) -> Tensor:
-    """One forward over prompt + response -> the logits that predict each response token (b, R, V)."""
-    positions = torch.arange(c.ids.shape[1], device=c.ids.device).expand_as(c.ids)
-    logits = model(c.ids, positions, c.mask)  # (b, T, V)
-    return logits.gather(1, c.resp_index[..., None].expand(-1, -1, logits.shape[-1]))
+def _rows(
+    samples: list[Sample],
+    ids: Tensor,
+    positions: Tensor,
+    mask: Tensor | Segments,
+    index: list[int],
+    device: torch.device | str,
+    temperature: float,
+) -> Rows:
+    tokens = [t for s in samples for t in s.response_ids]
+    row = [i for i, s in enumerate(samples) for _ in s.response_ids]
+    col = [j for s in samples for j in range(len(s.response_ids))]
+    targets = Targets(
+        torch.tensor(index, dtype=torch.long, device=device),
+        torch.tensor(tokens, dtype=torch.long, device=device),
+        temperature,
+    )
+    return Rows(
+        ids.to(device),
+        positions.to(device),
+        mask.to(device) if isinstance(mask, Tensor) else mask,
+        targets,
+        torch.tensor(row, dtype=torch.long, device=device),
+        torch.tensor(col, dtype=torch.long, device=device),
+    )
+
+
+def score(model, rows: Rows, width: int) -> tuple[Tensor, Tensor]:
+    """One forward -> logp, entropy (b, width) fp32 of each response token, 0 past its end."""
+    logp, entropy = model(rows.ids, rows.positions, rows.mask, targets=rows.targets)
+    b = int(rows.row.max()) + 1 if rows.row.numel() else 0
+    table = logp.new_zeros(b, width)
+    return table.index_put((rows.row, rows.col), logp), table.index_put((rows.row, rows.col), entropy)
+
+
+@torch.no_grad()
+def sequence_logprobs(
+    model, samples: list[Sample], token_budget: int, temperature: float = 1.0, pad_token_id: int | None = None
+) -> Tensor:
+    """Logprobs of every response token under `model` -> (B, R_max), 0 past each response's end.
+    Micro-batches of `token_budget` tokens, packed; padded rows when `pad_token_id` is given."""
+    width = max(max(len(s.response_ids) for s in samples), 1)
+    out = torch.zeros(len(samples), width)
+    device = next(model.parameters()).device
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    for part in micro_batches(lengths, token_budget, padded=pad_token_id is not None):
+        chosen = [samples[i] for i in part]
+        if pad_token_id is None:
+            rows = packed(chosen, device, temperature)
+        else:
+            rows = padded(chosen, pad_token_id, device, temperature)
+        out[part] = score(model, rows, width)[0].cpu()
+    return out
 
 
 def pad_rows(rows: list[list[float]], width: int) -> Tensor:
@@ -53,23 +115,32 @@ def pad_rows(rows: list[list[float]], width: int) -> Tensor:
     return out
 
 
-def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Index groups whose padded size (count x longest) stays within the budget.
+def micro_batches(lengths: list[int], token_budget: int, padded: bool = True) -> list[list[int]]:
+    """Index groups whose size stays within the budget: count x longest when `padded`, else the sum
+    of the lengths (a packed row).
 
-    Sequences are taken shortest first, so each micro-batch holds similar lengths and pads little:
-    with heavy-tailed response lengths, padding every row to the longest would multiply the work.
-    A sequence longer than the budget gets a micro-batch of its own rather than an error.
+    Sequences are taken shortest first, so each micro-batch holds similar lengths: a padded one
+    pads little, and a packed one has long runs of equal lengths for its attention. A sequence
+    longer than the budget gets a micro-batch of its own rather than an error.
     """
     groups: list[list[int]] = []
     current: list[int] = []
-    longest = 0
+    longest = total = 0
     for i in sorted(range(len(lengths)), key=lambda j: lengths[j]):
         n = lengths[i]
-        if current and (len(current) + 1) * max(longest, n) > token_budget:
+        size = (len(current) + 1) * max(longest, n) if padded else total + n
+        if current and size > token_budget:
             groups.append(current)
-            current, longest = [], 0
+            current, longest, total = [], 0, 0
         current.append(i)
-        longest = max(longest, n)
+        longest, total = max(longest, n), total + n
     if current:
         groups.append(current)
     return groups
+
+
+def shard(n: int, rank: int, world: int) -> list[int]:
+    """Rank `rank`'s rows of n: a contiguous block, the blocks' sizes differing by at most one."""
+    per, extra = divmod(n, world)
+    start = rank * per + min(rank, extra)
+    return list(range(start, start + per + (rank < extra)))

@@ -16,7 +16,7 @@ from tandem.data import build_char_tokenizer, encode_prompts, load_tokenizer, pr
 from tandem.data.tasks import TASKS
 from tandem.model import CausalLM, ModelConfig, init_weights, load_model, resolve_model_path, save_model
 from tandem.sample import Sample
-from tandem.train.batch import collate, response_logits
+from tandem.train.batch import packed, score
 from tandem.train.optim import lr_factor
 
 
@@ -71,7 +71,6 @@ def run_sft(cfg: Config) -> Path:
         tokenizer = build_char_tokenizer()
         model = fresh_model(cfg, tokenizer)
     data = demonstrations(cfg, tokenizer, cfg.data.train_size)
-    pad = tokenizer.pad_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.01)
     rng = random.Random(cfg.run.seed)
     model.train()
@@ -79,10 +78,9 @@ def run_sft(cfg: Config) -> Path:
     for step in range(s.steps):
         for group in opt.param_groups:
             group["lr"] = s.lr * lr_factor(step, s.warmup_steps, s.steps, "cosine", 0.05)
-        c = collate(rng.sample(data, s.batch_size), pad)
-        logits = response_logits(model, c)  # (b, R, V)
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), c.resp_tokens, reduction="none")
-        loss = (nll * c.resp_mask).sum() / c.resp_mask.sum()
+        batch = rng.sample(data, s.batch_size)
+        logp, _ = score(model, packed(batch), max(len(x.response_ids) for x in batch))  # (b, R)
+        loss = -logp.sum() / sum(len(x.response_ids) for x in batch)  # every response token is trained on
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

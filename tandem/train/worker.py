@@ -1,9 +1,11 @@
-"""The train worker: recompute logprobs, compute advantages, and update the policy.
+"""The train worker: π_old when needed, advantages, and the policy update on one device.
 
-One `train_step` is one RL step: π_old is recomputed for the batch (unless a correction replaces
-it), advantages come from the rewards, then each mini-batch is split into micro-batches by a token
-budget and its gradients accumulated, so the result does not depend on the split. The off-policy
-corrections (`algo.corrections`, tandem/algo/corrections.py) weight and mask the pg loss.
+One `train_step` is one RL step: π_old is recomputed for the batch unless the step is exactly
+on-policy (then π_old is π_θ detached, from the same forward) or a correction replaces it;
+advantages come from the rewards; each mini-batch is split into micro-batches by a token budget,
+packed without padding, and its gradients accumulated, so the result does not depend on the split.
+With data parallelism (`parallelize`) every rank gets the whole batch and works on its shard of
+each mini-batch's rows. The off-policy corrections (`algo.corrections`) weight and mask the pg loss.
 """
 
 import copy
@@ -23,7 +25,6 @@ from tandem.algo import (
     POLICY_LOSSES,
     aggregate,
     apply_corrections,
-    entropy_from_logits,
     interpolate_prox_logp,
     mismatch_metrics,
     old_logprob_source,
@@ -31,11 +32,14 @@ from tandem.algo import (
 from tandem.algo.corrections import MASKING
 from tandem.config import AlgoConfig, TrainConfig
 from tandem.errors import TandemError
-from tandem.model import CausalLM, token_logprobs
+from tandem.model import CausalLM
 from tandem.sample import Sample
-from tandem.train.batch import Collated, collate, micro_batches, pad_rows, response_logits
+from tandem.train import parallel
+from tandem.train.batch import Rows, micro_batches, packed, pad_rows, padded, score, shard
 from tandem.train.optim import make_optimizer, make_scheduler
-from tandem.train.ref import sequence_logprobs
+
+# Where a step's π_old came from, logged as actor/old_logprob_source/<name> = 1.
+OLD_SOURCES = ("recompute", "policy", "behaviour", "interpolate")
 
 
 @dataclass
@@ -43,6 +47,7 @@ class MiniBatch:
     """The rows of one optimizer step: their samples and per-token tensors (b, R), on the CPU."""
 
     samples: list[Sample]
+    rows: Tensor  # their indices in the step's batch
     mask: Tensor  # the loss mask
     adv: Tensor
     behaviour: Tensor  # μ, the engine's logprobs
@@ -63,21 +68,29 @@ class TrainWorker:
         seed: int = 0,
         norm_len: int | None = None,
         keep_ref: bool = True,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
     ):
-        """keep_ref=False: a ref worker fills `Sample.ref_logprobs`, so no frozen copy is kept here."""
-        self.model = model.train()
+        """model: fp32 weights (they become the master weights); dtype: the compute dtype.
+        keep_ref=False: a ref worker fills `Sample.ref_logprobs`, so no frozen copy is kept here."""
+        if any(p.dtype != torch.float32 for p in model.parameters()):
+            raise TandemError("The trainer keeps fp32 master weights: load the policy in float32.")
+        self.device, self.dtype = torch.device(device), dtype
+        self.model = model.to(self.device).train()
         self.algo, self.cfg = algo, train
         self.pad_token_id = pad_token_id
         self.temperature = temperature if temperature > 0 else 1.0
-        self.device = next(model.parameters()).device
-        # The reference policy is the initial one, frozen; it is only kept when a KL term needs it.
+        # The reference policy is the initial one, frozen, in the compute dtype (it is never updated,
+        # so nothing rounds away); it is only kept when a KL term needs it.
         self.ref_model = None
         if algo.kl_coef > 0 and keep_ref:
-            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-        self.optimizer = make_optimizer(model, train.lr, train.betas, train.weight_decay)
-        self.scheduler = make_scheduler(
-            self.optimizer, train.warmup_steps, total_updates, train.schedule, train.min_lr_ratio
-        )
+            self.ref_model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
+        if train.gradient_checkpointing:
+            parallel.apply_ac(self.model)
+        self.module: torch.nn.Module = self.model  # what the loss's forward runs through (DDP wraps it)
+        self.sharded = False
+        self.total_updates = total_updates
+        self._make_optimizer()
         self.generator = torch.Generator().manual_seed(seed)
         self.version = 0
         self.skipped_steps = 0
@@ -91,44 +104,80 @@ class TrainWorker:
         )
         self.dp_group, self.rank, self.world = None, 0, 1
 
-    def set_data_parallel(self, group) -> None:
-        """Join a data-parallel group: every rank gets the whole batch, works on its shard of each
-        mini-batch's rows, and gradients are summed over ranks before the step. The losses divide
-        by counts of the whole mini-batch, so the sum is exactly the single-worker gradient."""
+    def _make_optimizer(self) -> None:
+        t = self.cfg
+        self.optimizer = make_optimizer(self.model, t.lr, t.betas, t.weight_decay)
+        self.scheduler = make_scheduler(
+            self.optimizer, t.warmup_steps, self.total_updates, t.schedule, t.min_lr_ratio
+        )
+
+    def parallelize(self, group) -> None:
+        """Join a data-parallel group under train.strategy (before the first step): ddp wraps the
+        model in DistributedDataParallel, fsdp2 shards it (then the optimizer is built anew over
+        the shards). The losses divide by counts of the whole mini-batch and are scaled by the
+        world size, so the ranks' averaged gradient is exactly the single-worker gradient."""
         self.dp_group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-
-    def _shard(self, n: int) -> list[int]:
-        """This rank's rows of n: a contiguous block, so micro-batches stay as packed as one worker's."""
-        per = -(-n // self.world)
-        return list(range(self.rank * per, min(n, (self.rank + 1) * per)))
+        if self.cfg.strategy == "fsdp2":
+            parallel.apply_fsdp(self.model, group, self.dtype, self.cfg.offload)
+            self.sharded = True
+            self._make_optimizer()
+        elif self.world > 1:
+            self.module = parallel.apply_ddp(self.model, group)
 
     def _all_reduce(self, t: Tensor) -> Tensor:
-        if self.dp_group is not None:
+        if self.dp_group is not None and self.world > 1:
             dist.all_reduce(t, group=self.dp_group)
         return t
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """Parameters by Hugging Face name, for weight sync and checkpoints."""
+        """Parameters by Hugging Face name, for weight sync; under fsdp2 they are this rank's shards
+        (DTensors): `parallel.full_tensor` gathers one."""
         for name, p in self.model.named_parameters():
             yield name, p.detach()
 
-    def _forward(self, model: CausalLM, c: Collated) -> tuple[Tensor, Tensor]:
-        """-> logp (b, R) of the response tokens, and the logits that predicted them (b, R, V)."""
-        logits = response_logits(model, c)
-        return token_logprobs(logits, c.resp_tokens, self.temperature), logits
+    def full_weights(self) -> dict[str, Tensor]:
+        """Every parameter whole, on the CPU, gathered one at a time (collective under fsdp2)."""
+        return parallel.gather(self.named_weights())
+
+    def gather_weights(self, names: list[str]) -> None:
+        """Take part in another rank's gathering of these tensors, in its order (fsdp2; else a no-op)."""
+        if self.sharded:
+            params = dict(self.named_weights())
+            for name in names:
+                parallel.full_tensor(params[name])
+
+    def _rows(self, samples: list[Sample]) -> Rows:
+        if self.cfg.padding_free:
+            return packed(samples, self.device, self.temperature)
+        return padded(samples, self.pad_token_id, self.device, self.temperature)
+
+    def _plan(self, samples: list[Sample]) -> list[list[int]]:
+        """This rank's micro-batches of `samples` (indices into it): a contiguous block of rows, by
+        the token budget. Every rank runs as many micro-batches (an empty one is a dummy forward):
+        FSDP2 all-gathers in every forward and DDP reduces in the last backward, collectively."""
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        plans = []
+        for r in range(self.world):
+            mine = shard(len(samples), r, self.world)
+            parts = micro_batches(
+                [lengths[i] for i in mine], self.cfg.micro_batch_tokens, not self.cfg.padding_free
+            )
+            plans.append([[mine[j] for j in part] for part in parts])
+        count = max(len(p) for p in plans)
+        return plans[self.rank] + [[] for _ in range(count - len(plans[self.rank]))]
 
     @torch.no_grad()
-    def compute_logprobs(self, samples: list[Sample], model: CausalLM | None = None) -> Tensor:
+    def compute_logprobs(self, samples: list[Sample], model: torch.nn.Module | None = None) -> Tensor:
         """Logprobs of every response token under `model` (default: the policy) -> (B, R_max)."""
-        out = sequence_logprobs(
-            model or self.model,
-            samples,
-            self.pad_token_id,
-            self.cfg.micro_batch_tokens,
-            self.temperature,
-            rows=self._shard(len(samples)),
-        )
+        model = model or self.model
+        width = max(max(len(s.response_ids) for s in samples), 1)
+        out = torch.zeros(len(samples), width)
+        with parallel.precision(self.device, self.dtype, self.sharded):
+            for part in self._plan(samples):
+                logp, _ = score(model, self._rows([samples[i] for i in part or [0]]), width)
+                if part:
+                    out[part] = logp.cpu()
         return self._all_reduce(out)  # each row is non-zero on one rank only
 
     def advantages(self, samples: list[Sample], mask: Tensor) -> Tensor:
@@ -148,18 +197,21 @@ class TrainWorker:
         mask = pad_rows([s.loss_mask for s in samples], width)
         behaviour = pad_rows([s.logprobs for s in samples], width)
         versions = pad_rows([s.versions for s in samples], width)
-        # bypass (π_old = μ) and interpolated π_prox need no forward pass of their own.
+        source = "policy" if self._on_policy(samples) else self.old_source
+        # bypass (π_old = μ), interpolated π_prox and an exactly on-policy step need no forward of their own.
         start = time.perf_counter()
-        old = self.compute_logprobs(samples) if self.old_source == "recompute" else None
+        old = self.compute_logprobs(samples) if source == "recompute" else None
         logp_s = time.perf_counter() - start
         ref = self._ref_logprobs(samples, width)
         adv = self.advantages(samples, mask)
+        self._theta = torch.zeros(len(samples), width)  # π_θ detached, as the forwards compute it
         sums: dict[str, float] = defaultdict(float)
         updates = 0
         for _ in range(self.cfg.epochs):
             for rows in self._mini_batches(len(samples)):
                 batch = MiniBatch(
                     [samples[i] for i in rows],
+                    rows,
                     mask[rows],
                     adv[rows],
                     behaviour[rows],
@@ -167,7 +219,7 @@ class TrainWorker:
                     old[rows] if old is not None else None,
                     ref[rows] if ref is not None else None,
                 )
-                for k, v in self._update(batch, first=updates == 0).items():
+                for k, v in self._update(batch, source, first=updates == 0).items():
                     sums[k] += v
                 updates += 1
         self.version += 1
@@ -175,10 +227,26 @@ class TrainWorker:
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         metrics["actor/skipped_steps"] = float(self.skipped_steps)
         metrics["timing_s/logp"] = logp_s
-        # Without a recompute (bypass, interpolate) there is no π_old to hold μ against: no mismatch/*.
+        metrics.update({f"actor/old_logprob_source/{n}": float(n == source) for n in OLD_SOURCES})
+        # π_old held against μ: the recompute, or (on-policy) π_θ of the one update's forwards.
+        # Without either (bypass, interpolate) there is nothing to compare: no mismatch/*.
+        if source == "policy":
+            old = self._all_reduce(self._theta)  # each row is non-zero on one rank only
         if old is not None:
             metrics.update(mismatch_metrics(old, behaviour, mask))
         return metrics
+
+    def _on_policy(self, samples: list[Sample]) -> bool:
+        """True when π_old is exactly π_θ at the step's only update: every token was sampled by this
+        version, one mini-batch, one epoch, and no correction masks by π_old before the forward."""
+        return (
+            self.old_source == "recompute"
+            and self.cfg.epochs == 1
+            and (self.cfg.mini_batch_size or len(samples)) >= len(samples)
+            and not any(n in MASKING for n in self.algo.corrections)
+            and all(len(s.versions) == len(s.response_ids) for s in samples)
+            and all(v == self.version for s in samples for v in s.versions)
+        )
 
     def _ref_logprobs(self, samples: list[Sample], width: int) -> Tensor | None:
         """(B, R) reference logprobs: from the samples when a ref worker filled them, else computed
@@ -215,7 +283,7 @@ class TrainWorker:
         order = torch.randperm(n, generator=self.generator) if size < n else torch.arange(n)
         return [order[i : i + size] for i in range(0, n, size)]
 
-    def _update(self, b: MiniBatch, first: bool) -> dict[str, float]:
+    def _update(self, b: MiniBatch, source: str, first: bool) -> dict[str, float]:
         """Accumulate gradients over micro-batches, then one optimizer step (or a counted skip)."""
         # Every aggregation divides by counts of the whole mini-batch, so the micro-batch losses sum
         # to the mini-batch loss; the pg term counts only the tokens the corrections keep.
@@ -228,28 +296,22 @@ class TrainWorker:
                 f"A mini-batch of {len(b.samples)} samples cannot be split over train.num_workers="
                 f"{self.world} ranks; raise train.mini_batch_size or lower train.num_workers."
             )
-        mine = self._shard(len(b.samples))
-        lengths = [len(b.samples[i].prompt_ids) + len(b.samples[i].response_ids) for i in mine]
-        for part in micro_batches(lengths, self.cfg.micro_batch_tokens):
-            loss, stats = self._micro_loss(b, pg_mask, [mine[j] for j in part], counts)
-            loss.backward()
-            for k, v in stats.items():
-                sums[k] += v
-        if self.dp_group is not None:
-            self._reduce_grads_and_stats(sums)
+        plan = self._plan(b.samples)
+        for k, part in enumerate(plan):
+            with parallel.gradient_sync(self.module, k == len(plan) - 1):
+                with parallel.precision(self.device, self.dtype, self.sharded):
+                    loss, stats = self._micro_loss(b, pg_mask, part, counts, source)
+                # DDP and FSDP2 average the ranks' gradients; the losses are shares of the whole
+                # mini-batch's, whose gradient is the ranks' sum.
+                (loss * self.world).backward()
+            for k2, v in stats.items():
+                sums[k2] += v
+        if self.world > 1:
+            keys = sorted(sums)
+            values = self._all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
+            sums.update(zip(keys, values.tolist(), strict=True))
         sums["actor/grad_norm"] = self._optimizer_step()
         return sums
-
-    def _reduce_grads_and_stats(self, sums: dict[str, float]) -> None:
-        """Sum gradients and metric shares over the data-parallel ranks (a rank with no rows adds 0)."""
-        for p in self.model.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            self._all_reduce(p.grad)
-        keys = sorted(sums)
-        values = self._all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
-        for k, v in zip(keys, values.tolist(), strict=True):
-            sums[k] = v
 
     def _counts(self, mask: Tensor) -> dict[str, float]:
         return dict(
@@ -259,22 +321,25 @@ class TrainWorker:
         )
 
     def _micro_loss(
-        self, b: MiniBatch, pg_mask: Tensor, idx: list[int], counts: dict[str, dict[str, float]]
+        self, b: MiniBatch, pg_mask: Tensor, idx: list[int], counts: dict[str, dict[str, float]], source: str
     ) -> tuple[Tensor, dict[str, float]]:
-        """Forward one micro-batch -> its share of the mini-batch loss, and its share of the metrics."""
+        """Forward one micro-batch -> its share of the mini-batch loss, and its share of the metrics.
+        An empty `idx` is a dummy: a forward and backward of row 0 that add nothing."""
         a = self.algo
-        c = collate([b.samples[i] for i in idx], self.pad_token_id, self.device)
-        r = c.resp_mask.shape[1]
+        width = b.mask.shape[1]
+        logp, entropy = score(self.module, self._rows([b.samples[i] for i in idx or [0]]), width)
+        if not idx:
+            return logp.sum() * 0.0, {}
 
         def part(t: Tensor) -> Tensor:
-            return t[idx, :r].to(self.device)
+            return t[idx].to(self.device)
 
         m, pm, adv, behaviour = part(b.mask), part(pg_mask), part(b.adv), part(b.behaviour)
-        logp, logits = self._forward(self.model, c)
+        self._theta[b.rows[idx]] = logp.detach().cpu()
         # Entropy is always logged; it joins the graph only when it is part of the loss.
-        entropy = entropy_from_logits((logits if a.entropy_coef else logits.detach()) / self.temperature)
+        entropy = entropy if a.entropy_coef else entropy.detach()
         old = self._old_logprobs(
-            part(b.old) if b.old is not None else None, behaviour, part(b.versions), logp
+            source, part(b.old) if b.old is not None else None, behaviour, part(b.versions), logp
         )
         # The weights are per row; the mask is pg_mask, fixed for the mini-batch before its first micro-batch.
         weight, _, corrected = apply_corrections(
@@ -305,17 +370,19 @@ class TrainWorker:
         return loss, out
 
     def _old_logprobs(
-        self, old: Tensor | None, behaviour: Tensor, versions: Tensor, logp: Tensor | None
+        self, source: str, old: Tensor | None, behaviour: Tensor, versions: Tensor, logp: Tensor | None
     ) -> Tensor:
-        """The PPO ratio's π_old (b, R): the recompute, μ (bypass), or decoupled's π_prox interpolated
-        between μ and π_θ (logp)."""
-        if self.old_source == "behaviour":
+        """The PPO ratio's π_old (b, R): the recompute, π_θ detached (exactly on-policy), μ (bypass),
+        or decoupled's π_prox interpolated between μ and π_θ (logp)."""
+        if source == "behaviour":
             return behaviour
-        if self.old_source == "interpolate":
-            assert logp is not None, "interpolation needs π_θ"
+        if source in ("interpolate", "policy"):
+            assert logp is not None, f"{source} needs π_θ"
+            if source == "policy":
+                return logp.detach()
             # π_prox is the step-start policy (version self.version); π_θ becomes self.version + 1.
             return interpolate_prox_logp(behaviour, logp, versions, self.version, self.version + 1)
-        assert old is not None, "π_old is recomputed at step start unless bypass or interpolate"
+        assert old is not None, "π_old is recomputed at step start unless on-policy, bypass or interpolate"
         return old
 
     def _pg_mask(self, b: MiniBatch, first: bool) -> Tensor:
@@ -332,7 +399,7 @@ class TrainWorker:
         theta = None
         if "opsm" in names or self.old_source == "interpolate":
             theta = b.old if first and b.old is not None else self._policy_logprobs(b)
-        old = self._old_logprobs(b.old, b.behaviour, b.versions, theta)
+        old = self._old_logprobs(self.old_source, b.old, b.behaviour, b.versions, theta)
         # Without theta no entry here reads π_θ (only opsm and interpolation do), so old stands in.
         logp = theta if theta is not None else old
         _, mask, _ = apply_corrections(
@@ -350,9 +417,10 @@ class TrainWorker:
     def _optimizer_step(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
-        norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        norm = float(parallel.full_tensor(torch.nn.utils.clip_grad_norm_(params, clip)))
         if not math.isfinite(norm):
             # A NaN/inf gradient would poison the weights and Adam's moments: skip it, count it.
+            # The norm is global, so every rank skips together.
             self.skipped_steps += 1
             self.optimizer.zero_grad(set_to_none=True)
         else:

@@ -1,0 +1,67 @@
+"""Which device and dtypes a run uses: `run.device`, `train.dtype` and `rollout.dtype` made concrete
+once, in the driver, before any actor starts (so every role agrees, and bad input fails in seconds).
+"""
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from tandem.config import Config
+from tandem.errors import TandemError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cpu_has_native_bf16() -> bool:
+    """True on x86 CPUs with AVX512-BF16 or AMX-BF16, where a bf16 matmul runs ~4x an fp32 one."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve(cfg: Config, gpus: float) -> Config:
+    """cfg with run.device, train.dtype and rollout.dtype concrete; `gpus`: what the cluster has.
+
+    auto device: cuda when there are GPUs. auto train dtype: bfloat16 on cuda and on a CPU with
+    native bf16 matmuls (it learns the default task as well as fp32: docs/training.md), else
+    float32. auto rollout dtype: the train dtype, so the engine samples what the trainer computes.
+    """
+    device = cfg.run.device
+    if device == "auto":
+        device = "cuda" if gpus > 0 else "cpu"
+    if device == "cuda" and gpus <= 0:
+        raise TandemError(
+            "Config 'run.device' is 'cuda', but the Ray cluster has no GPU (torch sees "
+            f"{torch.cuda.device_count()} here). Use run.device=cpu (or auto), or start Ray on a "
+            "machine with GPUs (ray start --head, then ray.address=auto)."
+        )
+    train = cfg.train.dtype
+    if train == "auto":
+        train = "bfloat16" if device == "cuda" or cpu_has_native_bf16() else "float32"
+    rollout = cfg.rollout.dtype if cfg.rollout.dtype != "auto" else train
+    return replace(
+        cfg,
+        run=replace(cfg.run, device=device),
+        train=replace(cfg.train, dtype=train),
+        rollout=replace(cfg.rollout, dtype=rollout),
+    )
+
+
+def check_runnable(device: str, dtype: str) -> torch.device:
+    """In the process that computes: the device exists and runs the dtype -> torch.device."""
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise TandemError(
+                "run.device=cuda, but this process sees no CUDA device (a Ray worker without a GPU, "
+                "or a CPU-only PyTorch build)."
+            )
+        if dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+            raise TandemError(
+                f"{torch.cuda.get_device_name()} has no bfloat16 support (it needs compute capability "
+                "8.0, Ampere, or newer): set train.dtype=float32 and rollout.dtype=float16 or float32."
+            )
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
