@@ -112,26 +112,42 @@ def test_data_parallel_train_workers_and_broadcast_weights(tmp_path):
     assert all(r["staleness/max"] == 0 for r in steps)
 
 
-@pytest.mark.parametrize("transport", ["object_store", "broadcast"])
-def test_after_a_push_the_engine_holds_the_trainers_weights_bit_for_bit(transport):
+@pytest.mark.parametrize(
+    "transport, strategy",
+    [("object_store", "ddp"), ("broadcast", "ddp"), ("object_store", "fsdp2"), ("broadcast", "fsdp2")],
+)
+def test_after_a_push_the_engine_holds_the_trainers_weights_bit_for_bit(transport, strategy):
     from helpers import random_samples
 
     from tandem.controller.cluster import Cluster
 
+    workers = 2 if strategy == "fsdp2" else 1  # fsdp2: every tensor is gathered from two shards
     cfg = load_config(
-        None, [*TINY, f"sync.transport={transport}", "sync.produce_bucket_mb=1", "sync.consume_bucket_mb=0.5"]
+        None,
+        [
+            *TINY,
+            f"sync.transport={transport}",
+            f"train.strategy={strategy}",
+            f"train.num_workers={workers}",
+            "sync.produce_bucket_mb=1",
+            "sync.consume_bucket_mb=0.5",
+        ],
     )
     cluster = Cluster.start(cfg)
     try:
-        trainer, rollout = cluster.trainers[0], cluster.rollouts[0]
+        trainers, rollout = cluster.trainers, cluster.rollouts[0]
+
+        def weights() -> dict[str, torch.Tensor]:
+            return ray.get([t.weights.remote() for t in trainers])[0]
+
         samples = random_samples(4, 4)  # token ids within the warm start's vocabulary, mixed rewards
-        before = ray.get(trainer.weights.remote())
-        ray.get(trainer.train_step.remote(samples))
-        after = ray.get(trainer.weights.remote())
+        before = weights()
+        ray.get([t.train_step.remote(samples) for t in trainers])
+        after = weights()
         assert any(not torch.equal(before[n], after[n]) for n in after)
-        send = trainer.send_weights.remote(1)
-        handle = send if transport == "object_store" else None
-        ray.get([send, rollout.receive_weights.remote(handle, 1)], timeout=60)
+        sends = [t.send_weights.remote(1) for t in trainers]
+        handle = sends[0] if transport == "object_store" else None
+        ray.get([*sends, rollout.receive_weights.remote(handle, 1)], timeout=60)
         assert ray.get(rollout.apply_pending.remote()) == 1
         version, engine = ray.get(rollout.weights.remote())
         assert version == 1 and engine.keys() == after.keys()

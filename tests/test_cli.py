@@ -126,6 +126,8 @@ def bad_input_cases(ckpt, tmp_path):
         ),
         "unknown reward": (["train", m, "reward.fn=no_such_module:score"], "no_such_module"),
         "missing model": (["train", f"model.path={tmp_path}/nomodel"], "nomodel"),
+        "cuda without a GPU": (["train", m, "run.device=cuda"], "'run.device' is 'cuda', but the Ray cluster has no GPU"),
+        "more CPUs than exist": (["train", m, "placement.num_cpus=64"], "asks for 64 CPUs.*the Ray cluster has"),
     }
 
 
@@ -142,6 +144,8 @@ def bad_input_cases(ckpt, tmp_path):
         "unknown task",
         "unknown reward",
         "missing model",
+        "cuda without a GPU",
+        "more CPUs than exist",
     ],
 )
 def test_bad_input_is_one_clear_paragraph(case, ckpt, tmp_path, capsys):

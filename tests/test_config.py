@@ -61,6 +61,11 @@ def test_resolved_config_round_trips(tmp_path):
         (["rollout.engine=vllm", "rollout.temperature=0.7", "rollout.top_p=0.9"], r"vLLM cannot record"),
         (["rollout.engine=vllm", "rollout.vllm_gpu_memory_utilization=0"], r"must be in \(0, 1\]"),
         (["rollout.engine=sglang"], r"not a known engine. Valid names: builtin, paged, vllm"),
+        (["model.dtype=bfloat16"], r"'model.dtype' is gone: use train.dtype .* and rollout.dtype"),
+        (["train.dtype=float16"], r"'train.dtype' is 'float16'.*loss scaling.*float32, bfloat16"),
+        (["train.strategy=fsdp"], r"not a known training strategy. Valid names: ddp, fsdp2"),
+        (["train.offload=optimizer"], r"FSDP2's CPU offload: set train.strategy=fsdp2"),
+        (["run.device=gpu"], r"'run.device' is 'gpu'.*auto, cpu, cuda"),
     ],
 )
 def test_bad_config_gives_a_clear_error(overrides, expected):

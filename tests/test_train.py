@@ -94,3 +94,123 @@ def test_micro_batches_respect_the_budget():
     for g in groups:
         assert len(g) == 1 or len(g) * max(lengths[i] for i in g) <= 18
     assert VOCAB > 3
+
+
+def step_twin(model, samples, **train) -> tuple[TrainWorker, dict[str, float]]:
+    w = TrainWorker(model, AlgoConfig(entropy_coef=0.01), TrainConfig(lr=1e-3, **train), pad_token_id=0)
+    return w, w.train_step(samples)
+
+
+def test_packed_micro_batches_give_the_padded_loss_and_gradients():
+    model, samples = tiny_model(), random_samples(4, 4)
+    padded, m_padded = step_twin(clone_model(model), samples, micro_batch_tokens=60, padding_free=False)
+    packed, m_packed = step_twin(model, samples, micro_batch_tokens=60, padding_free=True)
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "mismatch/kl"):
+        assert m_packed[key] == pytest.approx(m_padded[key], rel=1e-5, abs=1e-7), key
+    g_packed, g_padded = grads(packed.model), grads(padded.model)
+    assert g_packed.keys() == g_padded.keys() and g_packed
+    for name in g_packed:
+        torch.testing.assert_close(g_packed[name], g_padded[name], rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(packed.compute_logprobs(samples), padded.compute_logprobs(samples))
+
+
+def test_a_packed_row_attends_only_within_each_sequence():
+    model, samples = tiny_model(), random_samples(2, 3)
+    together = TrainWorker(model, AlgoConfig(), TrainConfig(), pad_token_id=0).compute_logprobs(samples)
+    for i, s in enumerate(samples):
+        alone = TrainWorker(model, AlgoConfig(), TrainConfig(), pad_token_id=0).compute_logprobs([s])
+        torch.testing.assert_close(together[i, : len(s.response_ids)], alone[0, : len(s.response_ids)])
+
+
+def test_an_exactly_on_policy_step_skips_the_recompute_and_updates_the_same():
+    model, samples = tiny_model(), random_samples(4, 4)
+    skip = TrainWorker(model, AlgoConfig(corrections=["tis"]), TrainConfig(lr=1e-3), pad_token_id=0)
+    again = TrainWorker(clone_model(model), AlgoConfig(corrections=["tis"]), TrainConfig(lr=1e-3), pad_token_id=0)
+    again.version = 3  # the same weights, but the batch is three versions old: π_old is recomputed
+    for s in samples:
+        s.versions = [0] * len(s.response_ids)
+    calls = []
+    skip.compute_logprobs = lambda *a, **k: calls.append(1)  # must not be called
+    m_skip, m_again = skip.train_step(samples), again.train_step(samples)
+    assert calls == []
+    assert m_skip["actor/old_logprob_source/policy"] == 1.0 and m_skip["actor/old_logprob_source/recompute"] == 0
+    assert m_again["actor/old_logprob_source/recompute"] == 1.0
+    for key in ("actor/pg_loss", "actor/grad_norm", "mismatch/kl", "mismatch/logprob_abs_diff_max"):
+        assert m_skip[key] == pytest.approx(m_again[key], rel=1e-6, abs=1e-8), key
+    for (name, a), (_, b) in zip(skip.named_weights(), again.named_weights(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize(
+    "train, algo",
+    [(dict(epochs=2), {}), (dict(mini_batch_size=8), {}), ({}, dict(corrections=["mis"]))],
+)
+def test_more_than_one_update_or_a_masking_correction_recomputes(train, algo):
+    w = TrainWorker(tiny_model(), AlgoConfig(**algo), TrainConfig(**train), pad_token_id=0)
+    assert w.train_step(random_samples(4, 4))["actor/old_logprob_source/recompute"] == 1.0
+
+
+def test_logprobs_in_chunks_equal_the_whole_and_so_do_their_gradients(monkeypatch):
+    import tandem.model.logprobs as lp
+
+    model, samples = tiny_model(), random_samples(4, 4)
+    whole, m_whole = step_twin(clone_model(model), samples)
+    monkeypatch.setattr(lp, "CHUNK_ELEMENTS", 3 * VOCAB)  # 3 tokens a chunk
+    chunked, m_chunked = step_twin(model, samples)
+    assert m_whole["actor/pg_loss"] == pytest.approx(m_chunked["actor/pg_loss"], rel=1e-6)
+    g_whole, g_chunked = grads(whole.model), grads(chunked.model)
+    for name in g_whole:
+        torch.testing.assert_close(g_chunked[name], g_whole[name], rtol=1e-5, atol=1e-7)
+
+
+def test_gradient_checkpointing_changes_nothing_but_memory():
+    model, samples = tiny_model(), random_samples(4, 4)
+    plain, m_plain = step_twin(clone_model(model), samples)
+    ckpt, m_ckpt = step_twin(model, samples, gradient_checkpointing=True)
+    assert m_plain["actor/pg_loss"] == pytest.approx(m_ckpt["actor/pg_loss"], rel=1e-6)
+    for name, g in grads(plain.model).items():
+        torch.testing.assert_close(grads(ckpt.model)[name], g, rtol=1e-5, atol=1e-8)
+
+
+def test_bf16_compute_keeps_fp32_master_weights_that_small_steps_move():
+    """lr 1e-5 moves a weight of ~0.1 by less than half a bf16 step (2.4e-4) per update: a trainer
+    that stepped bf16 weights directly would round every update away and never change them."""
+    model, samples = tiny_model(), random_samples(4, 4)
+    start = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+    w_q = "model.layers.0.self_attn.q_proj.weight"
+    # The premise: AdamW stepping bf16 weights at this lr leaves almost all of them as they were.
+    direct = clone_model(model).to(torch.bfloat16)
+    opt = torch.optim.AdamW(direct.parameters(), lr=1e-5, weight_decay=0.0)
+    for _ in range(40):
+        for p in direct.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+    assert (dict(direct.named_parameters())[w_q] != start[w_q]).float().mean() < 0.1  # 0.04: only the tiniest
+
+    w = TrainWorker(model, AlgoConfig(), TrainConfig(lr=1e-5), pad_token_id=0, dtype=torch.bfloat16)
+    for _ in range(40):
+        w.train_step(samples)
+    weights = dict(w.named_weights())
+    assert all(t.dtype == torch.float32 for t in weights.values())
+    assert all(s["exp_avg_sq"].dtype == torch.float32 for s in w.optimizer.state.values())
+    # What a push sends to a bf16 engine: the masters, rounded once. Many weights have moved.
+    moved = (weights[w_q].to(torch.bfloat16) != start[w_q]).float().mean()
+    assert moved > 0.5, float(moved)  # 0.80 here; stepping bf16 weights directly moves 0.04
+
+
+def test_bf16_compute_learns_like_fp32():
+    """The test above's trainer, at a normal lr: bf16 logprobs within bf16 rounding of fp32's."""
+    model, samples = tiny_model(), random_samples(4, 4)
+    fp32 = TrainWorker(model, AlgoConfig(), TrainConfig(lr=3e-3, epochs=4, mini_batch_size=8), pad_token_id=0)
+    bf16 = TrainWorker(
+        clone_model(model), AlgoConfig(), TrainConfig(lr=3e-3, epochs=4, mini_batch_size=8), pad_token_id=0,
+        dtype=torch.bfloat16,
+    )  # fmt: skip
+    torch.testing.assert_close(bf16.compute_logprobs(samples), fp32.compute_logprobs(samples), atol=0.05, rtol=0)
+    good = [i for i, s in enumerate(samples) if s.reward > 0]
+    before = fp32.compute_logprobs(samples).sum(-1)
+    for _ in range(3):
+        fp32.train_step(samples), bf16.train_step(samples)
+    gain32 = (fp32.compute_logprobs(samples).sum(-1) - before)[good].mean()
+    gain16 = (bf16.compute_logprobs(samples).sum(-1) - before)[good].mean()
+    assert gain16 > 0.5 and gain16 == pytest.approx(float(gain32), rel=0.3)

@@ -1,4 +1,4 @@
-"""Data parallel training over torch.distributed (gloo): two ranks give the one-worker result."""
+"""Data parallel training over torch.distributed (gloo): DDP and FSDP2 ranks give the one-worker result."""
 
 import pytest
 import torch
@@ -12,33 +12,43 @@ from tandem.train import TrainWorker
 ALGO = {"kl_coef": 0.1, "entropy_coef": 0.01, "loss_agg": "seq-mean-token-mean", "corrections": ["tis"]}
 
 
-def worker(model) -> TrainWorker:
-    train = TrainConfig(lr=1e-3, micro_batch_tokens=40, mini_batch_size=8)
+def worker(model, strategy: str = "ddp") -> TrainWorker:
+    train = TrainConfig(lr=1e-3, micro_batch_tokens=40, mini_batch_size=8, strategy=strategy)
     return TrainWorker(model, AlgoConfig(**ALGO), train, pad_token_id=0)
 
 
-def _rank(rank: int, world: int, port: int, out: str) -> None:
+def _rank(rank: int, world: int, port: int, strategy: str, out: str) -> None:
     torch.set_num_threads(1)
     init_world(rank, world, "127.0.0.1", port, backend="gloo", timeout_s=60)
-    w = worker(tiny_model())
+    w = worker(tiny_model(), strategy)
     w.parallelize(torch.distributed.group.WORLD)
     metrics = w.train_step(random_samples(4, 4))  # 16 samples, 2 mini-batches of 8: two steps
+    local = {n: p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for n, p in w.model.named_parameters()}
+    state = [t for s in w.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+    optimizer_bytes = sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in state)
     torch.save(
-        {"metrics": metrics, "weights": dict(w.named_weights()), "grads": grads(w.model)}, f"{out}/{rank}.pt"
+        {"metrics": metrics, "weights": w.full_weights(), "grads": local, "optimizer_bytes": optimizer_bytes},
+        f"{out}/{rank}.pt",
     )
     torch.distributed.destroy_process_group()
 
 
-def test_two_data_parallel_ranks_equal_one_worker(tmp_path):
-    mp.spawn(_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+@pytest.mark.parametrize("strategy, world", [("ddp", 2), ("fsdp2", 2), ("fsdp2", 1)])
+def test_data_parallel_ranks_equal_one_worker(tmp_path, strategy, world):
+    mp.spawn(_rank, args=(world, free_port(), strategy, str(tmp_path)), nprocs=world, join=True)
     single = worker(clone_model(tiny_model()))
     m_single = single.train_step(random_samples(4, 4))
-    ranks = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(2)]
+    ranks = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(world)]
     for r in ranks:
         for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm"):
             assert r["metrics"][key] == pytest.approx(m_single[key], rel=1e-5, abs=1e-7), key
         for name, value in dict(single.named_weights()).items():
             # Adam turns float noise in near-zero gradients into ~1e-6 steps; one step moves ~1e-3.
             torch.testing.assert_close(r["weights"][name], value, rtol=1e-4, atol=2e-5)
-    for name in ranks[0]["grads"]:  # the ranks step with the same summed gradient
-        assert torch.equal(ranks[0]["grads"][name], ranks[1]["grads"][name])
+    if strategy == "ddp" and world == 2:  # the replicas step with the same averaged gradient
+        for name in ranks[0]["grads"]:
+            assert torch.equal(ranks[0]["grads"][name], ranks[1]["grads"][name])
+    if strategy == "fsdp2" and world == 2:  # each rank holds half of every gradient and of AdamW's state
+        full = sum(g.numel() for g in grads(single.model).values())
+        assert sum(g.numel() for g in ranks[0]["grads"].values()) <= full / 2 + 64
+        assert ranks[0]["optimizer_bytes"] + ranks[1]["optimizer_bytes"] == 2 * full * 4

@@ -126,7 +126,8 @@ class TrainActor(_Timed, _DistMember):
         return metrics, spans
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return {n: t.clone() for n, t in self.trainer.named_weights()}
+        """The policy's weights, whole, on the CPU (every rank calls it: fsdp2 gathers the shards)."""
+        return self.trainer.full_weights()
 
     def send_weights(self, version: int):
         """Every rank: rank 0 pushes the policy's weights, one bucket at a time; under fsdp2 the
