@@ -130,9 +130,8 @@ def main() -> None:
         **{f"peak_rss_mb_{n}": v for n, v in rss.items()},
     }
     for n in CONFIGS:
-        print(
-            f"{n:>8}: {step[n]:.3f} s/step  peak RSS {rss[n]:.0f} MB  AdamW state/rank {opt[n] / 2**20:.1f} MB"
-        )
+        mb = opt[n] / 2**20
+        print(f"{n:>8}: {step[n]:.3f} s/step  peak RSS {rss[n]:.0f} MB  AdamW state/rank {mb:.1f} MB")
     print(f"default vs legacy: {figures['step_speedup']:.2f}x faster per step")
     print(f"fsdp2 vs ddp (2 ranks): {figures['fsdp2_vs_ddp_step_time']:.2f}x the step time, "
           f"{figures['optimizer_bytes_per_rank_ratio']:.2f}x the optimizer bytes per rank")  # fmt: skip

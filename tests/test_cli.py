@@ -126,8 +126,14 @@ def bad_input_cases(ckpt, tmp_path):
         ),
         "unknown reward": (["train", m, "reward.fn=no_such_module:score"], "no_such_module"),
         "missing model": (["train", f"model.path={tmp_path}/nomodel"], "nomodel"),
-        "cuda without a GPU": (["train", m, "run.device=cuda"], "'run.device' is 'cuda', but the Ray cluster has no GPU"),
-        "more CPUs than exist": (["train", m, "placement.num_cpus=64"], "asks for 64 CPUs.*the Ray cluster has"),
+        "cuda without a GPU": (
+            ["train", m, "run.device=cuda"],
+            "'run.device' is 'cuda', but the Ray cluster has no GPU",
+        ),
+        "more CPUs than exist": (
+            ["train", m, "placement.num_cpus=64"],
+            "asks for 64 CPUs.*the Ray cluster has",
+        ),
     }
 
 

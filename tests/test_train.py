@@ -125,7 +125,9 @@ def test_a_packed_row_attends_only_within_each_sequence():
 def test_an_exactly_on_policy_step_skips_the_recompute_and_updates_the_same():
     model, samples = tiny_model(), random_samples(4, 4)
     skip = TrainWorker(model, AlgoConfig(corrections=["tis"]), TrainConfig(lr=1e-3), pad_token_id=0)
-    again = TrainWorker(clone_model(model), AlgoConfig(corrections=["tis"]), TrainConfig(lr=1e-3), pad_token_id=0)
+    again = TrainWorker(
+        clone_model(model), AlgoConfig(corrections=["tis"]), TrainConfig(lr=1e-3), pad_token_id=0
+    )
     again.version = 3  # the same weights, but the batch is three versions old: π_old is recomputed
     for s in samples:
         s.versions = [0] * len(s.response_ids)
@@ -133,7 +135,9 @@ def test_an_exactly_on_policy_step_skips_the_recompute_and_updates_the_same():
     skip.compute_logprobs = lambda *a, **k: calls.append(1)  # must not be called
     m_skip, m_again = skip.train_step(samples), again.train_step(samples)
     assert calls == []
-    assert m_skip["actor/old_logprob_source/policy"] == 1.0 and m_skip["actor/old_logprob_source/recompute"] == 0
+    assert (
+        m_skip["actor/old_logprob_source/policy"] == 1.0 and m_skip["actor/old_logprob_source/recompute"] == 0
+    )
     assert m_again["actor/old_logprob_source/recompute"] == 1.0
     for key in ("actor/pg_loss", "actor/grad_norm", "mismatch/kl", "mismatch/logprob_abs_diff_max"):
         assert m_skip[key] == pytest.approx(m_again[key], rel=1e-6, abs=1e-8), key
@@ -206,7 +210,9 @@ def test_bf16_compute_learns_like_fp32():
         clone_model(model), AlgoConfig(), TrainConfig(lr=3e-3, epochs=4, mini_batch_size=8), pad_token_id=0,
         dtype=torch.bfloat16,
     )  # fmt: skip
-    torch.testing.assert_close(bf16.compute_logprobs(samples), fp32.compute_logprobs(samples), atol=0.05, rtol=0)
+    torch.testing.assert_close(
+        bf16.compute_logprobs(samples), fp32.compute_logprobs(samples), atol=0.05, rtol=0
+    )
     good = [i for i, s in enumerate(samples) if s.reward > 0]
     before = fp32.compute_logprobs(samples).sum(-1)
     for _ in range(3):

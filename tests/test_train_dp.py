@@ -23,7 +23,9 @@ def _rank(rank: int, world: int, port: int, strategy: str, out: str) -> None:
     w = worker(tiny_model(), strategy)
     w.parallelize(torch.distributed.group.WORLD)
     metrics = w.train_step(random_samples(4, 4))  # 16 samples, 2 mini-batches of 8: two steps
-    local = {n: p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for n, p in w.model.named_parameters()}
+    local = {
+        n: p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for n, p in w.model.named_parameters()
+    }
     state = [t for s in w.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
     optimizer_bytes = sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in state)
     torch.save(
