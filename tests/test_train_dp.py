@@ -12,15 +12,15 @@ from tandem.train import TrainWorker
 ALGO = {"kl_coef": 0.1, "entropy_coef": 0.01, "loss_agg": "seq-mean-token-mean", "corrections": ["tis"]}
 
 
-def worker(model, strategy: str = "ddp") -> TrainWorker:
+def worker(model, strategy: str = "ddp", dtype: torch.dtype = torch.float32) -> TrainWorker:
     train = TrainConfig(lr=1e-3, micro_batch_tokens=40, mini_batch_size=8, strategy=strategy)
-    return TrainWorker(model, AlgoConfig(**ALGO), train, pad_token_id=0)
+    return TrainWorker(model, AlgoConfig(**ALGO), train, pad_token_id=0, dtype=dtype)
 
 
-def _rank(rank: int, world: int, port: int, strategy: str, out: str) -> None:
+def _rank(rank: int, world: int, port: int, strategy: str, out: str, dtype: torch.dtype) -> None:
     torch.set_num_threads(1)
     init_world(rank, world, "127.0.0.1", port, backend="gloo", timeout_s=60)
-    w = worker(tiny_model(), strategy)
+    w = worker(tiny_model(), strategy, dtype)
     w.parallelize(torch.distributed.group.WORLD)
     metrics = w.train_step(random_samples(4, 4))  # 16 samples, 2 mini-batches of 8: two steps
     local = {
@@ -37,7 +37,9 @@ def _rank(rank: int, world: int, port: int, strategy: str, out: str) -> None:
 
 @pytest.mark.parametrize("strategy, world", [("ddp", 2), ("fsdp2", 2), ("fsdp2", 1)])
 def test_data_parallel_ranks_equal_one_worker(tmp_path, strategy, world):
-    mp.spawn(_rank, args=(world, free_port(), strategy, str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(
+        _rank, args=(world, free_port(), strategy, str(tmp_path), torch.float32), nprocs=world, join=True
+    )
     single = worker(clone_model(tiny_model()))
     m_single = single.train_step(random_samples(4, 4))
     ranks = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(world)]
@@ -54,3 +56,15 @@ def test_data_parallel_ranks_equal_one_worker(tmp_path, strategy, world):
         full = sum(g.numel() for g in grads(single.model).values())
         assert sum(g.numel() for g in ranks[0]["grads"].values()) <= full / 2 + 64
         assert ranks[0]["optimizer_bytes"] + ranks[1]["optimizer_bytes"] == 2 * full * 4
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_bf16_ranks_equal_one_bf16_worker_to_bf16_rounding(tmp_path, strategy):
+    """bf16 compute, fp32 masters and fp32 reduction: DDP's fp32 hook averages (a plain sum would
+    double the gradient norm), FSDP2's policy reduces in fp32."""
+    mp.spawn(_rank, args=(2, free_port(), strategy, str(tmp_path), torch.bfloat16), nprocs=2, join=True)
+    m_single = worker(tiny_model(), dtype=torch.bfloat16).train_step(random_samples(4, 4))
+    for r in [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(2)]:
+        for key in ("actor/pg_loss", "actor/grad_norm"):
+            assert r["metrics"][key] == pytest.approx(m_single[key], rel=2e-2, abs=1e-4), key
+        assert all(w.dtype == torch.float32 for w in r["weights"].values())

@@ -3,16 +3,22 @@
 Each function takes the model and a setting and changes the model in place, or wraps it, in a
 fixed order: `apply_ac`, then `apply_fsdp` or `apply_ddp`. The decoder itself stays plain PyTorch.
 
-Precision: the parameters are fp32 (the master weights) and AdamW's state with them. The compute
-dtype is applied by FSDP2's `MixedPrecisionPolicy` under fsdp2 (bf16 copies made at all-gather,
-gradients reduced in fp32) and by `torch.autocast` otherwise (bf16 matmuls, fp32 `.grad`).
+Precision: the parameters the optimizer steps are fp32 (the master weights), and AdamW's state with
+them. Under fsdp2, FSDP2's `MixedPrecisionPolicy` makes each layer's bf16 copy at its all-gather and
+reduces gradients in fp32. Otherwise `MasterWeights` keeps a bf16 copy of the whole model for the
+forward and backward: gradients are reduced in fp32 (`fp32_all_reduce`), summed into the fp32
+masters, and the masters are copied back, rounded once, after each optimizer step. (A whole bf16
+copy runs the default step ~20% faster on the CPU than `torch.autocast`, which leaves the residual
+stream, norms and element-wise work in fp32.)
 """
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
@@ -55,17 +61,51 @@ def apply_fsdp(model: CausalLM, group, dtype: torch.dtype, offload: str = "none"
 
 
 def apply_ddp(model: CausalLM, group) -> DistributedDataParallel:
-    """A replica per rank; gradients are averaged over ranks in buckets during backward."""
-    device = next(model.parameters()).device
-    ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids, process_group=group)
+    """A replica per rank; gradients are averaged over ranks in buckets during backward, in fp32."""
+    param = next(model.parameters())
+    ids = [param.device.index] if param.device.type == "cuda" else None
+    ddp = DistributedDataParallel(model, device_ids=ids, process_group=group)
+    if param.dtype != torch.float32:
+        ddp.register_comm_hook(group, fp32_all_reduce)
+    return ddp
 
 
-def precision(device: torch.device, dtype: torch.dtype, sharded: bool) -> contextlib.AbstractContextManager:
-    """The forward's precision context: autocast to `dtype`, unless FSDP2's policy casts already."""
-    if sharded or dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
+class MasterWeights:
+    """fp32 master weights of a model that computes in a lower precision.
+
+    `masters` is the fp32 model (the optimizer steps its parameters; weight pushes and checkpoints
+    read them); `compute` a copy of it in `dtype` that runs forward and backward.
+    """
+
+    def __init__(self, masters: CausalLM, dtype: torch.dtype):
+        self.masters = masters
+        self.compute = copy.deepcopy(masters).to(dtype)
+        self.pairs = list(zip(masters.parameters(), self.compute.parameters(), strict=True))
+
+    @torch.no_grad()
+    def take_grads(self) -> None:
+        """After a backward: add the compute copy's gradients to the masters' in fp32, clear them."""
+        for master, p in self.pairs:
+            if p.grad is not None:
+                if master.grad is None:
+                    master.grad = p.grad.float()
+                else:
+                    master.grad.add_(p.grad)
+                p.grad = None
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """After an optimizer step: the compute copy takes the masters' values, rounded once."""
+        for master, p in self.pairs:
+            p.copy_(master)
+
+
+def fp32_all_reduce(group, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """DDP communication hook: a bucket of low-precision gradients is averaged over the ranks in fp32."""
+    buffer = bucket.buffer()
+    grads = buffer.float().div_(dist.get_world_size(group))
+    work = dist.all_reduce(grads, group=group, async_op=True)
+    return work.get_future().then(lambda fut: buffer.copy_(fut.value()[0]))
 
 
 def gradient_sync(module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:

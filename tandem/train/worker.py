@@ -76,7 +76,13 @@ class TrainWorker:
         if any(p.dtype != torch.float32 for p in model.parameters()):
             raise TandemError("The trainer keeps fp32 master weights: load the policy in float32.")
         self.device, self.dtype = torch.device(device), dtype
-        self.model = model.to(self.device).train()
+        self.model = model.to(self.device).train()  # the fp32 master weights
+        # What forward and backward run on: the masters themselves in fp32 and under fsdp2 (whose
+        # policy casts), else a copy in the compute dtype whose gradients go to the masters.
+        self.masters = None
+        if dtype != torch.float32 and train.strategy != "fsdp2":
+            self.masters = parallel.MasterWeights(self.model, dtype)
+        self.compute = self.masters.compute if self.masters else self.model
         self.algo, self.cfg = algo, train
         self.pad_token_id = pad_token_id
         self.temperature = temperature if temperature > 0 else 1.0
@@ -86,8 +92,8 @@ class TrainWorker:
         if algo.kl_coef > 0 and keep_ref:
             self.ref_model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
         if train.gradient_checkpointing:
-            parallel.apply_ac(self.model)
-        self.module: torch.nn.Module = self.model  # what the loss's forward runs through (DDP wraps it)
+            parallel.apply_ac(self.compute)
+        self.module: torch.nn.Module = self.compute  # what the loss's forward runs through (DDP wraps it)
         self.sharded = False
         self.total_updates = total_updates
         self._make_optimizer()
@@ -123,7 +129,7 @@ class TrainWorker:
             self.sharded = True
             self._make_optimizer()
         elif self.world > 1:
-            self.module = parallel.apply_ddp(self.model, group)
+            self.module = parallel.apply_ddp(self.compute, group)
 
     def _all_reduce(self, t: Tensor) -> Tensor:
         if self.dp_group is not None and self.world > 1:
@@ -170,14 +176,13 @@ class TrainWorker:
     @torch.no_grad()
     def compute_logprobs(self, samples: list[Sample], model: torch.nn.Module | None = None) -> Tensor:
         """Logprobs of every response token under `model` (default: the policy) -> (B, R_max)."""
-        model = model or self.model
+        model = model or self.compute
         width = max(max(len(s.response_ids) for s in samples), 1)
         out = torch.zeros(len(samples), width)
-        with parallel.precision(self.device, self.dtype, self.sharded):
-            for part in self._plan(samples):
-                logp, _ = score(model, self._rows([samples[i] for i in part or [0]]), width)
-                if part:
-                    out[part] = logp.cpu()
+        for part in self._plan(samples):
+            logp, _ = score(model, self._rows([samples[i] for i in part or [0]]), width)
+            if part:
+                out[part] = logp.cpu()
         return self._all_reduce(out)  # each row is non-zero on one rank only
 
     def advantages(self, samples: list[Sample], mask: Tensor) -> Tensor:
@@ -192,6 +197,8 @@ class TrainWorker:
 
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
         """One RL update on a batch of finished, rewarded samples -> metrics."""
+        if self.cfg.strategy == "fsdp2" and not self.sharded:
+            raise TandemError("train.strategy=fsdp2: call parallelize(group) before the first step.")
         self._check_samples(samples)
         width = max(max(len(s.response_ids) for s in samples), 1)
         mask = pad_rows([s.loss_mask for s in samples], width)
@@ -298,12 +305,15 @@ class TrainWorker:
             )
         plan = self._plan(b.samples)
         for k, part in enumerate(plan):
-            with parallel.gradient_sync(self.module, k == len(plan) - 1):
-                with parallel.precision(self.device, self.dtype, self.sharded):
-                    loss, stats = self._micro_loss(b, pg_mask, part, counts, source)
+            # With master weights DDP reduces every micro-batch, whose gradients then join the
+            # masters' fp32 sum; otherwise DDP and FSDP2 accumulate and reduce with the last.
+            with parallel.gradient_sync(self.module, k == len(plan) - 1 or self.masters is not None):
+                loss, stats = self._micro_loss(b, pg_mask, part, counts, source)
                 # DDP and FSDP2 average the ranks' gradients; the losses are shares of the whole
                 # mini-batch's, whose gradient is the ranks' sum.
                 (loss * self.world).backward()
+            if self.masters is not None:
+                self.masters.take_grads()
             for k2, v in stats.items():
                 sums[k2] += v
         if self.world > 1:
@@ -426,4 +436,6 @@ class TrainWorker:
         else:
             self.optimizer.step()
             self.scheduler.step()
+            if self.masters is not None:
+                self.masters.refresh()
         return norm if math.isfinite(norm) else 0.0
