@@ -20,21 +20,11 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from tandem.model import CausalLM
 from tandem.sync.bucket import full_tensor
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def apply_ac(model: CausalLM) -> None:
@@ -46,6 +36,10 @@ def apply_ac(model: CausalLM) -> None:
 def apply_fsdp(model: CausalLM, group, dtype: torch.dtype, offload: str = "none") -> None:
     """fully_shard each decoder layer, then the root (embeddings, final norm, lm_head): every rank
     keeps 1/N of each parameter, its gradient and its optimizer state."""
+    # Imported here: torch.distributed.fsdp costs every process that imports tandem.train ~0.9 s.
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
     device_type = next(model.parameters()).device.type
     mesh = DeviceMesh.from_group(group, device_type)
     kw = dict(
@@ -110,7 +104,7 @@ def fp32_all_reduce(group, bucket: dist.GradBucket) -> torch.futures.Future[Tens
 
 def gradient_sync(module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
     """Accumulate gradients locally (`enabled=False`) or reduce them over ranks in this backward."""
-    if isinstance(module, FSDPModule):
+    if hasattr(module, "set_requires_gradient_sync"):  # an FSDPModule
         module.set_requires_gradient_sync(enabled)
     elif isinstance(module, DistributedDataParallel) and not enabled:
         return module.no_sync()
