@@ -3,11 +3,12 @@
 The trainer packs a micro-batch's sequences into one (1, T) row: every matmul then runs on real
 tokens only. Attention must not cross from one sequence into the next, so instead of a mask the
 packed layout attends itself: runs of equal-length neighbours are viewed as one (n, H, L, D) batch
-and attend causally with two batched matmuls. Sorting a micro-batch by length (as the trainer
-does) makes those runs long; any order is correct.
+and attend causally (SDPA's flash kernel on a GPU, two batched matmuls on the CPU). Sorting a
+micro-batch by length (as the trainer does) makes those runs long; any order is correct.
 """
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -42,7 +43,10 @@ class Segments:
                 # (1, h, count·L, D) -> (count, h, L, D): a view when the run is contiguous
                 return x[0, :, start : start + count * length].unflatten(1, (count, length)).transpose(0, 1)
 
-            out = causal_attention(run(q), run(k), run(v))
+            if q.is_cuda:  # flash attention: fast, and no (L x L) scores kept for backward
+                out = F.scaled_dot_product_attention(run(q), run(k), run(v), is_causal=True, enable_gqa=True)
+            else:
+                out = causal_attention(run(q), run(k), run(v))
             outs.append(out.transpose(0, 1).flatten(1, 2))  # (H, count·L, D)
         return torch.cat(outs, dim=1)[None]
 
