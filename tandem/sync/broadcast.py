@@ -52,7 +52,8 @@ class BroadcastTransport:
         self.group = group
         self.src_rank = src_rank
         self.timeout_s = timeout_s
-        nccl = dist.get_backend(group) == "nccl"
+        # "nccl", or "cpu:gloo,cuda:nccl" (tandem's world on GPUs): CUDA tensors then go over NCCL.
+        nccl = "nccl" in str(dist.get_backend(group))
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self._buffers: list[Tensor] = []
         self._broken: str | None = None
