@@ -12,15 +12,17 @@ from tandem.train import TrainWorker
 ALGO = {"kl_coef": 0.1, "entropy_coef": 0.01, "loss_agg": "seq-mean-token-mean", "corrections": ["tis"]}
 
 
-def worker(model, strategy: str = "ddp", dtype: torch.dtype = torch.float32) -> TrainWorker:
-    train = TrainConfig(lr=1e-3, micro_batch_tokens=40, mini_batch_size=8, strategy=strategy)
+def worker(model, strategy: str = "ddp", dtype: torch.dtype = torch.float32, **extra) -> TrainWorker:
+    train = TrainConfig(lr=1e-3, micro_batch_tokens=40, mini_batch_size=8, strategy=strategy, **extra)
     return TrainWorker(model, AlgoConfig(**ALGO), train, pad_token_id=0, dtype=dtype)
 
 
-def _rank(rank: int, world: int, port: int, strategy: str, out: str, dtype: torch.dtype) -> None:
+def _rank(
+    rank: int, world: int, port: int, strategy: str, out: str, dtype: torch.dtype, extra: dict | None = None
+) -> None:
     torch.set_num_threads(1)
     init_world(rank, world, "127.0.0.1", port, backend="gloo", timeout_s=60)
-    w = worker(tiny_model(), strategy, dtype)
+    w = worker(tiny_model(), strategy, dtype, **(extra or {}))
     w.parallelize(torch.distributed.group.WORLD)
     metrics = w.train_step(random_samples(4, 4))  # 16 samples, 2 mini-batches of 8: two steps
     local = {
@@ -35,11 +37,17 @@ def _rank(rank: int, world: int, port: int, strategy: str, out: str, dtype: torc
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("strategy, world", [("ddp", 2), ("fsdp2", 2), ("fsdp2", 1)])
-def test_data_parallel_ranks_equal_one_worker(tmp_path, strategy, world):
-    mp.spawn(
-        _rank, args=(world, free_port(), strategy, str(tmp_path), torch.float32), nprocs=world, join=True
-    )
+OFFLOAD = {"offload": "optimizer", "gradient_checkpointing": True}
+
+
+@pytest.mark.parametrize(
+    "strategy, world, extra", [("ddp", 2, {}), ("fsdp2", 2, {}), ("fsdp2", 1, {}), ("fsdp2", 2, OFFLOAD)]
+)
+def test_data_parallel_ranks_equal_one_worker(tmp_path, strategy, world, extra):
+    """fsdp2 with CPU offload and per-layer checkpointing too (on a CPU the offload moves nothing,
+    but the policy's path runs)."""
+    args = (world, free_port(), strategy, str(tmp_path), torch.float32, extra)
+    mp.spawn(_rank, args=args, nprocs=world, join=True)
     single = worker(clone_model(tiny_model()))
     m_single = single.train_step(random_samples(4, 4))
     ranks = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(world)]

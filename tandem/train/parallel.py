@@ -47,7 +47,10 @@ def apply_fsdp(model: CausalLM, group, dtype: torch.dtype, offload: str = "none"
         mp_policy=MixedPrecisionPolicy(
             param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32
         ),
-        offload_policy=CPUOffloadPolicy() if offload == "optimizer" else OffloadPolicy(),
+        # Pinned host memory needs an accelerator; on a CPU-only run the policy moves nothing anyway.
+        offload_policy=CPUOffloadPolicy(pin_memory=device_type == "cuda")
+        if offload == "optimizer"
+        else OffloadPolicy(),
     )
     for layer in model.model.layers:
         fully_shard(layer, **kw)
