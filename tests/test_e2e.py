@@ -34,3 +34,12 @@ def test_a_short_run_from_the_warm_start_learns_to_carry(tmp_path, capsys):
     assert main(args) == 0
     summary = json.loads((tmp_path / "default" / "summary.json").read_text())
     assert summary["val/accuracy_gain_points"] >= 20, summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_the_default_run_on_two_data_parallel_ranks_reaches_95_percent(tmp_path, strategy):
+    args = ["train", f"run.out_dir={tmp_path}", "run.progress=false", f"train.strategy={strategy}"]
+    assert main([*args, "train.num_workers=2"]) == 0
+    summary = json.loads((tmp_path / "default" / "summary.json").read_text())
+    assert summary["val/accuracy_final"] >= 0.95, summary
