@@ -42,6 +42,9 @@ def resolve(cfg: Config, gpus: float) -> Config:
     if train == "auto":
         train = "bfloat16" if device == "cuda" or cpu_has_native_bf16() else "float32"
     rollout = cfg.rollout.dtype if cfg.rollout.dtype != "auto" else train
+    if device == "cuda" and torch.cuda.is_available():  # this process sees a GPU: check it now
+        for dtype in {train, rollout}:
+            check_runnable(device, dtype)
     return replace(
         cfg,
         run=replace(cfg.run, device=device),

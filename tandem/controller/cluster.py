@@ -25,13 +25,19 @@ from tandem.sync import free_port
 def start_ray(cfg: Config) -> None:
     if ray.is_initialized():
         return
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
+    # Actors import reward functions by dotted path from the current directory, as the driver does.
+    path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
+    runtime_env = None
+    if cfg.ray.address:  # a running cluster's workers do not inherit this process's environment
+        runtime_env = {"env_vars": {"PYTHONPATH": path}}
+    else:  # local Ray's workers do; without a runtime env they also start ~2 s sooner
+        os.environ["PYTHONPATH"] = path
     ray.init(
         address=cfg.ray.address or None,
         num_cpus=(cfg.ray.num_cpus or None) if not cfg.ray.address else None,
         include_dashboard=False,
         logging_level=logging.WARNING,
-        runtime_env={"env_vars": env},
+        runtime_env=runtime_env,
     )
 
 
