@@ -19,7 +19,7 @@ from tandem.config import Config
 from tandem.controller import placement
 from tandem.controller.actors import RefActor, RewardActor, RolloutActor, TrainActor
 from tandem.errors import TandemError
-from tandem.sync import free_port
+from tandem.sync import TRANSPORTS, free_port
 
 
 def start_ray(cfg: Config) -> None:
@@ -78,7 +78,7 @@ class Cluster:
         }
         # A killed rollout worker is restarted by Ray (and re-synced by the controller); with the
         # broadcast transport it could not rejoin the torch.distributed world, so it is not.
-        restarts = 1 if cfg.sync.transport == "object_store" else 0
+        restarts = 0 if TRANSPORTS.get(cfg.sync.transport).collective else 1
         rollouts = [
             RolloutActor.options(
                 num_cpus=s.cpus,
@@ -113,7 +113,7 @@ class Cluster:
         return cluster
 
     def _join_world(self, cfg: Config) -> None:
-        broadcast = cfg.sync.transport == "broadcast"
+        broadcast = TRANSPORTS.get(cfg.sync.transport).collective
         if len(self.trainers) == 1 and not broadcast and cfg.train.strategy != "fsdp2":
             return
         members = self.trainers + (self.rollouts if broadcast else [])

@@ -343,7 +343,7 @@ class Loop:
 
     def on_worker_died(self, call: Call, error: Exception) -> None:
         """A dead rollout worker is restarted by Ray: re-sync its weights, re-submit its prompts."""
-        if not call.worker.startswith("rollout/") or self.cfg.sync.transport != "object_store":
+        if not call.worker.startswith("rollout/") or TRANSPORTS.get(self.cfg.sync.transport).collective:
             raise TandemError(
                 f"{call.worker} died during {call.kind} (version {call.version}): {error}"
             ) from None

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from tandem.config import Config
 from tandem.errors import TandemError
+from tandem.sync import TRANSPORTS
 
 # The driver and the reward actor are light; the reward pool's processes run outside any bundle.
 ROLES = ("generate", "actor_train", "ref_logp")
@@ -156,7 +157,7 @@ def _check_nccl(cfg: Config, slots: list[Slot]) -> None:
     """NCCL refuses a communicator with two ranks on one GPU; catch it here, not at the first step."""
     train = [s for s in slots if s.role == "actor_train"]
     worlds = {"the train workers (train.num_workers)": train}
-    if cfg.sync.transport == "broadcast":
+    if TRANSPORTS.get(cfg.sync.transport).collective:
         rollouts = [s for s in slots if s.role == "generate"]
         worlds["train rank 0 and the rollout workers (sync.transport=broadcast)"] = train[:1] + rollouts
     for name, ranks in worlds.items():
