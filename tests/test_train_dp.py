@@ -1,11 +1,16 @@
 """Data parallel training over torch.distributed (gloo): DDP and FSDP2 ranks give the one-worker result."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.multiprocessing as mp
 from helpers import clone_model, grads, random_samples, tiny_model
 
 from tandem.config import AlgoConfig, TrainConfig
+from tandem.controller.roles import save_checkpoint
+from tandem.data import build_char_tokenizer
+from tandem.model import load_model
 from tandem.sync import free_port, init_world
 from tandem.train import TrainWorker
 
@@ -25,6 +30,7 @@ def _rank(
     w = worker(tiny_model(), strategy, dtype, **(extra or {}))
     w.parallelize(torch.distributed.group.WORLD)
     metrics = w.train_step(random_samples(4, 4))  # 16 samples, 2 mini-batches of 8: two steps
+    save_checkpoint(w, build_char_tokenizer(), Path(out) / "ckpt")  # every rank: fsdp2 gathers, rank 0 writes
     local = {
         n: p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for n, p in w.model.named_parameters()
     }
@@ -57,6 +63,8 @@ def test_data_parallel_ranks_equal_one_worker(tmp_path, strategy, world, extra):
         for name, value in dict(single.named_weights()).items():
             # Adam turns float noise in near-zero gradients into ~1e-6 steps; one step moves ~1e-3.
             torch.testing.assert_close(r["weights"][name], value, rtol=1e-4, atol=2e-5)
+    saved = dict(load_model(tmp_path / "ckpt").named_parameters())  # the same HF directory as one worker's
+    assert all(torch.equal(saved[n], t) for n, t in ranks[0]["weights"].items())
     if strategy == "ddp" and world == 2:  # the replicas step with the same averaged gradient
         for name in ranks[0]["grads"]:
             assert torch.equal(ranks[0]["grads"][name], ranks[1]["grads"][name])
