@@ -9,7 +9,7 @@ from helpers import VOCAB, clone_model, grads, random_samples, tiny_model
 from tandem.config import AlgoConfig, TrainConfig
 from tandem.model import token_logprobs
 from tandem.train import TrainWorker
-from tandem.train.batch import micro_batches
+from tandem.train.batch import micro_batches, rank_micro_batches, shard
 from tandem.train.optim import lr_factor
 
 AGGS = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -220,3 +220,12 @@ def test_bf16_compute_learns_like_fp32():
     gain32 = (fp32.compute_logprobs(samples).sum(-1) - before)[good].mean()
     gain16 = (bf16.compute_logprobs(samples).sum(-1) - before)[good].mean()
     assert gain16 > 0.5 and gain16 == pytest.approx(float(gain32), rel=0.3)
+
+
+def test_ranks_split_rows_evenly_and_run_as_many_micro_batches():
+    assert [len(shard(5, r, 4)) for r in range(4)] == [2, 1, 1, 1]  # every rank gets a row
+    lengths = [10, 10, 10, 10, 10, 10, 40, 40]  # rank 0: six short rows, rank 1: two long ones
+    plans = [rank_micro_batches(lengths, 40, padded=False, rank=r, world=2) for r in range(2)]
+    assert len(plans[0]) == len(plans[1])  # FSDP2's collectives need the same count everywhere
+    assert sorted(i for p in plans for part in p for i in part) == list(range(8))
+    assert [] in plans[0] or [] in plans[1]  # the shorter plan is padded with dummies

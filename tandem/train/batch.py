@@ -144,3 +144,18 @@ def shard(n: int, rank: int, world: int) -> list[int]:
     per, extra = divmod(n, world)
     start = rank * per + min(rank, extra)
     return list(range(start, start + per + (rank < extra)))
+
+
+def rank_micro_batches(
+    lengths: list[int], token_budget: int, padded: bool, rank: int, world: int
+) -> list[list[int]]:
+    """Rank `rank`'s micro-batches of a batch with these lengths (indices into it): its `shard` of
+    the rows, split by the budget. Every rank gets as many micro-batches — an empty one stands for a
+    dummy forward — since FSDP2 all-gathers in every forward and DDP reduces in backward, collectively."""
+    plans = []
+    for r in range(world):
+        mine = shard(len(lengths), r, world)
+        parts = micro_batches([lengths[i] for i in mine], token_budget, padded)
+        plans.append([[mine[j] for j in part] for part in parts])
+    count = max(len(p) for p in plans)
+    return plans[rank] + [[] for _ in range(count - len(plans[rank]))]

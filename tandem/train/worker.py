@@ -35,7 +35,7 @@ from tandem.errors import TandemError
 from tandem.model import CausalLM
 from tandem.sample import Sample
 from tandem.train import parallel
-from tandem.train.batch import Rows, micro_batches, packed, pad_rows, padded, score, shard
+from tandem.train.batch import Rows, packed, pad_rows, padded, rank_micro_batches, score
 from tandem.train.optim import make_optimizer, make_scheduler
 
 # Where a step's π_old came from, logged as actor/old_logprob_source/<name> = 1.
@@ -159,19 +159,10 @@ class TrainWorker:
         return padded(samples, self.pad_token_id, self.device, self.temperature)
 
     def _plan(self, samples: list[Sample]) -> list[list[int]]:
-        """This rank's micro-batches of `samples` (indices into it): a contiguous block of rows, by
-        the token budget. Every rank runs as many micro-batches (an empty one is a dummy forward):
-        FSDP2 all-gathers in every forward and DDP reduces in the last backward, collectively."""
+        """This rank's micro-batches of `samples` (see `batch.rank_micro_batches`)."""
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-        plans = []
-        for r in range(self.world):
-            mine = shard(len(samples), r, self.world)
-            parts = micro_batches(
-                [lengths[i] for i in mine], self.cfg.micro_batch_tokens, not self.cfg.padding_free
-            )
-            plans.append([[mine[j] for j in part] for part in parts])
-        count = max(len(p) for p in plans)
-        return plans[self.rank] + [[] for _ in range(count - len(plans[self.rank]))]
+        budget, pad = self.cfg.micro_batch_tokens, not self.cfg.padding_free
+        return rank_micro_batches(lengths, budget, pad, self.rank, self.world)
 
     @torch.no_grad()
     def compute_logprobs(self, samples: list[Sample], model: torch.nn.Module | None = None) -> Tensor:
