@@ -45,7 +45,11 @@ def test_sync_mode_is_on_policy_and_leaves_a_timeline(tmp_path):
     assert all(0 <= r["perf/idle_ratio/rollout"] <= 1 and 0 <= r["perf/idle_ratio/train"] <= 1 for r in steps)
     trace = json.loads((tmp_path / "default" / "timeline.json").read_text())["traceEvents"]
     names = {e["name"] for e in trace if e["ph"] == "X"}
-    assert {"generate", "reward", "train", "logp", "sync", "val"} <= names
+    assert {"generate", "reward", "train", "sync", "val"} <= names
+    # every sync step is exactly on-policy: π_old comes from the update's own forward, no recompute
+    assert "logp" not in names and all(r["actor/old_logprob_source/policy"] == 1 for r in steps)
+    # the trainer's advantages reach the metrics (the driver's copies of the samples never had them)
+    assert any(r["critic/advantages/max"] > 0 > r["critic/advantages/min"] for r in steps)
 
 
 @pytest.mark.parametrize(
@@ -66,6 +70,7 @@ def test_off_policy_modes_keep_the_staleness_bound(tmp_path, mode, bound):
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
     assert max(r["staleness/max"] for r in steps) <= bound
     assert steps[-1]["buffer/consumed"] == 5 * 4  # every admitted group trained, none twice
+    assert any(r["actor/old_logprob_source/recompute"] == 1 for r in steps)  # stale batches recompute π_old
     assert [r["step"] for r in vals] == [0, 2, 4, 5]
     assert vals[-1]["val/version"] == 5
 

@@ -11,13 +11,13 @@ def _summary(prefix: str, values: list[float]) -> dict[str, float]:
 
 def rollout_stats(samples: list[Sample], trained_version: int) -> dict[str, float]:
     """`trained_version` is the policy version the samples are trained against (staleness is the
-    gap to the oldest version that produced a sample's tokens; 0 in sync mode)."""
+    gap to the oldest version that produced a sample's tokens; 0 in sync mode). The advantages are
+    the train worker's (`critic/advantages/*`): it computes them, on its own copy of the samples."""
     lengths = [float(len(s.response_ids)) for s in samples]
     parts = sorted({k for s in samples for k in s.reward_parts})  # e.g. a verl function's extra keys
     return {
         **{f"reward/{k}/mean": mean(float(s.reward_parts.get(k, 0.0)) for s in samples) for k in parts},
         **_summary("critic/score", [s.reward for s in samples]),
-        **_summary("critic/advantages", [s.advantage for s in samples]),
         **_summary("response_length", lengths),
         "response_length/clip_ratio": mean(float(s.finish_reason == "length") for s in samples),
         **_summary("prompt_length", [float(len(s.prompt_ids)) for s in samples]),

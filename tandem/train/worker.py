@@ -199,7 +199,7 @@ class TrainWorker:
         # bypass (π_old = μ), interpolated π_prox and an exactly on-policy step need no forward of their own.
         start = time.perf_counter()
         old = self.compute_logprobs(samples) if source == "recompute" else None
-        logp_s = time.perf_counter() - start
+        logp_s = time.perf_counter() - start if old is not None else 0.0  # no recompute: no logp span
         ref = self._ref_logprobs(samples, width)
         adv = self.advantages(samples, mask)
         self._theta = torch.zeros(len(samples), width)  # π_θ detached, as the forwards compute it
@@ -226,6 +226,15 @@ class TrainWorker:
         metrics["actor/skipped_steps"] = float(self.skipped_steps)
         metrics["timing_s/logp"] = logp_s
         metrics.update({f"actor/old_logprob_source/{n}": float(n == source) for n in OLD_SOURCES})
+        valid = adv[mask > 0]  # over the tokens trained on, as verl reports them
+        if valid.numel():
+            metrics.update(
+                {
+                    "critic/advantages/mean": float(valid.mean()),
+                    "critic/advantages/max": float(valid.max()),
+                    "critic/advantages/min": float(valid.min()),
+                }
+            )
         # π_old held against μ: the recompute, or (on-policy) π_θ of the one update's forwards.
         # Without either (bypass, interpolate) there is nothing to compare: no mismatch/*.
         if source == "policy":
