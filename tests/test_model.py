@@ -133,3 +133,21 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(TandemError, match="config.json"):
         load_model(tmp_path / "empty")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(hidden_act="gelu"), r"hidden_act='gelu' is not supported.*SiLU"),
+        (dict(hidden_act="relu"), r"hidden_act='relu' is not supported"),
+        (dict(use_sliding_window=True, sliding_window=16), r"use_sliding_window=true \(sliding_window=16\)"),
+    ],
+)
+def test_configs_that_compute_another_model_are_refused_by_name(change, message, tmp_path):
+    import json
+
+    write_hf("qwen2", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(TandemError, match=message):
+        load_model(tmp_path)

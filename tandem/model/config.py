@@ -46,6 +46,7 @@ class ModelConfig:
                 f"{source}: model_type {model_type!r} is not supported. "
                 f"Valid model types: {', '.join(ARCHITECTURES)}."
             )
+        _refuse_what_changes_the_computation(hf, source)
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
@@ -94,3 +95,19 @@ class ModelConfig:
         if not file.is_file():
             raise TandemError(f"No config.json in {path}: a model is a Hugging Face checkpoint directory.")
         return cls.from_hf(json.loads(file.read_text()), source=str(file))
+
+
+def _refuse_what_changes_the_computation(hf: dict[str, Any], source: str) -> None:
+    """Config fields this decoder does not implement, refused by name rather than loaded as a
+    model that computes something else (logits 0.8-6 away from transformers')."""
+    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+    if act not in ("silu", "swish"):
+        raise TandemError(
+            f"{source}: hidden_act={act!r} is not supported; tandem's decoder implements SiLU (swish) "
+            "MLPs only, as Llama, Qwen2 and Qwen3 use."
+        )
+    if hf.get("use_sliding_window"):
+        raise TandemError(
+            f"{source}: use_sliding_window=true (sliding_window={hf.get('sliding_window')}) is not "
+            "supported; tandem's attention is full causal attention on every layer."
+        )
