@@ -211,3 +211,13 @@ def test_train_on_trl_and_verl_files_with_a_user_reward(ckpt, tmp_path, capsys):
     step = next(r for r in records if "critic/score/mean" in r)
     assert step["reward/errors"] == 0 and step["critic/score/max"] >= 0.5  # the user function ran
     assert any("val/accuracy" in r for r in records) and "held-out accuracy" in out
+
+
+def test_a_run_whose_rewards_all_failed_says_so_and_exits_non_zero(tmp_path, capsys):
+    broken = "def score(data_source, solution_str, ground_truth, extra_info=None):\n    raise ValueError()\n"
+    (tmp_path / "broken.py").write_text(broken)
+    args = ["train", *FAST, "run.steps=1", "run.val_every=0", f"run.out_dir={tmp_path}"]
+    code, out, err = run_cli([*args, f"reward.fn={tmp_path}/broken.py:score"], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert re.search(r"Every reward of the run failed \(all 8 training samples", err), err
+    assert (tmp_path / "default" / "metrics.jsonl").exists()  # nothing lost

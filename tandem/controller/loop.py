@@ -82,6 +82,7 @@ class Loop:
         self.val_metrics: dict[int, dict[str, float]] = {}  # by the version validated
         self.last_metrics: dict[str, float] = {}
         self.step_extra = dict(STEP_COUNTERS)
+        self.rewards = {"scored": 0.0, "failed": 0.0}  # training samples, over the run
         self.timeline = Timeline(cluster.names)
         self.on_step = None  # a callback(version) after each train step (tests use it)
 
@@ -205,6 +206,8 @@ class Loop:
         self.timeline.add(span)
         for k, v in metrics.items():
             self.step_extra[k] = self.step_extra.get(k, 0.0) + v
+        self.rewards["scored"] += len(samples)
+        self.rewards["failed"] += metrics.get("reward/errors", 0.0) + metrics.get("reward/timeouts", 0.0)
         if self.cluster.ref is not None:
             self.pending[self.cluster.ref.score.remote(samples)] = Call("ref", "ref/0", version=call.version)
         else:
@@ -380,6 +383,7 @@ class Loop:
         out = {
             "critic/score/mean_final": self.last_metrics["critic/score/mean"],
             "perf/run_samples_per_s": trained / wall,
+            "reward/failed_fraction": self.rewards["failed"] / max(self.rewards["scored"], 1.0),
         }
         val = self.val_metrics
         if 0 in val and self.cfg.run.steps in val:

@@ -12,6 +12,7 @@ from tandem.controller.cluster import Cluster, start_ray
 from tandem.controller.loop import Loop
 from tandem.controller.metrics import MetricsLogger
 from tandem.controller.roles import build_data
+from tandem.errors import TandemError
 from tandem.reward.user_fn import canonical_spec, load_reward_fn
 
 
@@ -54,4 +55,11 @@ def run_training(cfg: Config, on_step=None) -> dict[str, float]:
         log.close()
         cluster.close()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if summary["reward/failed_fraction"] == 1.0:  # it trained on nothing: say so, and exit non-zero
+        raise TandemError(
+            f"Every reward of the run failed (all {cfg.run.steps * cfg.rollout.batch_size * cfg.rollout.n}"
+            f" training samples errored or timed out in reward.fn={cfg.reward.fn!r}), so it learned "
+            f"nothing. The run directory {run_dir} is kept; metrics.jsonl counts reward/errors and "
+            "reward/timeouts per step. Try the function on one sample by hand."
+        )
     return summary
