@@ -151,3 +151,121 @@ def test_configs_that_compute_another_model_are_refused_by_name(change, message,
     (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(TandemError, match=message):
         load_model(tmp_path)
+
+
+LONG = 256  # max_position_embeddings of the scaled checkpoints: 4x their original 64
+SCALINGS = {
+    "llama-linear": ("llama", {"rope_type": "linear", "factor": 4.0}),
+    "llama-llama3": (
+        "llama",
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "llama-yarn": ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama-yarn-betas": (
+        "llama",
+        {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+            "truncate": False,
+        },
+    ),
+    "qwen2-yarn": ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+}
+
+
+def write_scaled_hf(case: str, path):
+    family, scaling = SCALINGS[case]
+    config_cls, extra = FAMILIES[family]
+    theta = extra["rope_theta"]
+    shape = {**SHAPE, "max_position_embeddings": LONG}
+    config = config_cls(**shape, **extra, rope_parameters={**scaling, "rope_theta": theta})
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # sharp attention, so the logits depend on the rotation (near-uniform would not)
+        for name, p in hf.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8.0)
+    hf.save_pretrained(path)
+    return hf
+
+
+@pytest.mark.parametrize("case", list(SCALINGS))
+def test_scaled_rope_matches_transformers_beyond_the_original_length(case, tmp_path):
+    """Long-context checkpoints (Llama 3.1 llama3, yarn Qwen, linear): logits equal transformers'
+    at distances and positions past both the original and the scaled length, where the scaling
+    decides them; the table grows on demand, and the saved config reads back into transformers as
+    the same model."""
+    hf = write_scaled_hf(case, tmp_path / "hf")
+    model = load_model(tmp_path / "hf").eval()
+    assert model.cfg.rope_scaling["rope_type"] == SCALINGS[case][1]["rope_type"]
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, 12))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad():
+        # RoPE is relative, so a shifted block alone only tests rounding: the spread one puts
+        # distances of 70 between tokens (over the original 64) and 770 across the block.
+        spread = torch.linspace(0, 3 * LONG, 12).long()
+        for positions in (torch.arange(3 * LONG, 3 * LONG + 12), spread, spread + 3 * LONG):
+            positions = positions.expand(2, -1)
+            expected = hf(input_ids=ids, position_ids=positions).logits
+            got = model(ids, positions, mask)
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+        save_model(model, tmp_path / "ours")
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").float().eval()
+        assert back.config.rope_parameters["rope_type"] == SCALINGS[case][1]["rope_type"]
+        torch.testing.assert_close(back(input_ids=ids, position_ids=positions).logits, got, atol=1e-4, rtol=0)
+
+
+def test_old_rope_scaling_spelling_loads(tmp_path):
+    """Checkpoints saved by transformers<5 (Qwen2.5 long-context, Llama 3.1) spell it
+    `rope_scaling` with `type`, rope_theta at the top level."""
+    import json
+
+    hf = write_scaled_hf("qwen2-yarn", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = {"type": rope.pop("rope_type"), **rope}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = load_model(tmp_path).eval()
+    assert model.cfg.rope_scaling["rope_type"] == "yarn"
+    ids = torch.randint(0, SHAPE["vocab_size"], (1, 8))
+    positions = torch.arange(500, 508)[None]
+    with torch.no_grad():
+        got = model(ids, positions, torch.ones_like(ids, dtype=torch.bool))
+        torch.testing.assert_close(got, hf(input_ids=ids, position_ids=positions).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "rope, message",
+    [
+        ({"rope_type": "dynamic", "factor": 2.0}, r"rope_type 'dynamic' is not supported: .*batch"),
+        ({"rope_type": "longrope", "short_factor": [1.0]}, r"rope_type 'longrope' is not supported.*llama3"),
+        (
+            {"rope_type": "made-up"},
+            r"rope_type 'made-up' is not supported. Valid rope types: default, linear",
+        ),
+        (
+            {"rope_type": "llama3", "factor": 8.0},
+            r"rope_type 'llama3' needs low_freq_factor, high_freq_factor",
+        ),
+        ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5"),
+    ],
+)
+def test_rope_types_tandem_cannot_compute_are_refused_by_name(rope, message, tmp_path):
+    import json
+
+    write_hf("llama", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"] = {**rope, "rope_theta": 20000.0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(TandemError, match=message):
+        load_model(tmp_path)

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.errors import TandemError
+from tandem.model.rope import check_scaling
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -28,6 +29,9 @@ class ModelConfig:
     head_dim: int = 64
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    # None: plain RoPE. Else the checkpoint's rope_parameters without rope_theta, e.g.
+    # {"rope_type": "llama3", "factor": 8.0, ...}: see tandem.model.rope for the types.
+    rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 256
     tie_word_embeddings: bool = True
     qkv_bias: bool = True
@@ -47,10 +51,8 @@ class ModelConfig:
                 f"Valid model types: {', '.join(ARCHITECTURES)}."
             )
         _refuse_what_changes_the_computation(hf, source)
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise TandemError(f"{source}: rope type {rope_type!r} is not supported; only 'default' RoPE is.")
+        # rope_scaling (the older spelling) wins when both are there, as in transformers.
+        rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
         heads = hf["num_attention_heads"]
         attention_bias = bool(hf.get("attention_bias", False))
         return cls(
@@ -64,6 +66,7 @@ class ModelConfig:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+            rope_scaling=_rope_scaling(hf, rope, source),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=True if model_type == "qwen2" else attention_bias,
@@ -77,11 +80,15 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json that `transformers.AutoConfig` reads back into the same model."""
-        hf = {k: v for k, v in asdict(self).items() if k not in ("qkv_bias", "o_bias", "mlp_bias", "qk_norm")}
+        internal = ("qkv_bias", "o_bias", "mlp_bias", "qk_norm", "rope_scaling")
+        hf = {k: v for k, v in asdict(self).items() if k not in internal}
         hf["architectures"] = [ARCHITECTURES[self.model_type]]
         hf["hidden_act"] = "silu"
-        # Both spellings: transformers>=5 reads rope_parameters, older versions rope_theta.
+        # Both spellings: transformers>=5 reads rope_parameters, older versions rope_theta and rope_scaling.
         hf["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            hf["rope_parameters"] = {**self.rope_scaling, "rope_theta": self.rope_theta}
+            hf["rope_scaling"] = dict(self.rope_scaling)
         hf["torch_dtype"] = "float32"
         if self.model_type != "qwen2":
             hf["attention_bias"] = self.o_bias
@@ -95,6 +102,25 @@ class ModelConfig:
         if not file.is_file():
             raise TandemError(f"No config.json in {path}: a model is a Hugging Face checkpoint directory.")
         return cls.from_hf(json.loads(file.read_text()), source=str(file))
+
+
+def _rope_scaling(hf: dict[str, Any], rope: dict[str, Any], source: str) -> dict[str, Any] | None:
+    """The checkpoint's RoPE parameters less rope_theta, with the defaults transformers fills in;
+    None for plain RoPE. TandemError naming the rope type if tandem cannot compute it."""
+    params = {k: v for k, v in rope.items() if k not in ("type", "rope_theta")}
+    params["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+    if "partial_rotary_factor" in hf:
+        params.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
+    if params["rope_type"] == "default":
+        return None
+    if params["rope_type"] in ("llama3", "yarn"):
+        # A top-level original_max_position_embeddings (Phi-3 style) wins, as in transformers.
+        original = hf.get("original_max_position_embeddings")
+        if original is not None:
+            params["original_max_position_embeddings"] = original
+        params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 2048))
+    check_scaling(params, source)
+    return params
 
 
 def _refuse_what_changes_the_computation(hf: dict[str, Any], source: str) -> None:

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from tandem.model.config import ModelConfig
 from tandem.model.kv_cache import KVCache
 from tandem.model.logprobs import Targets, score_tokens
+from tandem.model.rope import apply_rope, rope_table
 from tandem.model.segments import Segments
 
 
@@ -40,28 +41,6 @@ class RMSNorm(nn.Module):
         # Normalise in fp32 whatever the weights' dtype, as Hugging Face does, so logits match.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
-
-
-def rope_table(
-    max_positions: int, head_dim: int, theta: float, device: torch.device
-) -> tuple[Tensor, Tensor]:
-    """cos, signed sin (max_positions, D) for rotate-half RoPE: angle(p, i) = p / theta^(2i/D).
-
-    The sin table's first half is negated, so `apply_rope` rotates with one `roll` (no negation).
-    """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
-    freqs = torch.arange(max_positions, device=device).float()[:, None] * inv_freq  # (P, D/2)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    sin = emb.sin()
-    return emb.cos(), torch.cat((-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]), dim=-1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x (..., D); x·cos + rotate_half(x)·sin with rotate_half(a, b) = (-b, a).
-
-    `sin` is rope_table's signed table, so rotate_half(x)·sin = roll(x, D/2)·signed_sin exactly.
-    """
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class Attention(nn.Module):
@@ -208,7 +187,7 @@ class CausalLM(nn.Module):
         if self._rope is None or self._rope[0].device != positions.device or self._rope[0].shape[0] < needed:
             c = self.cfg
             size = max(c.max_position_embeddings, needed)  # RoPE itself has no length limit
-            self._rope = rope_table(size, c.head_dim, c.rope_theta, positions.device)
+            self._rope = rope_table(c, size, positions.device)
         cos, sin = self._rope
         dtype = self.lm_head.weight.dtype
         return cos[positions][:, None].to(dtype), sin[positions][:, None].to(dtype)
