@@ -18,6 +18,7 @@ class Rows:
     positions: Tensor  # like ids
     mask: Tensor | Segments  # (b, T) bool real tokens, or the packed row's segments
     targets: Targets  # the response tokens and the flat positions whose logits predict them
+    size: int  # samples in the micro-batch (one row each of the (b, R) table, a response or not)
     row: Tensor  # (N,) the sample each target belongs to
     col: Tensor  # (N,) its index in that sample's response
 
@@ -74,6 +75,7 @@ def _rows(
         positions.to(device),
         mask.to(device) if isinstance(mask, Tensor) else mask,
         targets,
+        len(samples),
         torch.tensor(row, dtype=torch.long, device=device),
         torch.tensor(col, dtype=torch.long, device=device),
     )
@@ -82,8 +84,7 @@ def _rows(
 def score(model, rows: Rows, width: int) -> tuple[Tensor, Tensor]:
     """One forward -> logp, entropy (b, width) fp32 of each response token, 0 past its end."""
     logp, entropy = model(rows.ids, rows.positions, rows.mask, targets=rows.targets)
-    b = int(rows.row.max()) + 1 if rows.row.numel() else 0
-    table = logp.new_zeros(b, width)
+    table = logp.new_zeros(rows.size, width)
     return table.index_put((rows.row, rows.col), logp), table.index_put((rows.row, rows.col), entropy)
 
 
