@@ -28,6 +28,8 @@ def resolve(cfg: Config, gpus: float) -> Config:
     auto device: cuda when there are GPUs. auto train dtype: bfloat16 on cuda and on a CPU with
     native bf16 matmuls (it learns the default task as well as fp32: docs/training.md), else
     float32. auto rollout dtype: the train dtype, so the engine samples what the trainer computes.
+    auto rollout.free_memory_during_train: on for a sync run on cuda whose engines share the
+    trainers' GPUs, where the trainer needs the memory the engine holds.
     """
     device = cfg.run.device
     if device == "auto":
@@ -42,6 +44,9 @@ def resolve(cfg: Config, gpus: float) -> Config:
     if train == "auto":
         train = "bfloat16" if device == "cuda" or cpu_has_native_bf16() else "float32"
     rollout = cfg.rollout.dtype if cfg.rollout.dtype != "auto" else train
+    free = cfg.rollout.free_memory_during_train
+    if free is None:
+        free = device == "cuda" and cfg.run.mode == "sync" and shares_gpus(cfg)
     if device == "cuda" and torch.cuda.is_available():  # this process sees a GPU: check it now
         for dtype in {train, rollout}:
             check_runnable(device, dtype)
@@ -49,8 +54,15 @@ def resolve(cfg: Config, gpus: float) -> Config:
         cfg,
         run=replace(cfg.run, device=device),
         train=replace(cfg.train, dtype=train),
-        rollout=replace(cfg.rollout, dtype=rollout),
+        rollout=replace(cfg.rollout, dtype=rollout, free_memory_during_train=free),
     )
+
+
+def shares_gpus(cfg: Config) -> bool:
+    """Rollout workers and train workers are placed on the same GPUs: no task groups (everything
+    colocated), or one group holding both."""
+    groups = [[g] if isinstance(g, str) else g for g in cfg.placement.groups]
+    return not groups or any("generate" in g and "actor_train" in g for g in groups)
 
 
 def check_runnable(device: str, dtype: str) -> torch.device:

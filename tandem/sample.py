@@ -63,6 +63,22 @@ class Sample:
         """(group_id, index): names the sample within one generate call (e.g. to `abort` it)."""
         return self.group_id, self.index
 
+    def extend(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+        """Append newly generated response tokens, each with its behaviour logprob and the policy
+        version whose forward gave its logits; they are trained on (loss mask 1)."""
+        self.response_ids = self.response_ids + list(ids)
+        self.logprobs = self.logprobs + list(logprobs)
+        self.versions = self.versions + list(versions)
+        self.loss_mask = self.loss_mask + [1] * len(ids)
+
+    def end(self, reason: str) -> None:
+        """The engine is done with it: "stop" / "length" finish it, "abort" returns it as a partial
+        to continue in a later call."""
+        if reason not in ("stop", "length", "abort"):
+            raise ValueError(f"finish_reason={reason!r}; valid: stop, length, abort")
+        self.status = Status.ABORTED if reason == "abort" else Status.FINISHED
+        self.finish_reason = reason
+
     @property
     def version_span(self) -> tuple[int, int]:
         """(oldest, newest) policy version among the response tokens; (-1, -1) when empty."""

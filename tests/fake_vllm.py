@@ -75,6 +75,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     generation_config: str = "auto"
     disable_log_stats: bool = False
+    enable_sleep_mode: bool = False
 
 
 @dataclass
@@ -143,11 +144,26 @@ class LLMEngine:
     def apply_model(self, fn) -> list[Any]:
         return [fn(self.model)]
 
+    def sleep(self, level: int = 1) -> None:
+        """Level 2 discards the weights (vLLM frees their memory): here they become NaN, so serving
+        them before new weights are loaded would show."""
+        if not self.args.enable_sleep_mode:
+            raise ValueError("Sleep mode is not enabled (EngineArgs.enable_sleep_mode)")
+        if level == 2:
+            for p in self.model.parameters():
+                p.data.fill_(float("nan"))
+        self.sleeping = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.sleeping = False
+
     def reset_prefix_cache(self) -> bool:
         return not self.requests  # vLLM: only with no request holding blocks
 
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
+        if getattr(self, "sleeping", False):
+            raise RuntimeError("step() on a sleeping engine")
         outputs = []
         for request_id, r in list(self.requests.items())[: self.args.max_num_seqs]:
             token, logprob = self._sample(r)

@@ -427,3 +427,51 @@ def test_calls_from_inside_a_running_call_raise(backend):
     samples = run(engine, prompts(2), GREEDY)
     assert len(errors) == 2 and "already running" in errors[0] and "apply_pending" in errors[1]
     assert all(s.status is Status.FINISHED and len(s.response_ids) == 10 for s in samples)
+
+
+# ---------------------------------------------------------------- sleep and wake
+
+
+def held_tensors(engine) -> list[torch.Tensor]:
+    """Every tensor of weights and KV cache the engine holds memory for."""
+    tensors = list(engine.named_weights().values())
+    if isinstance(engine, PagedEngine):
+        tensors += engine.runner.cache.k + engine.runner.cache.v
+    return tensors
+
+
+def test_a_sleeping_engine_holds_nothing_and_wakes_to_the_same_tokens(backend, checkpoint):
+    """Sleep frees weights and KV cache; after the next push the engine returns exactly what one
+    that never slept returns, unseeded draws included (the sampling generator is untouched)."""
+    if backend.name == "vllm":
+        pytest.skip("the shared real vLLM engine runs without sleep mode")
+    kw = {"sleep_mode": True} if backend.name == "vllm-fake" else {}
+    awake, sleeper = backend.make(seed=3, **kw), backend.make(seed=3, **kw)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    first = [run(e, prompts(6), params, n=2) for e in (awake, sleeper)]
+    assert [s.response_ids for s in first[0]] == [s.response_ids for s in first[1]]
+    held = sleeper.engine_bytes()
+    metrics = sleeper.sleep()
+    assert metrics["memory/engine_bytes"] == held > 0 and sleeper.engine_bytes() == 0
+    assert all(t.untyped_storage().nbytes() == 0 for t in held_tensors(sleeper))
+    with pytest.raises(RuntimeError, match="slept"):
+        run(sleeper, prompts(2), params)
+    new = new_weights(checkpoint)
+    for engine in (awake, sleeper):  # the push: it wakes the sleeper first
+        engine.load_weights(new.named_parameters(), version=1)
+    assert sleeper.engine_bytes() == held
+    second = [run(e, prompts(6, seed=1), params, n=2) for e in (awake, sleeper)]
+    for a, b in zip(*second, strict=True):
+        assert a.response_ids == b.response_ids and a.logprobs == b.logprobs
+        assert b.versions == [1] * len(b.response_ids)
+
+
+def test_a_woken_engine_refuses_to_generate_before_a_push(backend):
+    if backend.name == "vllm":
+        pytest.skip("the shared real vLLM engine runs without sleep mode")
+    kw = {"sleep_mode": True} if backend.name == "vllm-fake" else {}
+    engine = backend.make(**kw)
+    engine.sleep()
+    engine.wake()
+    with pytest.raises(RuntimeError, match="no weight update has refilled"):
+        run(engine, prompts(2), GREEDY)

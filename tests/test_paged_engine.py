@@ -171,3 +171,30 @@ def test_a_sequence_larger_than_the_whole_cache_is_a_clear_error():
     with pytest.raises(ValueError, match="kv_budget_mb"):
         paged(tiny_model(), kv_budget_mb=1e-6)
     assert paged(tiny_model(), kv_budget_mb=1.0).block_manager.num_blocks == 2**20 // (2 * 2 * 4 * 2 * 8 * 4)
+
+
+# ---------------------------------------------------------------- CUDA graphs' fixed-shape decode
+
+
+def test_bucketed_decode_gives_the_eager_engine_s_tokens_and_logprobs():
+    """cuda_graphs=True on the CPU runs the graphs' padded, fixed-shape decode eagerly: rows padded
+    up to a bucket (padding rows writing a scratch block), block tables padded to a width that
+    grows past 16 blocks, batches above the largest bucket eager. Seeded samples take the same
+    tokens as on the eager engine, with the same logprobs to float rounding."""
+    model = tiny_model(std=0.3)
+    samples = {}
+    for graphs in (False, True):
+        engine = paged(model, max_num_seqs=6, block_size=4, cuda_graphs=graphs)
+        batch = make_groups([Prompt(text="p")] * 6, ragged(6), 2)  # 12 sequences, 6 at a time
+        for i, s in enumerate(batch):
+            s.seed, s.max_new_tokens = 100 + i, [70, 9, 33, 5][i % 4]  # 70 tokens: > 16 blocks of 4
+        samples[graphs] = engine.generate(batch, SamplingParams(max_new_tokens=70, ignore_eos=True))
+        if graphs:
+            assert engine.runner.graphs.buckets == [1, 2, 4]
+            assert engine.runner.graphs.num_steps > 0 and engine.runner.graphs.max_blocks == 32
+    for eager, bucketed in zip(samples[False], samples[True], strict=True):
+        assert bucketed.response_ids == eager.response_ids
+        torch.testing.assert_close(
+            torch.tensor(bucketed.logprobs), torch.tensor(eager.logprobs), atol=1e-5, rtol=0
+        )
+    assert_logprobs_match_recompute(model, samples[True])

@@ -65,6 +65,12 @@ class RolloutConfig:
     # one more copy of the weights (the buffers updates arrive in) and for a trainer on the same GPU.
     vllm_gpu_memory_utilization: float = 0.5
     vllm_enforce_eager: bool = False  # vllm engine: no CUDA graphs (starts faster, decodes slower)
+    # paged engine on cuda: decode steps replayed from CUDA graphs, one per batch-size bucket
+    cuda_graphs: bool = True
+    # Sleep while the trainer trains: the engine frees its weights and KV cache before each train
+    # step and re-allocates them for the next push (run.mode=sync only). null = auto: on when the
+    # run is sync on cuda with rollout and training on the same GPUs (docs/rollout.md).
+    free_memory_during_train: bool | None = None
     batch_size: int = 32  # prompts per step
     n: int = 8  # samples per prompt (a GRPO group)
     temperature: float = 1.0

@@ -65,6 +65,12 @@ def validate(cfg: Config) -> None:
     _check(cfg.rollout.max_num_batched_tokens >= 1, "rollout.max_num_batched_tokens", "must be >= 1.")
     if cfg.rollout.engine == "vllm":
         _check_vllm(cfg)
+    _check(
+        not cfg.rollout.free_memory_during_train or cfg.run.mode == "sync",
+        "rollout.free_memory_during_train",
+        f"needs run.mode=sync (it is {cfg.run.mode!r}): a sleeping engine cannot generate while the "
+        "trainer trains, which is what the other modes overlap.",
+    )
     _check(cfg.run.save_every >= 0, "run.save_every", "must be >= 0 (0 = only the final checkpoint).")
     _check(cfg.train.warmup_steps >= 0, "train.warmup_steps", "must be >= 0.")
     _check(cfg.data.max_prompt_length >= 1, "data.max_prompt_length", "must be >= 1.")

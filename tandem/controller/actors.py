@@ -90,6 +90,14 @@ class RolloutActor(_Timed, _DistMember):
         return out, self._span(kind, start)
 
     @ray.method(concurrency_group="gen")
+    def sleep(self) -> tuple[dict[str, float], Span]:
+        """After the generate calls before it: free the engine's weights and KV cache for the
+        trainer (rollout.free_memory_during_train); the next generate call wakes it."""
+        start = time.time()
+        metrics = self.worker.engine.sleep()
+        return metrics, self._span("sleep", start)
+
+    @ray.method(concurrency_group="gen")
     def apply_pending(self) -> int:
         self.worker.apply_pending()
         return self.worker.version

@@ -47,7 +47,7 @@ QUEUED_PER_WORKER = 2  # generate calls handed to one rollout worker at a time (
 class Call:
     """An ObjectRef the loop waits on, and what it was for."""
 
-    kind: str  # generate | val | reward | val_reward | ref | train | send | receive
+    kind: str  # generate | val | reward | val_reward | ref | sleep | train | send | receive
     worker: str
     samples: list[Sample] = field(default_factory=list)
     version: int = -1
@@ -130,12 +130,28 @@ class Loop:
         if groups is None:
             return
         batch = [s for g in groups for s in g]
+        self.training = len(self.cluster.trainers)
+        self.train_results = []
+        if not self.cfg.rollout.free_memory_during_train:
+            return self.start_train(batch)
+        for i, r in enumerate(self.cluster.rollouts):  # the engines free the device first
+            self.pending[r.sleep.remote()] = Call("sleep", f"rollout/{i}", batch, self.version, i)
+
+    def on_sleep(self, call: Call, result) -> None:
+        metrics, span = result
+        self.timeline.add(span)
+        extra = self.step_extra
+        extra["memory/engine_bytes"] = extra.get("memory/engine_bytes", 0.0) + metrics["memory/engine_bytes"]
+        for k in ("perf/sleep_s", "perf/wake_s"):  # the workers sleep (and woke) in parallel
+            extra[k] = max(extra.get(k, 0.0), metrics[k])
+        if not any(c.kind == "sleep" for c in self.pending.values()):
+            self.start_train(call.samples)
+
+    def start_train(self, batch: list[Sample]) -> None:
         batch_ref = ray.put(batch)
         for rank, trainer in enumerate(self.cluster.trainers):
             call = Call("train", f"train/{rank}", batch, self.version, rank)
             self.pending[trainer.train_step.remote(batch_ref)] = call
-        self.training = len(self.cluster.trainers)
-        self.train_results = []
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, log) -> dict[str, float]:
@@ -351,6 +367,8 @@ class Loop:
                 f"{call.worker} died during {call.kind} (version {call.version}): {error}"
             ) from None
         i = call.rank
+        if call.kind == "sleep" and not any(c.kind == "sleep" for c in self.pending.values()):
+            self.start_train(call.samples)  # it frees nothing now, and wakes with its restart
         if call.kind in ("generate", "val"):
             self.queued[i] -= 1
             self.work.appendleft((call.kind, call.samples, call.version))

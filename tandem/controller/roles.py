@@ -165,6 +165,7 @@ def _paged_engine(cfg: Config, tokenizer, seed: int) -> RolloutEngine:
         kv_budget_mb=r.kv_cache_mb,
         max_num_seqs=r.max_batch_size,
         max_num_batched_tokens=r.max_num_batched_tokens,
+        cuda_graphs=r.cuda_graphs and cfg.run.device == "cuda",
     )
 
 
@@ -184,6 +185,7 @@ def _vllm_engine(cfg: Config, tokenizer, seed: int) -> RolloutEngine:
         gpu_memory_utilization=r.vllm_gpu_memory_utilization,
         max_num_seqs=r.max_batch_size,
         enforce_eager=r.vllm_enforce_eager,
+        sleep_mode=bool(r.free_memory_during_train),
     )
 
 

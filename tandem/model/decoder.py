@@ -182,15 +182,22 @@ class CausalLM(nn.Module):
         return self
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """positions (B, T) -> cos, sin (B, 1, T, D)."""
-        needed = int(positions.max()) + 1
-        if self._rope is None or self._rope[0].device != positions.device or self._rope[0].shape[0] < needed:
-            c = self.cfg
-            size = max(c.max_position_embeddings, needed)  # RoPE itself has no length limit
-            self._rope = rope_table(c, size, positions.device)
+        """positions (B, T) -> cos, sin (B, 1, T, D). The table is built, or grown, on first need;
+        while a CUDA graph records (which allows no host sync) it must already cover `positions`."""
+        if not (positions.is_cuda and torch.cuda.is_current_stream_capturing()):
+            needed = int(positions.max()) + 1
+            table = self._rope
+            if table is None or table[0].device != positions.device or table[0].shape[0] < needed:
+                size = max(self.cfg.max_position_embeddings, needed)  # RoPE itself has no length limit
+                self._rope = rope_table(self.cfg, size, positions.device)
         cos, sin = self._rope
         dtype = self.lm_head.weight.dtype
         return cos[positions][:, None].to(dtype), sin[positions][:, None].to(dtype)
+
+    @property
+    def rope_table(self) -> tuple[Tensor, Tensor] | None:
+        """The cos, sin table (positions, D) built so far; a new object whenever it is rebuilt."""
+        return self._rope
 
     def forward(
         self,

@@ -2,34 +2,33 @@
 
 Each sample's prompt and any partial response it already has are left-padded so every row decodes
 at the same cache slot; rows that finish leave the batch (the cache is compacted) once enough of
-them have, so short answers stop costing compute. Between two decode steps the engine honours what
-another thread asked for: `abort()`, or a pending weight update under the `on_update` policy.
+them have, so short answers stop costing compute. The generate call itself, and what happens
+between two steps (`abort()`, a pending weight update under `on_update`), is `Engine`'s skeleton.
 docs/rollout.md states which weight version every token records, and how sampling works.
 """
 
-import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from tandem.errors import TandemError
-from tandem.model import CausalLM, KVCache, fuse_projections
-from tandem.rollout.gate import UpdateGate
-from tandem.rollout.protocol import SamplingParams, StopCheck
+from tandem.model import CausalLM, KVCache
+from tandem.rollout.base import Engine, Storages
+from tandem.rollout.call import GenerateCall
+from tandem.rollout.inference_model import inference_model, model_tensors
 from tandem.rollout.sampler import exponential_noise, sample_next
-from tandem.sample import Sample, Status
+from tandem.sample import Sample
 
 COMPACT_FRACTION = 0.25  # compact the cache once this share of the live rows has finished
 
 
-class BuiltinEngine(UpdateGate):
+class BuiltinEngine(Engine):
     """Generates on `model`; thread-safe `abort`, `set_pending_update`; the rest from one thread.
 
-    on_update, on_step: see `UpdateGate`; a step is a decode step of the current batch, and under
-        "continue" an update is swapped in between two of them, keeping the cached keys.
+    on_update, on_step: see `UpdateGate`; a step is a prefill or a decode step of the current batch,
+        and under "continue" an update is swapped in between two of them, keeping the cached keys.
+    max_batch_size: samples decoded together; a larger call runs in batches, one after another.
     compile: run decode steps through torch.compile (`CausalLM.compile_decode`); the first calls
         compile for tens of seconds, later steps run faster (docs/rollout.md, "Speed").
     """
@@ -46,54 +45,33 @@ class BuiltinEngine(UpdateGate):
         on_step: Callable[[int], None] | None = None,
         compile: bool = False,
     ):
-        super().__init__(version, on_update, on_step)
-        # One matmul for q/k/v and one for gate/up per layer; parameters keep their names.
-        self.model = fuse_projections(model.eval().requires_grad_(False))
-        if compile:
-            _check_compiler(self.model)
-            self.model.compile_decode()
-        self.eos_token_ids = list(eos_token_ids)
+        super().__init__(eos_token_ids, version, on_update, on_step)
+        self.model = inference_model(model, compile)
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
-        self.device = next(model.parameters()).device
         # On the model's device: a sampling draw must come from a generator of the noise's device.
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.weights = Storages(model_tensors(self.model))  # what sleep() frees: the KV cache lives per call
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.lm_head.weight.device
 
     def named_weights(self) -> dict[str, Tensor]:
         """The tensors (Hugging Face names) a weight update writes into: the live parameters."""
         return dict(self.model.named_parameters())
 
-    def generate(
-        self, samples: list[Sample], params: SamplingParams, stop_check: StopCheck | None = None
-    ) -> list[Sample]:
-        """Extend each sample's response (empty, or a partial from an aborted call) to its end.
+    def engine_bytes(self) -> int:
+        return self.weights.nbytes
 
-        Appends to response_ids, logprobs, versions and loss_mask, and sets status and
-        finish_reason: FINISHED "stop" / "length", or ABORTED "abort" when the call was stopped.
-        `stop_check` is required with `params.stop` (this engine has no tokenizer): it runs after
-        every decode step on the live responses, which end at the token that completes a stop
-        string, so none decodes past it.
-        """
-        past_eos, text = checked_request(samples, params, stop_check)
-        self._enter()
-        try:
-            self._apply_pending()  # a new call always starts on the newest weights
-            stop_ids = [] if past_eos else self.eos_token_ids + params.stop_token_ids
-            stop = torch.tensor(stop_ids, dtype=torch.long)
-            todo = [s for s in samples if not finish_if_complete(s, params, stop_ids, text)]
-            for start in range(0, len(todo), self.max_batch_size):
-                chunk = todo[start : start + self.max_batch_size]
-                if self._between_steps():  # stopped in an earlier chunk, or just now
-                    _mark_aborted(chunk)
-                    continue
-                aborted = self._aborted_samples()
-                _mark_aborted([s for s in chunk if s.key in aborted])
-                chunk = [s for s in chunk if s.key not in aborted]
-                if chunk:
-                    self._generate_batch(chunk, params, stop, text)
-        finally:
-            self._leave()
-        return samples
+    def _release(self) -> int:
+        return self.weights.free()
+
+    def _restore(self) -> None:
+        self.weights.restore()
+
+    def _begin(self, samples: list[Sample], call: GenerateCall) -> "_Batches":
+        return _Batches(self, samples, call)
 
     @torch.inference_mode()
     def _prefill(self, prefixes: list[list[int]], max_new_tokens: int) -> tuple[Tensor, Tensor, KVCache]:
@@ -106,7 +84,7 @@ class BuiltinEngine(UpdateGate):
             mask[i, width - len(p) :] = True
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        dtype = next(self.model.parameters()).dtype
+        dtype = self.model.lm_head.weight.dtype
         cache = KVCache(self.model.cfg, u, width + max_new_tokens, dtype, self.device)
         logits = self.model(ids, positions, mask, cache)[:, -1]
         return logits, mask.sum(-1), cache
@@ -121,73 +99,133 @@ class BuiltinEngine(UpdateGate):
         cache.keep(expand)
         return logits[expand], next_pos[expand], cache
 
-    @torch.inference_mode()
-    def _generate_batch(
-        self, samples: list[Sample], params: SamplingParams, stop: Tensor, text: StopCheck | None
-    ) -> None:
-        budget = torch.tensor([response_cap(s, params) - len(s.response_ids) for s in samples])
-        version = self._version  # of the weights behind `logits`: the prefill's, then each step's
-        logits, next_pos, cache = self._shared_prefill(samples, int(budget.max()))
-        run = _Decode.start(budget)
-        if params.repetition_penalty != 1.0:
-            run.seen = _seen_tokens(samples, logits.shape[-1], logits.device)
-        if text is not None:
-            run.text = _StopText(text, [tail_tokens(s.response_ids, text.window) for s in samples])
-        while True:
-            noise = self._noise(logits, samples, run) if params.temperature > 0 else None
-            seen = run.seen[run.rows.to(logits.device)] if run.seen is not None else None
-            tokens, logprobs = sample_next(logits, params, noise, seen)
-            tokens = tokens.cpu()
-            run.record(tokens, logprobs.cpu(), version, stop)
-            if run.all_done:
-                break
-            if self.on_step is not None:
-                self.on_step(len(run.step_versions))
-            # An update applied here ("continue") is used by the forward of the token just sampled,
-            # so the NEXT token is the first of the new version; the cached keys stay as computed.
-            if self._between_steps():
-                break
-            if aborted := self._aborted_samples():  # abort(samples): only they stop
-                run.done |= torch.tensor([samples[i].key in aborted for i in run.rows.tolist()])
-                if run.all_done:
-                    break
-            tokens, next_pos = run.compact(tokens, next_pos, cache)
-            version = self._version
-            step_mask = torch.ones(len(tokens), 1, dtype=torch.bool, device=self.device)
-            logits = self.model(tokens[:, None].to(self.device), next_pos[:, None], step_mask, cache)[:, -1]
-            next_pos = next_pos + 1
-        run.write_back(samples)
 
-    def _noise(self, logits: Tensor, samples: list[Sample], run: "_Decode") -> Tensor:
+class _Batches:
+    """The `Generation` of one call: its samples in batches of `max_batch_size`, one after another,
+    each prefilled once and then decoded until every one of its samples has ended."""
+
+    def __init__(self, engine: BuiltinEngine, samples: list[Sample], call: GenerateCall):
+        self.engine, self.call = engine, call
+        size = engine.max_batch_size
+        self.waiting = [samples[i : i + size] for i in range(0, len(samples), size)]
+        self.batch: _Batch | None = None
+        self.stop_ids = torch.tensor(call.stop_ids, dtype=torch.long)
+
+    @property
+    def done(self) -> bool:
+        return self.batch is None and not self.waiting
+
+    def step(self) -> bool:
+        if self.batch is None:
+            self.batch = _Batch(self.engine, self.waiting.pop(0), self.call)
+        else:
+            self.batch.decode()
+        self.batch.sample(self.stop_ids)
+        if self.batch.run.all_done:
+            self.batch.run.write_back(self.batch.samples)
+            self.batch = None
+        return True
+
+    def stop(self, keys: set[tuple[int, int]]) -> None:
+        if self.batch is not None:
+            self.batch.stop(keys)
+            if self.batch.run.all_done:
+                self.batch.run.write_back(self.batch.samples)
+                self.batch = None
+        for chunk in self.waiting:  # not started yet: returned as they came, to re-submit
+            for s in chunk:
+                if s.key in keys:
+                    s.end("abort")
+        self.waiting = [kept for c in self.waiting if (kept := [s for s in c if s.key not in keys])]
+
+    def swap(self, apply: Callable[[], int | None]) -> None:
+        apply()  # the cached keys stay as the old weights computed them
+
+    def close(self) -> None:
+        if self.batch is not None:
+            self.batch.run.write_back(self.batch.samples)
+            self.batch = None
+        for chunk in self.waiting:
+            for s in chunk:
+                s.end("abort")
+        self.waiting = []
+
+
+class _Batch:
+    """One batch's cache and the logits of its next token; `run` keeps its tokens."""
+
+    def __init__(self, engine: BuiltinEngine, samples: list[Sample], call: GenerateCall):
+        self.engine, self.samples, self.call = engine, samples, call
+        self.run = _Decode.start(torch.tensor([call.cap(s) - len(s.response_ids) for s in samples]))
+        self.version = engine.version  # of the weights behind `logits`: the prefill's, then each step's
+        with torch.inference_mode():
+            self.logits, self.next_pos, self.cache = engine._shared_prefill(
+                samples, int(self.run.budget.max())
+            )
+        self.tokens: Tensor | None = None
+        if call.params.repetition_penalty != 1.0:
+            self.run.seen = _seen_tokens(samples, self.logits.shape[-1], self.logits.device)
+        if call.text is not None:
+            self.run.text = _StopText(call, [s.response_ids for s in samples])
+
+    @torch.inference_mode()
+    def sample(self, stop_ids: Tensor) -> None:
+        """Sample each live row's next token from `logits` and record it."""
+        params = self.call.params
+        noise = self._noise() if params.temperature > 0 else None
+        seen = self.run.seen[self.run.rows.to(self.logits.device)] if self.run.seen is not None else None
+        tokens, logprobs = sample_next(self.logits, params, noise, seen)
+        self.tokens = tokens.cpu()
+        self.run.record(self.tokens, logprobs.cpu(), self.version, stop_ids)
+
+    @torch.inference_mode()
+    def decode(self) -> None:
+        """Drop ended rows (when enough have), then one forward of the last tokens -> `logits`."""
+        tokens, self.next_pos = self.run.compact(self.tokens, self.next_pos, self.cache)
+        self.version = self.engine.version
+        device = self.engine.device
+        step_mask = torch.ones(len(tokens), 1, dtype=torch.bool, device=device)
+        self.logits = self.engine.model(
+            tokens[:, None].to(device), self.next_pos[:, None], step_mask, self.cache
+        )[:, -1]
+        self.next_pos = self.next_pos + 1
+
+    @torch.inference_mode()
+    def stop(self, keys: set[tuple[int, int]]) -> None:
+        self.run.done |= torch.tensor([self.samples[i].key in keys for i in self.run.rows.tolist()])
+
+    def _noise(self) -> Tensor:
         """Exp(1) noise (L, V) for the L cache rows: a seeded sample's row from its own generator,
         at its response position, so its tokens do not depend on the rest of the batch."""
         seeds = positions = None
+        run, samples = self.run, self.samples
         if any(s.seed is not None for s in samples):
             step = len(run.step_versions)  # every live sample has taken this many new tokens
             rows = run.rows.tolist()
             seeds = [None if d else samples[i].seed for i, d in zip(rows, run.done.tolist(), strict=True)]
             positions = [len(samples[i].response_ids) + step for i in rows]
-        return exponential_noise(tuple(logits.shape), logits.device, self.generator, seeds, positions)
+        shape = tuple(self.logits.shape)
+        return exponential_noise(shape, self.logits.device, self.engine.generator, seeds, positions)
 
 
 @dataclass
 class _StopText:
-    """Stop strings for one batch: the worker's check, and each sample's response before the call."""
+    """Stop strings for one batch: the call's check, and each sample's response before the call."""
 
-    check: StopCheck
-    prior: list[list[int]]  # (B,) the last `check.window` tokens of each sample's partial response
+    call: GenerateCall
+    prior: list[list[int]]  # (B,) each sample's partial response
 
     def ends(self, at: Tensor, tokens: Tensor, n: int) -> Tensor:
         """at (L,) samples that just took their n-th new token, tokens (B, S) -> those of `at` whose
         response now ends on a stop string."""
         if len(at) == 0:
             return at
-        w = self.check.window
-        tails = []
-        for i, new in zip(at.tolist(), tokens[at, max(0, n - w) : n].tolist(), strict=True):
-            short = w - len(new)
-            tails.append((self.prior[i][-short:] if short > 0 else []) + new)
-        return at[torch.tensor(self.check(tails), dtype=torch.bool)]
+        w = self.call.text.window
+        responses = [
+            self.prior[i] + new
+            for i, new in zip(at.tolist(), tokens[at, max(0, n - w) : n].tolist(), strict=True)
+        ]
+        return at[torch.tensor(self.call.ends(responses), dtype=torch.bool)]
 
 
 @dataclass
@@ -251,33 +289,11 @@ class _Decode:
         Every sample started at step 0 and took one token a step, so its token k is from step k."""
         for i, s in enumerate(samples):
             n = int(self.lengths[i])
-            s.response_ids = s.response_ids + self.tokens[i, :n].tolist()
-            s.logprobs = s.logprobs + self.logprobs[i, :n].tolist()
-            s.versions = s.versions + self.step_versions[:n]
-            s.loss_mask = s.loss_mask + [1] * n
+            s.extend(self.tokens[i, :n].tolist(), self.logprobs[i, :n].tolist(), self.step_versions[:n])
             if self.stopped[i]:
-                s.status, s.finish_reason = Status.FINISHED, "stop"
-            elif n >= int(self.budget[i]):
-                s.status, s.finish_reason = Status.FINISHED, "length"
+                s.end("stop")
             else:
-                s.status, s.finish_reason = Status.ABORTED, "abort"
-
-
-def _check_compiler(model: CausalLM) -> None:
-    """torch.compile builds C++ for the CPU: fail now, clearly, rather than at the first decode."""
-    if next(model.parameters()).device.type != "cpu":
-        return
-    names = [os.environ.get("CXX"), "g++", "c++", "clang++"]
-    if not any(name and shutil.which(name) for name in names):
-        raise TandemError(
-            "rollout.compile=true needs a C++ compiler on the CPU (torch.compile builds its kernels "
-            "with one) and none was found (tried $CXX, g++, c++, clang++). Install one (Debian: "
-            "apt install g++) or set rollout.compile=false."
-        )
-
-
-def tail_tokens(ids: list[int], n: int) -> list[int]:
-    return ids[max(0, len(ids) - n) :]
+                s.end("length" if n >= int(self.budget[i]) else "abort")
 
 
 def _seen_tokens(samples: list[Sample], vocab: int, device: torch.device) -> Tensor:
@@ -288,54 +304,3 @@ def _seen_tokens(samples: list[Sample], vocab: int, device: torch.device) -> Ten
     seen = torch.zeros(len(ids), vocab, dtype=torch.bool, device=device)
     seen[rows.to(device), cols.to(device)] = True
     return seen
-
-
-def check_aligned(s: Sample) -> None:
-    lists = {"logprobs": s.logprobs, "versions": s.versions, "loss_mask": s.loss_mask}
-    for name, values in lists.items():
-        if len(values) != len(s.response_ids):
-            raise ValueError(
-                f"Sample (group {s.group_id}, index {s.index}) has {len(s.response_ids)} response_ids "
-                f"but {len(values)} {name}; a partial response must keep its per-token lists aligned."
-            )
-
-
-def response_cap(s: Sample, params: SamplingParams) -> int:
-    """The most response tokens this sample may have: its own cap, within the call's."""
-    return min(s.max_new_tokens or params.max_new_tokens, params.max_new_tokens)
-
-
-def checked_request(
-    samples: list[Sample], params: SamplingParams, stop_check: StopCheck | None
-) -> tuple[bool, StopCheck | None]:
-    """Check a generate call's input (both engines) -> (decode past EOS?, the stop-string check to run)."""
-    for s in samples:
-        check_aligned(s)
-    past_eos = params.ignore_eos or params.decode_past_eos
-    if params.stop and not past_eos and stop_check is None:
-        raise ValueError(
-            "SamplingParams.stop needs a stop_check (the engine has no tokenizer): "
-            "generate through RolloutWorker, which builds one."
-        )
-    return past_eos, (stop_check if params.stop and not past_eos else None)
-
-
-def finish_if_complete(
-    s: Sample, params: SamplingParams, stop_ids: list[int], text: StopCheck | None
-) -> bool:
-    """Finish a sample whose response needs no new token (ends on a stop token or stop string, or
-    is at the length limit) -> whether it did."""
-    ids = s.response_ids
-    if ids and (ids[-1] in stop_ids or (text is not None and text([tail_tokens(ids, text.window)])[0])):
-        s.status, s.finish_reason = Status.FINISHED, "stop"
-    elif len(s.response_ids) >= response_cap(s, params):
-        s.status, s.finish_reason = Status.FINISHED, "length"
-    else:
-        return False
-    return True
-
-
-def _mark_aborted(samples: list[Sample]) -> None:
-    """Samples the call stopped before it reached them: returned as they came, to re-submit."""
-    for s in samples:
-        s.status, s.finish_reason = Status.ABORTED, "abort"

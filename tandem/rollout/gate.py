@@ -1,10 +1,10 @@
 """UpdateGate: what every engine shares around its generate loop — one call at a time, an abort
 request and a pending weight update from other threads, and the version it serves.
 
-An engine subclasses it, returns the tensors updates write into from `named_weights()`, checks
-`_must_stop()` / `_swap_now()` (or both at once, `_between_steps()`) between two of its steps, and
-overrides `_after_update()` for what its model needs once new weights are in (drop a prefix cache,
-push buffers into vLLM). docs/rollout.md states the contract.
+`tandem.rollout.base.Engine` builds the generate skeleton on it: it checks `_must_stop()` and
+`_swap_now()` between two steps. An engine returns the tensors updates write into from
+`named_weights()` and overrides `_after_update()` for what its model needs once new weights are in
+(drop a prefix cache, push buffers into vLLM). docs/rollout.md states the contract.
 """
 
 import threading
@@ -117,6 +117,10 @@ class UpdateGate:
         self._version = version
         return version
 
+    def _has_pending(self) -> bool:
+        with self._lock:
+            return self._pending is not None
+
     def _must_stop(self) -> bool:
         """The running call must stop now: abort() was called, or an update is pending under "abort"."""
         with self._lock:
@@ -126,12 +130,3 @@ class UpdateGate:
         """An update is pending under "continue": the engine applies it before its next step."""
         with self._lock:
             return self._pending is not None and self.on_update == "continue"
-
-    def _between_steps(self) -> bool:
-        """For an engine that swaps weights under running sequences: True when the call must stop;
-        under "continue" a pending update is applied here."""
-        if self._must_stop():
-            return True
-        if self._swap_now():
-            self._apply_pending()
-        return False

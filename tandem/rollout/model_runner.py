@@ -13,6 +13,7 @@ from torch import Tensor
 from tandem.model import CausalLM
 from tandem.model.paged_kv import PagedKVCache, key_mask, real_tokens
 from tandem.rollout.block_manager import BlockManager
+from tandem.rollout.cuda_graphs import DecodeGraphs
 from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.sampler import exponential_noise, sample_next
 from tandem.rollout.scheduler import Step
@@ -33,9 +34,13 @@ class PagedBatch:
     block_tables: Tensor
     context_lens: Tensor
     query_lens: Tensor
+    all_real: bool = False  # no padding token in slot_mapping: skip looking (a CUDA graph cannot)
 
     def __post_init__(self) -> None:
-        self.write_slots, self.write_index = real_tokens(self.slot_mapping)  # once, not per layer
+        if self.all_real:
+            self.write_slots, self.write_index = self.slot_mapping.reshape(-1), None
+        else:  # once, not per layer
+            self.write_slots, self.write_index = real_tokens(self.slot_mapping)
 
     def positions(self) -> Tensor:
         """-> (B, T): query t of row b sits at position context_lens[b] - query_lens[b] + t."""
@@ -66,15 +71,22 @@ class ModelRunner:
     """Owns the KV pools; runs `model` over them for the scheduler's steps and samples the tokens.
 
     num_prefill_tokens counts the tokens prefills computed (prefix-cache hits and forks excluded).
+    cuda_graphs: decode steps through `DecodeGraphs` (recorded on cuda; on the CPU the same padded
+    fixed-shape forward runs eagerly, for tests); the pools then hold one more block, for padding.
     """
 
-    def __init__(self, model: CausalLM, block_manager: BlockManager):
+    def __init__(
+        self, model: CausalLM, block_manager: BlockManager, cuda_graphs: bool = False, max_num_seqs: int = 256
+    ):
         self.model, self.bm = model, block_manager
         p = next(model.parameters())
         self.device = p.device
-        self.cache = PagedKVCache(
-            model.cfg, block_manager.num_blocks, block_manager.block_size, p.dtype, p.device
-        )
+        blocks = block_manager.num_blocks + int(cuda_graphs)
+        self.cache = PagedKVCache(model.cfg, blocks, block_manager.block_size, p.dtype, p.device)
+        self.graphs = None
+        if cuda_graphs:
+            capture = p.device.type == "cuda"
+            self.graphs = DecodeGraphs(model, self.cache, block_manager.num_blocks, max_num_seqs, capture)
         self.num_prefill_tokens = 0
 
     @torch.inference_mode()
@@ -83,6 +95,8 @@ class ModelRunner:
         members all get the logits of the one row computed for it."""
         if step.decode:
             self.cache.copy_blocks(step.copies)
+            if self.graphs is not None and (logits := self._graph_decode(step.decode)) is not None:
+                return logits
             new = [(seq, len(seq) - 1, len(seq)) for seq in step.decode]
         else:
             new = [(g[0], start, end) for g, (start, end) in zip(step.prefill, step.spans, strict=True)]
@@ -96,6 +110,13 @@ class ModelRunner:
         done = zip(step.prefill, step.completes, strict=True)
         owner = [i for i, (g, completes) in enumerate(done) if completes for _ in g]
         return last[torch.tensor(owner, dtype=torch.long, device=self.device)]
+
+    def _graph_decode(self, seqs: list[Sequence]) -> Tensor | None:
+        """A decode step through the graphs -> logits (B, V), or None to run it eagerly."""
+        ids = [seq.token_ids[-1] for seq in seqs]
+        slots = [self.bm.slots(seq.seq_id, len(seq) - 1, len(seq))[0] for seq in seqs]
+        tables = [self.bm.block_table(seq.seq_id) for seq in seqs]
+        return self.graphs.run(ids, slots, tables, [len(seq) for seq in seqs])
 
     def _batch(self, new: list[tuple[Sequence, int, int]]) -> tuple[PagedBatch, Tensor]:
         """Rows (sequence, start, end): compute its tokens start..end-1, after the `start` whose keys

@@ -7,32 +7,29 @@ fixed-size blocks (`BlockManager`, `PagedKVCache`) shared by the samples of a gr
 the prefix cache, by requests with the same leading tokens, and a sequence that finds no memory is
 preempted and recomputed later instead of failing.
 
-The update / abort gate (set_pending_update, apply_pending, abort, load_weights, version) is
-BuiltinEngine's own, inherited so the two cannot drift; every applied update also resets the
-prefix cache, so keys computed on old weights are never handed to a new sequence.
+The generate call and what happens between steps are `Engine`'s skeleton, as for every engine;
+every applied update also resets the prefix cache, so keys computed on old weights are never handed
+to a new sequence.
 """
 
 import itertools
 from collections.abc import Callable
 
+import torch
+
 from tandem.model import CausalLM
 from tandem.model.paged_kv import PagedKVCache
+from tandem.rollout.base import Engine, Storages
 from tandem.rollout.block_manager import BlockManager
-from tandem.rollout.engine import (
-    BuiltinEngine,
-    checked_request,
-    finish_if_complete,
-    response_cap,
-    tail_tokens,
-)
+from tandem.rollout.call import GenerateCall
+from tandem.rollout.inference_model import inference_model, model_tensors
 from tandem.rollout.model_runner import ModelRunner
-from tandem.rollout.protocol import SamplingParams, StopCheck
 from tandem.rollout.scheduler import Scheduler
 from tandem.rollout.sequence import Sequence
 from tandem.sample import Sample
 
 
-class PagedEngine(BuiltinEngine):
+class PagedEngine(Engine):
     """Continuous batching on `model` over `num_kv_blocks` blocks of `block_size` tokens.
 
     kv_budget_mb: size the blocks from a memory budget instead (overrides num_kv_blocks).
@@ -41,6 +38,9 @@ class PagedEngine(BuiltinEngine):
     `num_preemptions` counts preemptions.
     group_sharing / prefix_caching: prefill a group's prompt once / reuse computed prompt blocks
     across requests; both on by default, off only to measure what they buy (bench/engine.py).
+    cuda_graphs: decode steps replayed from CUDA graphs, one per batch-size bucket
+    (`DecodeGraphs`); on the CPU the same fixed-shape forward runs eagerly (tests).
+    seed, version, on_update, on_step, compile: as `BuiltinEngine`'s.
     """
 
     def __init__(
@@ -60,100 +60,103 @@ class PagedEngine(BuiltinEngine):
         prefix_caching: bool = True,
         group_sharing: bool = True,
         compile: bool = False,
+        cuda_graphs: bool = False,
     ):
-        super().__init__(
-            model,
-            eos_token_ids,
-            pad_token_id,
-            seed=seed,
-            version=version,
-            on_update=on_update,
-            on_step=on_step,
-            compile=compile,
-        )
+        super().__init__(eos_token_ids, version, on_update, on_step)
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={max_num_batched_tokens}")
+        self.model = inference_model(model, compile)
+        self.pad_token_id = pad_token_id
         if kv_budget_mb is not None:
-            dtype = next(model.parameters()).dtype
+            dtype = self.model.lm_head.weight.dtype
             num_kv_blocks = int(kv_budget_mb * 2**20) // PagedKVCache.block_bytes(
                 model.cfg, block_size, dtype
             )
             if num_kv_blocks < 1:
                 raise ValueError(f"kv_budget_mb={kv_budget_mb} holds no block of {block_size} tokens")
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.block_manager = BlockManager(num_kv_blocks, block_size, prefix_caching)
-        self.runner = ModelRunner(self.model, self.block_manager)
+        self.runner = ModelRunner(self.model, self.block_manager, cuda_graphs, max_num_seqs)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.group_sharing = group_sharing
         self.num_preemptions = 0
         self._ids = itertools.count()
+        self.memory = Storages([*model_tensors(self.model), *self.runner.cache.k, *self.runner.cache.v])
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.lm_head.weight.device
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The tensors (Hugging Face names) a weight update writes into: the live parameters."""
+        return dict(self.model.named_parameters())
+
+    def engine_bytes(self) -> int:
+        return self.memory.nbytes
+
+    def _release(self) -> int:
+        self.block_manager.reset_prefix_cache()  # the cached keys are gone with the pools
+        if self.runner.graphs is not None:  # they point at the memory freed now
+            self.runner.graphs.reset()
+        return self.memory.free()
+
+    def _restore(self) -> None:
+        self.memory.restore()
 
     def _after_update(self) -> None:
         self.block_manager.reset_prefix_cache()  # keys of the old weights serve no new request
 
-    def generate(
-        self, samples: list[Sample], params: SamplingParams, stop_check: StopCheck | None = None
-    ) -> list[Sample]:
-        """As `BuiltinEngine.generate`: extend each sample's response (empty or partial) to its end."""
-        past_eos, text = checked_request(samples, params, stop_check)
-        self._enter()
-        try:
-            self._apply_pending()  # a new call always starts on the newest weights
-            stop_ids = set() if past_eos else {*self.eos_token_ids, *params.stop_token_ids}
-            todo = [s for s in samples if not finish_if_complete(s, params, list(stop_ids), text)]
-            seqs = [Sequence.start(next(self._ids), s, response_cap(s, params)) for s in todo]
-            scheduler = Scheduler(
-                self.block_manager, self.max_num_seqs, self.max_num_batched_tokens, self.group_sharing
-            )
-            try:
-                scheduler.add(seqs)
-                self._run(scheduler, params, stop_ids, text)
-            finally:
-                scheduler.clear()
-                self.num_preemptions += scheduler.num_preemptions
-            for seq in seqs:
-                seq.write_back()
-        finally:
-            self._leave()
-        return samples
+    def _begin(self, samples: list[Sample], call: GenerateCall) -> "_Continuous":
+        seqs = [Sequence.start(next(self._ids), s, call.cap(s)) for s in samples]
+        return _Continuous(self, seqs, call)
 
-    def _run(
-        self, scheduler: Scheduler, params: SamplingParams, stop_ids: set[int], text: StopCheck | None
-    ) -> None:
-        """Step until every sequence has ended, or the call must stop (abort, or an update under
-        "abort"). An update applied between steps ("continue") serves the next step's forward, so
-        a token records the version of the weights whose forward gave its logits."""
-        steps = 0
-        while not scheduler.is_done:
-            step = scheduler.schedule()
-            version = self._version
-            logits = self.runner.run(step)
-            scheduler.computed(step)
-            rows = step.rows  # none after a chunk that leaves its prompt unfinished
-            tokens, logprobs = self.runner.sample(logits, rows, params, self.generator) if rows else ([], [])
-            for seq, token, logprob in zip(rows, tokens, logprobs, strict=True):
-                seq.record(token, logprob, version)
-                seq.stopped = token in stop_ids
-            if text is not None:
-                self._check_text(rows, text)
-            for seq in rows:
-                if seq.stopped or seq.at_cap:
-                    scheduler.finish(seq)
-            if scheduler.is_done:
-                break
-            steps += 1
-            if self.on_step is not None:
-                self.on_step(steps)
-            if self._between_steps():
-                break
-            if aborted := self._aborted_samples():  # abort(samples): only they stop
-                scheduler.abort(aborted)
-                if scheduler.is_done:
-                    break
 
-    @staticmethod
-    def _check_text(rows: list[Sequence], text: StopCheck) -> None:
+class _Continuous:
+    """The `Generation` of one call: the scheduler's steps until every sequence has ended. A token
+    records the version of the weights whose forward gave its logits."""
+
+    def __init__(self, engine: PagedEngine, seqs: list[Sequence], call: GenerateCall):
+        self.engine, self.seqs, self.call = engine, seqs, call
+        self.stop_ids = set(call.stop_ids)
+        self.scheduler = Scheduler(
+            engine.block_manager, engine.max_num_seqs, engine.max_num_batched_tokens, engine.group_sharing
+        )
+        self.scheduler.add(seqs)
+
+    @property
+    def done(self) -> bool:
+        return self.scheduler.is_done
+
+    def step(self) -> bool:
+        engine, scheduler = self.engine, self.scheduler
+        step = scheduler.schedule()
+        version = engine.version
+        logits = engine.runner.run(step)
+        scheduler.computed(step)
+        rows = step.rows  # none after a chunk that leaves its prompt unfinished
+        if not rows:
+            return False
+        tokens, logprobs = engine.runner.sample(logits, rows, self.call.params, engine.generator)
+        for seq, token, logprob in zip(rows, tokens, logprobs, strict=True):
+            seq.record(token, logprob, version)
+            seq.stopped = token in self.stop_ids
         live = [seq for seq in rows if not seq.stopped]
-        if live:
-            ends = text([tail_tokens(seq.response_ids, text.window) for seq in live])
-            for seq, end in zip(live, ends, strict=True):
-                seq.stopped = bool(end)
+        if self.call.text is not None and live:
+            for seq, end in zip(live, self.call.ends([seq.response_ids for seq in live]), strict=True):
+                seq.stopped = end
+        for seq in rows:
+            if seq.stopped or seq.at_cap:
+                scheduler.finish(seq)
+        return True
+
+    def stop(self, keys: set[tuple[int, int]]) -> None:
+        self.scheduler.abort(keys)
+
+    def swap(self, apply: Callable[[], int | None]) -> None:
+        apply()  # the cached keys stay as the old weights computed them
+
+    def close(self) -> None:
+        self.scheduler.clear()
+        self.engine.num_preemptions += self.scheduler.num_preemptions
+        for seq in self.seqs:
+            seq.write_back()

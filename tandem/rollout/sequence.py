@@ -8,7 +8,7 @@ and `write_back` appends the new tokens to the sample when the call ends.
 from dataclasses import dataclass, field
 from enum import Enum
 
-from tandem.sample import Sample, Status
+from tandem.sample import Sample
 
 
 class SeqState(str, Enum):
@@ -65,14 +65,6 @@ class Sequence:
 
     def write_back(self) -> None:
         """Append the new tokens to the sample; one that has not ended (the call stopped) is ABORTED."""
-        s, n = self.sample, self.num_new
-        s.response_ids = s.response_ids + self.token_ids[len(self.token_ids) - n :]
-        s.logprobs = s.logprobs + self.new_logprobs
-        s.versions = s.versions + self.new_versions
-        s.loss_mask = s.loss_mask + [1] * n
-        if self.stopped:
-            s.status, s.finish_reason = Status.FINISHED, "stop"
-        elif self.at_cap:
-            s.status, s.finish_reason = Status.FINISHED, "length"
-        else:
-            s.status, s.finish_reason = Status.ABORTED, "abort"
+        n = self.num_new
+        self.sample.extend(self.token_ids[len(self.token_ids) - n :], self.new_logprobs, self.new_versions)
+        self.sample.end("stop" if self.stopped else "length" if self.at_cap else "abort")

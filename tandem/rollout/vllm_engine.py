@@ -33,12 +33,12 @@ from torch import Tensor
 
 from tandem.errors import TandemError
 from tandem.model import load_model
-from tandem.rollout.engine import check_aligned, finish_if_complete, response_cap
-from tandem.rollout.gate import UpdateGate
-from tandem.rollout.protocol import SamplingParams, StopCheck
+from tandem.rollout.base import Engine, Storages
+from tandem.rollout.call import GenerateCall
+from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.sampler import row_seed
 from tandem.rollout.vllm_logprobs import VLLM_LOGPROBS_MODES, describe, vllm_logprobs_modes
-from tandem.sample import Sample, Status
+from tandem.sample import Sample
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,7 +54,7 @@ def require_vllm() -> None:
         )
 
 
-class VLLMEngine(UpdateGate):
+class VLLMEngine(Engine):
     """Generates on vLLM from the checkpoint at `model_path`; thread-safe `abort`, `set_pending_update`.
 
     eos_token_ids, pad_token_id, seed, version, on_update: as `BuiltinEngine` (`seed` seeds the
@@ -68,7 +68,10 @@ class VLLMEngine(UpdateGate):
         other `vllm.EngineArgs` field. One GPU: no tensor parallelism.
     on_step: a test hook, as BuiltinEngine's: called between steps with the number of engine steps
         of this call that produced tokens, just before the engine checks for an abort or an update.
+    sleep_mode: vLLM's enable_sleep_mode, needed by `sleep()` (rollout.free_memory_during_train).
     """
+
+    detokenizes = True
 
     def __init__(
         self,
@@ -87,8 +90,9 @@ class VLLMEngine(UpdateGate):
         enable_prefix_caching: bool = True,
         enforce_eager: bool = False,
         engine_args: dict[str, Any] | None = None,
+        sleep_mode: bool = False,
     ):
-        super().__init__(version, on_update, on_step)
+        super().__init__(eos_token_ids, version, on_update, on_step)
         if logprobs_mode not in VLLM_LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={logprobs_mode!r}; valid: {', '.join(VLLM_LOGPROBS_MODES)}")
         if dtype not in DTYPES:
@@ -103,120 +107,50 @@ class VLLMEngine(UpdateGate):
             max_num_seqs=max_num_seqs,
             enable_prefix_caching=enable_prefix_caching,
             enforce_eager=enforce_eager,
+            enable_sleep_mode=sleep_mode,
             **(engine_args or {}),
         )
-        self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id
+        self.pad_token_id, self.sleep_mode = pad_token_id, sleep_mode
         self.logprobs_mode = logprobs_mode
         device = self.llm.apply_model(lambda model: next(model.parameters()).device)[0]
         # The trainer's layout, filled from the checkpoint vLLM loaded: what the engine serves.
         trainer_layout = load_model(model_path, DTYPES[dtype], device).named_parameters()
         self._weights = {name: p.detach() for name, p in trainer_layout}
+        self.buffers = Storages(self._weights.values())
         self._ids = itertools.count()
 
     def named_weights(self) -> dict[str, Tensor]:
         """The update buffers (Hugging Face names, the trainer's shapes and dtypes, on the GPU)."""
         return self._weights
 
-    def generate(
-        self, samples: list[Sample], params: SamplingParams, stop_check: StopCheck | None = None
-    ) -> list[Sample]:
-        """As `BuiltinEngine.generate`: extend each sample's response (empty or partial) to its end.
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self._weights.values())).device
 
-        vLLM detokenizes, so it ends responses on `params.stop` itself; `stop_check` only finishes,
-        with no new token, a partial that already ends on a stop string. A stop string that begins
-        in a partial and ends in the continuation goes unseen (vLLM searches new text only).
-        """
-        for s in samples:
-            check_aligned(s)
+    def _check_params(self, params: SamplingParams) -> None:
         if self.logprobs_mode not in vllm_logprobs_modes(params):
             raise ValueError(
                 f"This engine records vLLM's {self.logprobs_mode}, which is not {describe(params)}; "
                 "start it with logprobs_mode=choose_logprobs_mode(<every call's params>)."
             )
-        past_eos = params.ignore_eos or params.decode_past_eos
-        text = stop_check if params.stop and not past_eos else None
-        self._enter()
-        try:
-            self._apply_pending()  # a new call always starts on the newest weights
-            stop_ids = [] if past_eos else self.eos_token_ids + params.stop_token_ids
-            todo = [s for s in samples if not finish_if_complete(s, params, stop_ids, text)]
-            self._run(todo, params, stop_ids, past_eos)
-        finally:
-            self._leave()
-        return samples
 
-    def _run(
-        self, samples: list[Sample], params: SamplingParams, stop_ids: list[int], past_eos: bool
-    ) -> None:
-        """Step vLLM until every request has ended or the call must stop."""
-        live: dict[str, _Request] = {}
-        self._submit(samples, params, stop_ids, past_eos, live)
-        steps = 0
-        try:
-            while live:
-                produced = self._collect(self.llm.step(), live)
-                if not live:
-                    break
-                if produced:  # not a step that only prefilled part of a prompt
-                    steps += 1
-                    if self.on_step is not None:
-                        self.on_step(steps)
-                if self._must_stop():
-                    break
-                if aborted := self._aborted_samples():  # abort(samples): only they stop
-                    picked = {i: live.pop(i) for i, r in list(live.items()) if r.sample.key in aborted}
-                    for request in self._drop(picked):
-                        request.write_back(Status.ABORTED, "abort")
-                if self._swap_now():  # "continue": tokens so far keep the old version
-                    requests = self._drop(live)
-                    self._apply_pending()
-                    self._submit([r.sample for r in requests], params, stop_ids, past_eos, live)
-        finally:
-            for request in self._drop(live):  # stopped by abort(), an update under "abort", an error
-                request.write_back(Status.ABORTED, "abort")
+    def _begin(self, samples: list[Sample], call: GenerateCall) -> "_Requests":
+        return _Requests(self, samples, call)
 
-    def _submit(
-        self,
-        samples: list[Sample],
-        params: SamplingParams,
-        stop_ids: list[int],
-        past_eos: bool,
-        live: "dict[str, _Request]",
-    ) -> None:
-        """One vLLM request per sample: its prompt + partial response, the rest of its cap to go.
-        Its tokens will record the version of the weights served now."""
-        from vllm import TokensPrompt
+    def engine_bytes(self) -> int:
+        return self.buffers.nbytes
 
-        for s in samples:
-            request_id = f"tandem-{next(self._ids)}"
-            prompt = TokensPrompt(prompt_token_ids=s.prompt_ids + s.response_ids)
-            self.llm.add_request(request_id, prompt, _vllm_params(s, params, stop_ids, past_eos))
-            live[request_id] = _Request(s, self._version)
+    def _release(self) -> int:
+        """vLLM's sleep level 2 drops its weights and KV cache (nothing is offloaded: the next push
+        refills them); the update buffers are freed too."""
+        if not self.sleep_mode:
+            raise RuntimeError("VLLMEngine.sleep() needs the engine started with sleep_mode=True")
+        self.llm.sleep(level=2)
+        return self.buffers.free()
 
-    def _collect(self, outputs: list, live: "dict[str, _Request]") -> bool:
-        """Record one step's outputs (new tokens only: DELTA) -> whether any token came."""
-        produced = False
-        for out in outputs:
-            request = live.get(out.request_id)
-            if request is None:
-                continue
-            completion = out.outputs[0]
-            request.take(completion.token_ids, completion.logprobs)
-            produced = produced or len(completion.token_ids) > 0
-            if out.finished:
-                del live[out.request_id]
-                request.write_back(*_finish(completion.finish_reason))
-        return produced
-
-    def _drop(self, live: "dict[str, _Request]") -> "list[_Request]":
-        """Abort every live request in vLLM (freeing its KV blocks now) and write its tokens back."""
-        requests = list(live.values())
-        if live:
-            self.llm.abort_request(list(live))
-            live.clear()
-        for request in requests:
-            request.write_back()
-        return requests
+    def _restore(self) -> None:
+        self.buffers.restore()
+        self.llm.wake_up()
 
     def _after_update(self) -> None:
         """Push the filled buffers through the model's own `load_weights` (it fuses q/k/v and
@@ -227,6 +161,72 @@ class VLLMEngine(UpdateGate):
         # was aborted. Older vLLM (0.11) returns None rather than a bool.
         if self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM did not empty its prefix cache after a weight update")
+
+
+class _Requests:
+    """The `Generation` of one call: vLLM steps until every request has ended. vLLM detokenizes,
+    so it ends responses on `params.stop` itself; a stop string that begins in a partial and ends
+    in the continuation goes unseen (vLLM searches new text only)."""
+
+    def __init__(self, engine: VLLMEngine, samples: list[Sample], call: GenerateCall):
+        self.engine, self.call = engine, call
+        self.live: dict[str, _Request] = {}
+        self._submit(samples)
+
+    @property
+    def done(self) -> bool:
+        return not self.live
+
+    def step(self) -> bool:
+        """Record one vLLM step's outputs (new tokens only: DELTA) -> whether any token came."""
+        produced = False
+        for out in self.engine.llm.step():
+            request = self.live.get(out.request_id)
+            if request is None:
+                continue
+            completion = out.outputs[0]
+            request.take(completion.token_ids, completion.logprobs)
+            produced = produced or len(completion.token_ids) > 0
+            if out.finished:
+                del self.live[out.request_id]
+                request.write_back(_finish(completion.finish_reason))
+        return produced
+
+    def stop(self, keys: set[tuple[int, int]]) -> None:
+        picked = {i: r for i, r in self.live.items() if r.sample.key in keys}
+        for request in self._drop(picked):
+            request.write_back("abort")
+
+    def swap(self, apply: Callable[[], int | None]) -> None:
+        """vLLM cannot swap weights under running requests: abort them (their tokens so far keep
+        the old version), apply, resubmit each as prompt + its tokens so far."""
+        requests = self._drop(dict(self.live))
+        apply()
+        self._submit([r.sample for r in requests])
+
+    def close(self) -> None:
+        for request in self._drop(dict(self.live)):  # stopped by abort(), an update under "abort", an error
+            request.write_back("abort")
+
+    def _submit(self, samples: list[Sample]) -> None:
+        """One vLLM request per sample: its prompt + partial response, the rest of its cap to go.
+        Its tokens will record the version of the weights served now."""
+        from vllm import TokensPrompt
+
+        for s in samples:
+            request_id = f"tandem-{next(self.engine._ids)}"
+            prompt = TokensPrompt(prompt_token_ids=s.prompt_ids + s.response_ids)
+            self.engine.llm.add_request(request_id, prompt, _vllm_params(s, self.call))
+            self.live[request_id] = _Request(s, self.engine.version)
+
+    def _drop(self, requests: "dict[str, _Request]") -> "list[_Request]":
+        """Abort these live requests in vLLM (freeing their KV blocks now) and write their tokens back."""
+        if requests:
+            self.engine.llm.abort_request(list(requests))
+        for request_id, request in requests.items():
+            del self.live[request_id]
+            request.write_back()
+        return list(requests.values())
 
 
 @dataclass
@@ -245,26 +245,21 @@ class _Request:
             self.ids.append(token)
             self.logprobs.append(top[token].logprob)
 
-    def write_back(self, status: Status | None = None, reason: str | None = None) -> None:
-        s, n = self.sample, len(self.ids)
-        s.response_ids = s.response_ids + self.ids
-        s.logprobs = s.logprobs + self.logprobs
-        s.versions = s.versions + [self.version] * n
-        s.loss_mask = s.loss_mask + [1] * n
+    def write_back(self, reason: str | None = None) -> None:
+        """Append the tokens so far to the sample; with `reason`, the sample ends."""
+        self.sample.extend(self.ids, self.logprobs, [self.version] * len(self.ids))
         self.ids, self.logprobs = [], []
-        if status is not None:
-            s.status, s.finish_reason = status, reason
+        if reason is not None:
+            self.sample.end(reason)
 
 
-def _finish(reason: str | None) -> tuple[Status, str]:
-    if reason in ("stop", "length"):
-        return Status.FINISHED, reason
-    if reason == "abort":  # vLLM stopped it on its own: a partial, as an abort() returns it
-        return Status.ABORTED, "abort"
+def _finish(reason: str | None) -> str:
+    if reason in ("stop", "length", "abort"):  # abort: vLLM stopped it on its own, a partial
+        return reason
     raise RuntimeError(f"vLLM ended a request with finish_reason={reason!r}")
 
 
-def _vllm_params(s: Sample, params: SamplingParams, stop_ids: list[int], past_eos: bool) -> Any:
+def _vllm_params(s: Sample, call: GenerateCall) -> Any:
     """vLLM's SamplingParams for one sample's request."""
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -274,6 +269,7 @@ def _vllm_params(s: Sample, params: SamplingParams, stop_ids: list[int], past_eo
         # vLLM seeds a request's generator once, at its start: a continuation gets a stream of its
         # own, from (seed, position), rather than replaying the draws of the response's first tokens.
         seed = row_seed(seed, len(s.response_ids)) & (2**63 - 1)
+    params, past_eos = call.params, call.past_eos
     stop = [] if past_eos else list(params.stop)
     return VllmSamplingParams(
         n=1,
@@ -282,9 +278,11 @@ def _vllm_params(s: Sample, params: SamplingParams, stop_ids: list[int], past_eo
         top_k=params.top_k,  # 0 = off in both
         min_p=params.min_p,
         repetition_penalty=params.repetition_penalty,
-        max_tokens=response_cap(s, params) - len(s.response_ids),
+        max_tokens=call.cap(s) - len(s.response_ids),
         stop=stop,
-        stop_token_ids=list(stop_ids),  # EOS included: tandem's EOS ids decide, as in the built-in engines
+        stop_token_ids=list(
+            call.stop_ids
+        ),  # EOS included: tandem's EOS ids decide, as in the built-in engines
         include_stop_str_in_output=params.include_stop_str_in_output,
         ignore_eos=past_eos,
         seed=seed,
