@@ -10,6 +10,7 @@ import torch
 
 from tandem.config import load_config
 from tandem.controller import run_training
+from tandem.errors import TandemError
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -50,6 +51,21 @@ def test_sync_mode_is_on_policy_and_leaves_a_timeline(tmp_path):
     assert "logp" not in names and all(r["actor/old_logprob_source/policy"] == 1 for r in steps)
     # the trainer's advantages reach the metrics (the driver's copies of the samples never had them)
     assert any(r["critic/advantages/max"] > 0 > r["critic/advantages/min"] for r in steps)
+
+
+@pytest.mark.parametrize("engine", ["builtin", "paged"])
+def test_a_sleeping_engine_frees_its_memory_before_every_train_step(tmp_path, engine):
+    _, steps, vals = train(tmp_path, "rollout.free_memory_during_train=true", f"rollout.engine={engine}")
+    assert [r["step"] for r in steps] == [1, 2, 3, 4] and [r["step"] for r in vals] == [0, 2, 4]
+    assert all(r["memory/engine_bytes"] > 0 and r["perf/sleep_s"] >= 0 for r in steps)
+    assert all(r["perf/wake_s"] > 0 for r in steps[1:])  # woken by the generation after a sleep
+    trace = json.loads((tmp_path / "default" / "timeline.json").read_text())["traceEvents"]
+    assert sum(e["name"] == "sleep" for e in trace if e["ph"] == "X") == 4
+
+
+def test_a_sleeping_engine_needs_sync_mode(tmp_path):
+    with pytest.raises(TandemError, match="free_memory_during_train.*needs run.mode=sync"):
+        train(tmp_path, "rollout.free_memory_during_train=true", "run.mode=async")
 
 
 @pytest.mark.parametrize(

@@ -32,3 +32,18 @@ def test_explicit_choices_are_kept_and_resolving_twice_changes_nothing():
 def test_cuda_without_a_gpu_is_a_clear_error():
     with pytest.raises(TandemError, match=r"'run.device' is 'cuda', but the Ray cluster has no GPU"):
         resolve(["run.device=cuda"], gpus=0)
+
+
+@pytest.mark.parametrize(
+    "overrides, gpus, expected",
+    [
+        ([], 8, True),  # sync on GPUs, every role colocated: the trainer needs the engine's memory
+        (["placement.groups=[[generate,actor_train],ref_logp]", "placement.ratios=[0.75,0.25]"], 8, True),
+        (["placement.groups=[generate,actor_train]", "placement.ratios=[0.5,0.5]"], 8, False),
+        (["run.mode=one_step_off"], 8, False),  # generation overlaps training: it cannot sleep
+        ([], 0, False),  # on the CPU: nothing to hand over
+        (["rollout.free_memory_during_train=true"], 0, True),  # an explicit choice stays
+    ],
+)
+def test_the_engine_sleeps_by_default_only_where_it_shares_the_trainers_gpus(overrides, gpus, expected):
+    assert resolve(overrides, gpus=gpus).rollout.free_memory_during_train is expected

@@ -43,3 +43,13 @@ def test_the_default_run_on_two_data_parallel_ranks_reaches_95_percent(tmp_path,
     assert main([*args, "train.num_workers=2"]) == 0
     summary = json.loads((tmp_path / "default" / "summary.json").read_text())
     assert summary["val/accuracy_final"] >= 0.95, summary
+
+
+@pytest.mark.slow
+def test_the_default_run_with_a_sleeping_engine_reaches_95_percent(tmp_path):
+    """rollout.free_memory_during_train: the engine frees its weights and KV cache before every
+    train step and is refilled by the push; the run learns as one whose engine never slept."""
+    args = ["train", f"run.out_dir={tmp_path}", "run.progress=false", "rollout.free_memory_during_train=true"]
+    assert main(args) == 0
+    summary = json.loads((tmp_path / "default" / "summary.json").read_text())
+    assert summary["val/accuracy_final"] >= 0.95, summary
