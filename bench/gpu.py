@@ -24,6 +24,13 @@ One process, no Ray (nothing from tandem.controller or the Ray actors is importe
    mean |Δ log p|).
 3. Logits vs transformers: the same width with 2 layers, written by `save_model` and read by
    `AutoModelForCausalLM`, on the same 2 x 128 random ids, in fp32 and in bf16: max |Δ logit|.
+4. Engine: the paged engine with CUDA graphs (`rollout.cuda_graphs`) in bf16 on the full model
+   against transformers' `generate` on the same weights: batch 8 and 64 random prompts of 32
+   tokens, 128 new tokens each, sampled (temperature 1), EOS ignored; one warm-up call each (the
+   engine records its graphs there), then the best of 3 alternating runs, in tokens/s. Then sleep
+   and wake: the bytes the engine frees (`memory/engine_bytes`), the device memory that comes
+   back to the driver (torch.cuda.mem_get_info), and the seconds of sleep() and of the wake with
+   the weight push that refills it.
 
 `--json PATH` writes one flat object (a figure that cannot be computed is null). Without CUDA the
 script exits with code 2; --allow-cpu runs it on the CPU with a tiny model, to test the script.
@@ -46,7 +53,7 @@ import transformers
 from tandem.algo import mismatch_metrics
 from tandem.config import AlgoConfig, TrainConfig
 from tandem.model import CausalLM, ModelConfig, init_weights, save_model
-from tandem.rollout import BuiltinEngine, SamplingParams, make_groups
+from tandem.rollout import BuiltinEngine, PagedEngine, SamplingParams, make_groups
 from tandem.sample import Prompt, Sample, Status
 from tandem.sync.dist import free_port
 from tandem.train import TrainWorker
@@ -74,14 +81,15 @@ class Workload:
     gen_prompts: int  # the mismatch check's prompts, 4 samples each
     gen_tokens: int
     hf_len: int  # the logits check's sequence length
+    engine_tokens: int  # new tokens per request of the engine vs generate check
 
     @property
     def seq_len(self) -> int:
         return self.prompt_len + self.response_len
 
 
-GPU_WORK = Workload(16, 256, 768, 16384, 16, 64, 128)
-CPU_WORK = Workload(2, 16, 16, 64, 4, 8, 16)
+GPU_WORK = Workload(16, 256, 768, 16384, 16, 64, 128, 128)
+CPU_WORK = Workload(2, 16, 16, 64, 4, 8, 16, 8)
 
 
 @dataclass(frozen=True)
@@ -216,11 +224,68 @@ def bench_hf(s: Setup) -> dict[str, float]:
     return out
 
 
+def device_free_bytes(device: str) -> int | None:
+    if device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+def timed(device: str, fn) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+@torch.no_grad()
+def bench_engine(s: Setup, batches: tuple[int, ...] = (8, 64)) -> dict[str, float | None]:
+    """Tokens/s of the paged engine with CUDA graphs and of transformers' generate, bf16, on the
+    same weights; then what sleep frees and what sleep and wake (with the refilling push) cost."""
+    model = random_model(s.cfg, seed=3)
+    new, gen, out = s.work.engine_tokens, random.Random(3), {}
+    with tempfile.TemporaryDirectory() as tmp:
+        save_model(model, tmp)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16).to(s.device).eval()
+    blocks = max(batches) * ((32 + new) // 16 + 2)
+    engine = PagedEngine(copy.deepcopy(model).to(s.device, torch.bfloat16), [s.cfg.vocab_size - 1], 0,
+                         num_kv_blocks=blocks, max_num_seqs=max(batches), cuda_graphs=True)  # fmt: skip
+    params = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True)
+    for b in batches:
+        ids = [[gen.randrange(1, s.cfg.vocab_size - 1) for _ in range(32)] for _ in range(b)]
+        prompt = torch.tensor(ids, device=s.device)
+        calls = {
+            "engine": lambda ids=ids, b=b: engine.generate(make_groups([Prompt()] * b, ids, 1), params),
+            "hf": lambda prompt=prompt: hf.generate(prompt, attention_mask=torch.ones_like(prompt),
+                do_sample=True, max_new_tokens=new, min_new_tokens=new, pad_token_id=0),
+        }  # fmt: skip
+        for call in calls.values():  # warm-up: the engine records its graphs here
+            timed(s.device, call)
+        best = dict.fromkeys(calls, float("inf"))
+        for _ in range(3):
+            for name, call in calls.items():
+                best[name] = min(best[name], timed(s.device, call))
+        out[f"engine_tokens_per_s_b{b}"] = b * new / best["engine"]
+        out[f"hf_tokens_per_s_b{b}"] = b * new / best["hf"]
+        out[f"engine_vs_hf_b{b}"] = best["hf"] / best["engine"]
+    weights = {n: p.detach().clone() for n, p in engine.named_weights().items()}
+    before = device_free_bytes(s.device)
+    slept = engine.sleep()
+    after = device_free_bytes(s.device)
+    out["engine_sleep_s"], out["engine_bytes"] = slept["perf/sleep_s"], slept["memory/engine_bytes"]
+    out["engine_device_bytes_returned"] = None if before is None else float(after - before)
+    out["engine_wake_and_push_s"] = timed(s.device, lambda: engine.load_weights(weights.items(), version=1))
+    out["engine_wake_s"] = engine.last_wake_s
+    return out
+
+
 def measure(s: Setup) -> dict[str, str | float | None]:
     """-> the flat figures --json writes."""
     fp32, bf16 = bench_train(s, torch.float32), bench_train(s, torch.bfloat16)
-    mismatch, hf = bench_mismatch(s), bench_hf(s)
+    mismatch, hf, engine = bench_mismatch(s), bench_hf(s), bench_engine(s)
     return {
+        **engine,
         "gpu": torch.cuda.get_device_name() if s.device == "cuda" else "cpu",
         "train_tokens_per_s_fp32": fp32["tokens_per_s"],
         "train_tokens_per_s_bf16": bf16["tokens_per_s"],
@@ -261,6 +326,13 @@ def show(r: dict, s: Setup) -> None:
           f"mean {r['mismatch_logprob_abs_diff_mean_bf16']:.3g}")  # fmt: skip
     print(f"logits vs transformers (2 layers), max |Δ|: fp32 {r['hf_logits_max_abs_diff_fp32']:.3g}, "
           f"bf16 {r['hf_logits_max_abs_diff_bf16']:.3g}")  # fmt: skip
+    for b in (8, 64):
+        print(f"engine (paged, CUDA graphs, bf16) batch {b}: {r[f'engine_tokens_per_s_b{b}']:.0f} tokens/s, "
+              f"generate {r[f'hf_tokens_per_s_b{b}']:.0f}: {r[f'engine_vs_hf_b{b}']:.2f}x")  # fmt: skip
+    returned = r["engine_device_bytes_returned"]
+    print(f"engine sleep: {r['engine_bytes'] / 2**20:.0f} MiB freed in {r['engine_sleep_s']:.3f} s "
+          f"({fmt(None if returned is None else returned / 2**20, '.0f')} MiB back to the driver); "
+          f"wake {r['engine_wake_s']:.3f} s, wake + push {r['engine_wake_and_push_s']:.3f} s")  # fmt: skip
 
 
 def main() -> int:
