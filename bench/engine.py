@@ -1,6 +1,6 @@
 """The rollout engines against transformers' generate, and what bounds them.
 
-    python bench/engine.py [--model builtin:addition | PATH | qwen2-0.5b-random] [--engine builtin paged]
+    python bench/engine.py [--model builtin:addition | PATH | qwen2-0.5b-random] [--engine builtin graphs]
                            [--device cpu | cuda] [--dtype auto] [--layers N] [--json PATH]
 
 All in one run, on one model:
@@ -31,7 +31,9 @@ All in one run, on one model:
 `--model qwen2-0.5b-random` builds a random Qwen2-0.5B-shaped model (`--layers` overrides its
 depth) and loads the same weights into transformers' Qwen2ForCausalLM; it is meant for --device
 cuda. `--json` writes one flat object: the builtin engine's figures under the keys the first
-version of this benchmark wrote, the paged engine's under `paged_*`, and the figures of 2-4.
+version of this benchmark wrote, the other engines' under `paged_*`, `compiled_*`, `graphs_*`, and
+the figures of 2-4. Nothing here needs Ray: it runs on a GPU machine that has only torch and
+transformers (`pip install --no-deps -e .`).
 """
 
 import argparse
@@ -56,7 +58,9 @@ from tandem.model import CausalLM, ModelConfig, init_weights, load_model, resolv
 from tandem.rollout import BuiltinEngine, PagedEngine, SamplingParams, make_groups
 from tandem.sample import Prompt, Sample
 
-ENGINES = ("builtin", "paged", "compiled")  # compiled: the built-in engine with compile=True
+# compiled: the built-in engine with compile=True; graphs: the paged engine with cuda_graphs=True
+# (CUDA graphs per batch-size bucket on cuda; on the CPU their fixed-shape decode, run eagerly)
+ENGINES = ("builtin", "paged", "compiled", "graphs")
 RANDOM_MODELS = {
     "qwen2-0.5b-random": ModelConfig(
         model_type="qwen2",
@@ -521,7 +525,12 @@ def main() -> None:
     setup = load(args.model, args.device, getattr(torch, dtype_name), args.layers)
     longest = max(map(len, setup.prompts(max(args.batches))[1])) + args.new_tokens
     seqs = max(*args.batches, 8 * args.groups)
-    make = {"builtin": setup.builtin, "paged": lambda: setup.paged(seqs, longest), "compiled": setup.compiled}
+    make = {
+        "builtin": setup.builtin,
+        "paged": lambda: setup.paged(seqs, longest),
+        "compiled": setup.compiled,
+        "graphs": lambda: setup.paged(seqs, longest, cuda_graphs=True),
+    }
     engines = {name: make[name]() for name in dict.fromkeys(args.engine)}
     where = (
         f"{torch.get_num_threads()} threads" if device.type == "cpu" else torch.cuda.get_device_name(device)
