@@ -75,6 +75,7 @@ class Engine(UpdateGate):
         self.asleep = False
         self._needs_push = False  # woke up: the weights hold nothing until an update is applied
         self.last_wake_s = 0.0
+        self.memory = Storages([])  # what sleep frees: the engine fills it
 
     def generate(
         self, samples: list[Sample], params: SamplingParams, stop_check: StopCheck | None = None
@@ -158,14 +159,14 @@ class Engine(UpdateGate):
 
     def engine_bytes(self) -> int:
         """Bytes of the weights and KV cache this engine holds now (0 asleep)."""
-        raise NotImplementedError
+        return self.memory.nbytes
 
     def _release(self) -> int:
-        """Free the weights and KV cache -> bytes freed."""
-        raise NotImplementedError
+        """Free the weights and KV cache (`self.memory`, set by the engine) -> bytes freed."""
+        return self.memory.free()
 
     def _restore(self) -> None:
-        raise NotImplementedError
+        self.memory.restore()
 
     def _apply_pending(self) -> int | None:
         if self.asleep and self._has_pending():

@@ -7,8 +7,8 @@ copied into static input buffers, padded up to the next bucket size, and the gra
 bucket runs. Padding rows write their key into a scratch block no sequence owns and attend to it
 alone, so they never touch a real row. Block tables are padded to a fixed width (`max_blocks`,
 grown and re-recorded when a longer sequence comes), so one graph serves every context length up to
-it. A batch larger than the largest bucket (512, or the largest up to `max_num_seqs`) runs eagerly. Sampling stays outside the graph: the
-per-request seeded streams draw exactly as they do eagerly.
+it. A batch larger than the largest bucket (512, or the largest up to `max_num_seqs`) runs
+eagerly. Sampling stays outside the graph: per-request seeded streams draw as they do eagerly.
 
 capture=False runs the same padded, fixed-shape forward eagerly: the path the CPU tests check
 against the eager engine (a CUDA graph itself needs a GPU).

@@ -51,7 +51,7 @@ class BuiltinEngine(Engine):
         self.max_batch_size = max_batch_size
         # On the model's device: a sampling draw must come from a generator of the noise's device.
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.weights = Storages(model_tensors(self.model))  # what sleep() frees: the KV cache lives per call
+        self.memory = Storages(model_tensors(self.model))  # the KV cache lives per call
 
     @property
     def device(self) -> torch.device:
@@ -60,15 +60,6 @@ class BuiltinEngine(Engine):
     def named_weights(self) -> dict[str, Tensor]:
         """The tensors (Hugging Face names) a weight update writes into: the live parameters."""
         return dict(self.model.named_parameters())
-
-    def engine_bytes(self) -> int:
-        return self.weights.nbytes
-
-    def _release(self) -> int:
-        return self.weights.free()
-
-    def _restore(self) -> None:
-        self.weights.restore()
 
     def _begin(self, samples: list[Sample], call: GenerateCall) -> "_Batches":
         return _Batches(self, samples, call)

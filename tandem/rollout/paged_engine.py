@@ -91,17 +91,11 @@ class PagedEngine(Engine):
         """The tensors (Hugging Face names) a weight update writes into: the live parameters."""
         return dict(self.model.named_parameters())
 
-    def engine_bytes(self) -> int:
-        return self.memory.nbytes
-
     def _release(self) -> int:
         self.block_manager.reset_prefix_cache()  # the cached keys are gone with the pools
         if self.runner.graphs is not None:  # they point at the memory freed now
             self.runner.graphs.reset()
-        return self.memory.free()
-
-    def _restore(self) -> None:
-        self.memory.restore()
+        return super()._release()
 
     def _after_update(self) -> None:
         self.block_manager.reset_prefix_cache()  # keys of the old weights serve no new request

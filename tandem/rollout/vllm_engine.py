@@ -116,7 +116,7 @@ class VLLMEngine(Engine):
         # The trainer's layout, filled from the checkpoint vLLM loaded: what the engine serves.
         trainer_layout = load_model(model_path, DTYPES[dtype], device).named_parameters()
         self._weights = {name: p.detach() for name, p in trainer_layout}
-        self.buffers = Storages(self._weights.values())
+        self.memory = Storages(self._weights.values())
         self._ids = itertools.count()
 
     def named_weights(self) -> dict[str, Tensor]:
@@ -137,19 +137,16 @@ class VLLMEngine(Engine):
     def _begin(self, samples: list[Sample], call: GenerateCall) -> "_Requests":
         return _Requests(self, samples, call)
 
-    def engine_bytes(self) -> int:
-        return self.buffers.nbytes
-
     def _release(self) -> int:
         """vLLM's sleep level 2 drops its weights and KV cache (nothing is offloaded: the next push
         refills them); the update buffers are freed too."""
         if not self.sleep_mode:
             raise RuntimeError("VLLMEngine.sleep() needs the engine started with sleep_mode=True")
         self.llm.sleep(level=2)
-        return self.buffers.free()
+        return super()._release()
 
     def _restore(self) -> None:
-        self.buffers.restore()
+        super()._restore()
         self.llm.wake_up()
 
     def _after_update(self) -> None:
