@@ -97,6 +97,13 @@ class PagedEngine(Engine):
             self.runner.graphs.reset()
         return super()._release()
 
+    def _restore(self) -> None:
+        super()._restore()
+        # Attention reads whole blocks, masked slots included, and a masked NaN still poisons the
+        # softmax (0 x NaN): the pools come back zeroed, as they were built.
+        for pool in (*self.runner.cache.k, *self.runner.cache.v):
+            pool.zero_()
+
     def _after_update(self) -> None:
         self.block_manager.reset_prefix_cache()  # keys of the old weights serve no new request
 
