@@ -144,6 +144,10 @@ class Loop:
         extra["memory/engine_bytes"] = extra.get("memory/engine_bytes", 0.0) + metrics["memory/engine_bytes"]
         for k in ("perf/sleep_s", "perf/wake_s"):  # the workers sleep (and woke) in parallel
             extra[k] = max(extra.get(k, 0.0), metrics[k])
+        self.slept(call)
+
+    def slept(self, call: Call) -> None:
+        """A rollout worker is done with its sleep call: the train step starts after the last one."""
         if not any(c.kind == "sleep" for c in self.pending.values()):
             self.start_train(call.samples)
 
@@ -367,8 +371,8 @@ class Loop:
                 f"{call.worker} died during {call.kind} (version {call.version}): {error}"
             ) from None
         i = call.rank
-        if call.kind == "sleep" and not any(c.kind == "sleep" for c in self.pending.values()):
-            self.start_train(call.samples)  # it frees nothing now, and wakes with its restart
+        if call.kind == "sleep":
+            self.slept(call)  # it frees nothing now, and wakes with its restart
         if call.kind in ("generate", "val"):
             self.queued[i] -= 1
             self.work.appendleft((call.kind, call.samples, call.version))

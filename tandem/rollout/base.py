@@ -155,7 +155,8 @@ class Engine(UpdateGate):
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu")
+        """Where the engine's weights live (sleep hands CUDA memory back to the driver)."""
+        raise NotImplementedError
 
     def engine_bytes(self) -> int:
         """Bytes of the weights and KV cache this engine holds now (0 asleep)."""

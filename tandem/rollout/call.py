@@ -33,7 +33,7 @@ class GenerateCall:
         for an engine that has no tokenizer (`detokenizes=False`)."""
         for s in samples:
             check_aligned(s)
-        past_eos = params.ignore_eos or params.decode_past_eos
+        past_eos = params.past_eos
         if params.stop and not past_eos and stop_check is None and not detokenizes:
             raise ValueError(
                 "SamplingParams.stop needs a stop_check (the engine has no tokenizer): "
@@ -41,10 +41,6 @@ class GenerateCall:
             )
         stop_ids = [] if past_eos else list(eos_token_ids) + list(params.stop_token_ids)
         return cls(params, stop_ids, stop_check if params.stop and not past_eos else None)
-
-    @property
-    def past_eos(self) -> bool:
-        return self.params.ignore_eos or self.params.decode_past_eos
 
     def cap(self, s: Sample) -> int:
         """The most response tokens this sample may have: its own cap, within the call's."""

@@ -46,6 +46,11 @@ class SamplingParams:
     decode_past_eos: bool = False
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks); no stop token or string
 
+    @property
+    def past_eos(self) -> bool:
+        """Decoding goes on past EOS (ignore_eos, decode_past_eos): no stop token or string ends it."""
+        return self.ignore_eos or self.decode_past_eos
+
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={self.logprobs_mode!r}; valid: {', '.join(LOGPROBS_MODES)}")

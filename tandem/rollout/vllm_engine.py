@@ -266,7 +266,8 @@ def _vllm_params(s: Sample, call: GenerateCall) -> Any:
         # vLLM seeds a request's generator once, at its start: a continuation gets a stream of its
         # own, from (seed, position), rather than replaying the draws of the response's first tokens.
         seed = row_seed(seed, len(s.response_ids)) & (2**63 - 1)
-    params, past_eos = call.params, call.past_eos
+    params = call.params
+    past_eos = params.past_eos
     stop = [] if past_eos else list(params.stop)
     return VllmSamplingParams(
         n=1,

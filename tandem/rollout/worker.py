@@ -61,8 +61,7 @@ class RolloutWorker:
         """The engine's generate, then `response_text` for every sample. With `params.stop` the
         engine ends a response at the token completing a stop string; its text ends before the
         stop string (vLLM's default) or, with `include_stop_str_in_output`, right after it."""
-        past_eos = params.ignore_eos or params.decode_past_eos
-        stop = StopStrings(self.tokenizer, params.stop) if params.stop and not past_eos else None
+        stop = StopStrings(self.tokenizer, params.stop) if params.stop and not params.past_eos else None
         self.engine.generate(samples, params, stop_check=stop)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         for s in samples:  # partials too: a continued response must not keep its old text
