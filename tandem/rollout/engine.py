@@ -113,16 +113,14 @@ class _Batches:
             self.batch.decode()
         self.batch.sample(self.stop_ids)
         if self.batch.run.all_done:
-            self.batch.run.write_back(self.batch.samples)
-            self.batch = None
+            self._write_back()
         return True
 
     def stop(self, keys: set[tuple[int, int]]) -> None:
         if self.batch is not None:
             self.batch.stop(keys)
             if self.batch.run.all_done:
-                self.batch.run.write_back(self.batch.samples)
-                self.batch = None
+                self._write_back()
         for chunk in self.waiting:  # not started yet: returned as they came, to re-submit
             for s in chunk:
                 if s.key in keys:
@@ -134,12 +132,16 @@ class _Batches:
 
     def close(self) -> None:
         if self.batch is not None:
-            self.batch.run.write_back(self.batch.samples)
-            self.batch = None
+            self._write_back()
         for chunk in self.waiting:
             for s in chunk:
                 s.end("abort")
         self.waiting = []
+
+    def _write_back(self) -> None:
+        """The current batch is over (ended, or stopped): its samples take their tokens."""
+        self.batch.run.write_back(self.batch.samples)
+        self.batch = None
 
 
 class _Batch:
