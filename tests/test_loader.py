@@ -26,3 +26,11 @@ def test_state_dict_resumes_the_same_sequence():
     b = loader()
     b.load_state_dict(state)
     assert [b.next_batch()[1] for _ in range(4)] == expected
+
+
+def test_at_names_the_prompt_next_batch_handed_out_at_each_position():
+    """A resumed run finds the prompt of an in-flight group by its id, which is its position."""
+    a = loader()
+    drawn = [p for _ in range(8) for p in a.next_batch(3)[0]]  # 24 prompts: into a third epoch
+    assert [a.at(i)[0] for i in range(len(drawn))] == drawn
+    assert a.at(30)[0] == loader().at(30)[0]  # a position not yet drawn: the same permutation

@@ -1,12 +1,14 @@
 """`tandem train | sft | eval | generate | data make` — the command line.
 
 A TandemError (bad config, bad data, unknown name) prints as one paragraph and exits with 2;
-anything else is a bug and keeps its traceback.
+anything else is a bug and keeps its traceback. `tandem train` stopped by SIGINT / SIGTERM saves a
+checkpoint, prints how to resume and exits with 130 / 143, as a shell reports those signals.
 """
 
 import argparse
 import json
 import os
+import signal
 import sys
 
 from tandem.errors import TandemError
@@ -27,11 +29,18 @@ def split_args(args: list[str]) -> tuple[str | None, list[str]]:
     return recipe, overrides
 
 
-def cmd_train(ns: argparse.Namespace) -> None:
+def cmd_train(ns: argparse.Namespace) -> int:
     from tandem.config import load_config
     from tandem.controller import run_training
+    from tandem.controller.loop import Stopped
 
-    summary = run_training(load_config(*split_args(ns.args)))
+    try:
+        summary = run_training(load_config(*split_args(ns.args)))
+    except Stopped as e:  # SIGINT / SIGTERM: one line, how to go on, the shell's exit code for it
+        args = " ".join([a for a in ns.args if not a.startswith("run.resume=")] + ["run.resume=auto"])
+        saved = f"checkpoint {e.checkpoint}" if e.checkpoint else "no checkpoint yet"
+        print(f"stopped by {e.signal} after step {e.version} ({saved}); continue with: tandem train {args}")
+        return 128 + int(getattr(signal.Signals, e.signal))
     if "val/accuracy_start" in summary:
         print(
             f"held-out accuracy: {100 * summary['val/accuracy_start']:.1f}% at the start -> "
@@ -132,11 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        ns.fn(ns)
+        return ns.fn(ns) or 0
     except TandemError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

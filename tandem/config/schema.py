@@ -19,7 +19,11 @@ class RunConfig:
     generate_ahead_steps: int = 1  # one_step_off
     max_staleness: int = 2  # async
     val_every: int = 10  # steps between validations; 0 = only before the first and after the last step
-    save_every: int = 0  # steps between checkpoints; 0 = only the final one
+    save_every: int = 0  # steps between full checkpoints (docs/resume.md); 0 = only the final one
+    keep_checkpoints: int = 0  # newest step_N checkpoints kept on disk; 0 = all
+    # "" = start fresh; auto = continue from this run's newest complete checkpoint (fresh when there
+    # is none); or a checkpoint directory. docs/resume.md.
+    resume: str = ""
     tensorboard: bool = False
     progress: bool = True
     threads: int = 0  # torch intra-op threads per role; 0 = the CPUs its placement gives it

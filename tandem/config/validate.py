@@ -72,6 +72,7 @@ def validate(cfg: Config) -> None:
         "trainer trains, which is what the other modes overlap.",
     )
     _check(cfg.run.save_every >= 0, "run.save_every", "must be >= 0 (0 = only the final checkpoint).")
+    _check(cfg.run.keep_checkpoints >= 0, "run.keep_checkpoints", "must be >= 0 (0 = keep all).")
     _check(cfg.train.warmup_steps >= 0, "train.warmup_steps", "must be >= 0.")
     _check(cfg.data.max_prompt_length >= 1, "data.max_prompt_length", "must be >= 1.")
     if not cfg.data.train_files:

@@ -7,12 +7,19 @@ by `rollout.on_update`).
 """
 
 import time
+from pathlib import Path
 
 import ray
 import torch
 
 from tandem.config import Config
-from tandem.controller.roles import build_rollout, build_trainer, load_checked_tokenizer, load_policy
+from tandem.controller.roles import (
+    build_rollout,
+    build_trainer,
+    load_checked_tokenizer,
+    load_policy,
+    save_checkpoint,
+)
 from tandem.controller.timeline import Span
 from tandem.devices import DTYPES
 from tandem.reward import RewardPool
@@ -20,6 +27,7 @@ from tandem.rollout import SamplingParams
 from tandem.sample import Sample
 from tandem.sync import TRANSPORTS, BucketPlan, StagingBuffer, init_world, new_group
 from tandem.train.ref import RefWorker
+from tandem.train.state import load_state, save_state
 
 
 def _plan(cfg: Config, named) -> BucketPlan:
@@ -98,6 +106,15 @@ class RolloutActor(_Timed, _DistMember):
         return metrics, self._span("sleep", start)
 
     @ray.method(concurrency_group="gen")
+    def rng_state(self) -> torch.Tensor | None:
+        """After the generate calls before it: the engine's sampling stream, for a checkpoint."""
+        return self.worker.engine.rng_state()
+
+    @ray.method(concurrency_group="gen")
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.worker.engine.set_rng_state(state)
+
+    @ray.method(concurrency_group="gen")
     def apply_pending(self) -> int:
         self.worker.apply_pending()
         return self.worker.version
@@ -150,13 +167,18 @@ class TrainActor(_Timed, _DistMember):
         handle = self.transport.send(self.trainer.named_weights(), version)
         return handle, self._span("sync", start)
 
-    def save(self, path: str) -> str:
-        from pathlib import Path
-
-        from tandem.controller.roles import save_checkpoint
-
+    def save(self, path: str) -> Span:
+        """Every rank, into a checkpoint's temporary directory: the Hugging Face weights (rank 0
+        writes what all gather) and this rank's resumable state (`tandem.train.state`)."""
+        start = time.time()
         save_checkpoint(self.trainer, self.tokenizer, Path(path))
-        return path
+        save_state(self.trainer, Path(path))
+        return self._span("save", start)
+
+    def load(self, path: str) -> int:
+        """Every rank, after `join`: continue from a checkpoint -> the policy version it holds."""
+        load_state(self.trainer, Path(path))
+        return self.trainer.version
 
 
 @ray.remote

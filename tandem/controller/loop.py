@@ -18,12 +18,14 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
 
 from tandem.buffer import RolloutBuffer
-from tandem.config import Config
+from tandem.config import Config, save_config
+from tandem.controller.checkpoint import Checkpoints, read_driver_state, write_driver_state
 from tandem.controller.cluster import Cluster
 from tandem.controller.roles import Data, sampling_params
 from tandem.controller.stats import rollout_stats
@@ -52,6 +54,14 @@ class Call:
     samples: list[Sample] = field(default_factory=list)
     version: int = -1
     rank: int = 0  # rollout worker index for generate / val / receive
+
+
+class Stopped(Exception):
+    """SIGINT / SIGTERM: the run saved a checkpoint at a step boundary and stops."""
+
+    def __init__(self, signal: str, version: int, checkpoint: Path | None):
+        super().__init__(f"{signal} at step {version}")
+        self.signal, self.version, self.checkpoint = signal, version, checkpoint
 
 
 class Loop:
@@ -85,6 +95,9 @@ class Loop:
         self.rewards = {"scored": 0.0, "failed": 0.0}  # training samples, over the run
         self.timeline = Timeline(cluster.names)
         self.on_step = None  # a callback(version) after each train step (tests use it)
+        self.checkpoints = Checkpoints(Path(r.out_dir) / r.name, r.keep_checkpoints)
+        self.first_version = 0  # the version this process started from (a resume's checkpoint)
+        self.stop_signal: str | None = None  # SIGINT / SIGTERM seen: save and stop at the step's end
 
     # -- admission and dispatch ------------------------------------------------------------------
     def admit(self) -> None:
@@ -158,11 +171,13 @@ class Loop:
             self.pending[trainer.train_step.remote(batch_ref)] = call
 
     # -- the loop ----------------------------------------------------------------------------------
-    def run(self, log) -> dict[str, float]:
-        """Train for run.steps versions; `log(step, metrics)` gets each step's and validation's metrics."""
-        self.log = log
+    def run(self, logger) -> dict[str, float]:
+        """Train up to run.steps versions; `logger.log(step, metrics)` gets each step's and
+        validation's metrics, `logger.log_batch(step, group_ids)` the groups each step trained."""
+        self.log, self.logger = logger.log, logger
         self.started = self.step_start = time.time()
-        self.request_validation(0)
+        if self.version == 0 or self.validates(self.version):
+            self.request_validation(self.version)
         while not self.finished():
             self.admit()
             self.dispatch()
@@ -217,9 +232,10 @@ class Loop:
                 if len(group) == self.cfg.rollout.n:
                     done.extend(sorted(self.groups.pop(s.group_id), key=lambda x: x.index))
         if done:
-            self.pending[self.cluster.reward.score.remote(done)] = Call(
-                "reward", "reward/0", version=call.version
-            )
+            self.score(done, call.version)
+
+    def score(self, samples: list[Sample], version: int) -> None:
+        self.pending[self.cluster.reward.score.remote(samples)] = Call("reward", "reward/0", samples, version)
 
     def on_reward(self, call: Call, result) -> None:
         samples, metrics, span = result
@@ -229,7 +245,7 @@ class Loop:
         self.rewards["scored"] += len(samples)
         self.rewards["failed"] += metrics.get("reward/errors", 0.0) + metrics.get("reward/timeouts", 0.0)
         if self.cluster.ref is not None:
-            self.pending[self.cluster.ref.score.remote(samples)] = Call("ref", "ref/0", version=call.version)
+            self.pending[self.cluster.ref.score.remote(samples)] = Call("ref", "ref/0", samples, call.version)
         else:
             self.finish_groups(samples)
 
@@ -255,14 +271,19 @@ class Loop:
         self.version += 1
         self.log_step(call.samples, self.train_results[0])
         self.push_weights()
-        if self.version == self.cfg.run.steps or (
-            self.cfg.run.val_every and self.version % self.cfg.run.val_every == 0
-        ):
+        if self.validates(self.version):
             self.request_validation(self.version)
+        saved = None
         if self.cfg.run.save_every and self.version % self.cfg.run.save_every == 0:
-            self.save(f"step_{self.version}")
+            saved = self.save(f"step_{self.version}")
         if self.on_step is not None:
             self.on_step(self.version)
+        if self.stop_signal and self.version < self.cfg.run.steps:
+            raise Stopped(self.stop_signal, self.version, saved or self.save(f"step_{self.version}"))
+
+    def validates(self, version: int) -> bool:
+        every = self.cfg.run.val_every
+        return version == self.cfg.run.steps or bool(every and version % every == 0)
 
     def push_weights(self) -> None:
         # Every train rank takes part (under fsdp2 each tensor is gathered from all shards); rank 0 sends.
@@ -363,6 +384,7 @@ class Loop:
         self.step_start = now
         self.last_metrics = metrics
         self.log(self.version, metrics)
+        self.logger.log_batch(self.version, sorted({s.group_id for s in batch}))
 
     def on_worker_died(self, call: Call, error: Exception) -> None:
         """A dead rollout worker is restarted by Ray: re-sync its weights, re-submit its prompts."""
@@ -391,19 +413,98 @@ class Loop:
         ref = resync.remote(self.last_handle, self.version)
         self.pending[ref] = Call("resync", call.worker, version=self.version, rank=i)
 
-    def save(self, name: str) -> None:
-        from pathlib import Path
+    # -- checkpoints and resume (docs/resume.md) ---------------------------------------------------
+    def save(self, name: str) -> Path:
+        """A full checkpoint at this step boundary, written atomically. Every train rank writes
+        (under fsdp2 the weights are gathered from all shards, the optimizer state stays sharded);
+        the driver adds its own state and each engine's sampling stream."""
+        tmp = self.checkpoints.begin(name)
+        saves = [t.save.remote(str(tmp)) for t in self.cluster.trainers]
+        streams = [r.rng_state.remote() for r in self.cluster.rollouts]
+        self.timeline.add(*ray.get(saves, timeout=self.cfg.run.timeout_s))
+        write_driver_state(tmp, {**self.state_dict(), "engine_rngs": self.engine_streams(streams)})
+        save_config(self.cfg, tmp / "config.yaml")
+        return self.checkpoints.commit(tmp, name)
 
-        path = Path(self.cfg.run.out_dir) / self.cfg.run.name / "checkpoints" / name
-        # Every rank: under fsdp2 the weights are gathered from all shards; rank 0 writes.
-        saves = [t.save.remote(str(path)) for t in self.cluster.trainers]
-        ray.get(saves, timeout=self.cfg.run.timeout_s)
+    def engine_streams(self, refs: list) -> list:
+        out = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref, timeout=self.cfg.run.timeout_s))
+            except ray.exceptions.RayActorError:  # a dead worker restarts with a fresh stream
+                out.append(None)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the driver must remember at a step boundary: counters, the data cursor, the buffer,
+        and every sample of the groups still in flight (queued, generating, finished but not yet
+        rewarded) as the driver last saw it: fresh, a partial response, or finished."""
+        in_flight = [s for _, samples, _ in self.work for s in samples if s.group_id >= 0]
+        for call in self.pending.values():
+            if call.kind in ("generate", "reward", "ref"):
+                in_flight += call.samples
+        in_flight += [s for group in self.groups.values() for s in group]
+        return {
+            "version": self.version,
+            "next_group": self.next_group,
+            "loader": self.data.train.state_dict(),
+            "buffer": self.buffer.state_dict(),
+            "in_flight": in_flight,
+            "val_metrics": self.val_metrics,
+            "rewards": self.rewards,
+            "lengths": self.lengths.getstate(),
+        }
+
+    def resume(self, path: Path) -> None:
+        """Continue from the checkpoint at `path`: the trainers load their state, the engines get
+        its weights (before anything generates) and sampling streams, the groups that were in
+        flight go back into the queue."""
+        state = read_driver_state(path)
+        loads = [t.load.remote(str(path)) for t in self.cluster.trainers]
+        versions = ray.get(loads, timeout=self.cfg.run.timeout_s)
+        if set(versions) != {state["version"]}:
+            raise TandemError(f"{path}: the trainers hold versions {versions}, driver.pt {state['version']}.")
+        self.version = self.first_version = state["version"]
+        self.next_group, self.val_metrics = state["next_group"], state["val_metrics"]
+        self.rewards, self.lengths = state["rewards"], random.Random()
+        self.lengths.setstate(state["lengths"])
+        self.data.train.load_state_dict(state["loader"])
+        self.buffer.load_state_dict(state["buffer"])
+        streams = zip(self.cluster.rollouts, state["engine_rngs"], strict=True)
+        ray.get(
+            [r.set_rng_state.remote(s) for r, s in streams if s is not None], timeout=self.cfg.run.timeout_s
+        )
+        self.push_weights()  # synchronously: nothing may generate on the initial weights
+        ray.get(list(self.pending), timeout=self.cfg.run.timeout_s)
+        self.pending.clear()
+        self.receiving.clear()
+        self.published = self.version
+        self.requeue(state["in_flight"])
+
+    def requeue(self, saved: list[Sample]) -> None:
+        """The in-flight groups of a checkpoint: finished samples wait for their group (or go to the
+        reward when the group is whole), the others generate again from where they were."""
+        by_group: dict[int, dict[int, Sample]] = {g: {} for g in self.buffer.in_flight_ids}
+        for s in saved:
+            by_group[s.group_id][s.index] = s
+        for gid, samples in by_group.items():
+            if len(samples) < self.cfg.rollout.n:  # never when saved whole; a fresh group otherwise
+                prompt, ids = self.data.train.at(gid)
+                fresh = make_groups([prompt], [ids], self.cfg.rollout.n, first_group=gid)
+                samples = {s.index: samples.get(s.index, s) for s in fresh}
+            finished = [s for _, s in sorted(samples.items()) if s.status == Status.FINISHED]
+            rest = [s for _, s in sorted(samples.items()) if s.status != Status.FINISHED]
+            if rest:
+                self.groups[gid] = finished
+                self.work.append(("generate", rest, self.version))
+            else:
+                self.score(finished, self.version)
 
     def summary(self) -> dict[str, float]:
         wall = time.time() - self.started
-        trained = self.cfg.run.steps * self.cfg.rollout.batch_size * self.cfg.rollout.n
+        trained = (self.cfg.run.steps - self.first_version) * self.cfg.rollout.batch_size * self.cfg.rollout.n
         out = {
-            "critic/score/mean_final": self.last_metrics["critic/score/mean"],
+            "critic/score/mean_final": self.last_metrics.get("critic/score/mean", math.nan),
             "perf/run_samples_per_s": trained / wall,
             "reward/failed_fraction": self.rewards["failed"] / max(self.rewards["scored"], 1.0),
         }

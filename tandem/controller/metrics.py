@@ -1,23 +1,46 @@
-"""Metrics out of a run: JSONL every step, TensorBoard when asked, a live progress bar."""
+"""Metrics out of a run: JSONL every step, TensorBoard when asked, a live progress bar.
+
+`metrics.jsonl` has a line per train step (with "version"), per validation (with "val/accuracy")
+and the summary at the end; `batches.jsonl` names the prompt groups each step trained. A run resumed
+from step V keeps the train lines up to V and everything before V, and drops the rest: the resumed
+run writes them again (validation at V included), so no step appears twice.
+"""
 
 import json
-import time
-from contextlib import contextmanager
 from pathlib import Path
 
 from tqdm import tqdm
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, total_steps: int, tensorboard: bool, progress: bool):
-        self.file = (run_dir / "metrics.jsonl").open("w")
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        tensorboard: bool,
+        progress: bool,
+        resume_step: int | None = None,
+    ):
+        files = [run_dir / "metrics.jsonl", run_dir / "batches.jsonl"]
+        if resume_step is None:
+            for f in files:
+                f.write_text("")
+        else:
+            for f in files:
+                _keep_until(f, resume_step)
+        self.file, self.batches = (f.open("a") for f in files)
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
         self.bar = tqdm(
-            total=total_steps, desc="train", unit="step", disable=not progress, dynamic_ncols=True
+            total=total_steps,
+            initial=resume_step or 0,
+            desc="train",
+            unit="step",
+            disable=not progress,
+            dynamic_ncols=True,
         )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -31,16 +54,25 @@ class MetricsLogger:
         if "critic/score/mean" in metrics:  # a train step (validation lines do not advance the bar)
             self.bar.update(1)
 
+    def log_batch(self, step: int, group_ids: list[int]) -> None:
+        self.batches.write(json.dumps({"step": step, "groups": group_ids}) + "\n")
+        self.batches.flush()
+
     def close(self) -> None:
         self.bar.close()
         self.file.close()
+        self.batches.close()
         if self.tb is not None:
             self.tb.close()
 
 
-@contextmanager
-def timed(timings: dict[str, float], name: str):
-    """Adds the block's wall time to timings[f"timing_s/{name}"]."""
-    start = time.perf_counter()
-    yield
-    timings[f"timing_s/{name}"] = timings.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
+def _keep_until(path: Path, step: int) -> None:
+    """Keep the lines before `step`, and the train steps' lines (and batches) of `step` itself."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if row["step"] < step or (row["step"] == step and ("version" in row or "groups" in row)):
+            kept.append(line + "\n")
+    path.write_text("".join(kept))

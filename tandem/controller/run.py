@@ -1,15 +1,19 @@
 """`tandem train`: check the inputs, start the actors, run the loop, leave the run directory behind."""
 
 import json
+import signal
+import sys
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
 import ray
 
 from tandem import devices
-from tandem.config import Config, save_config
+from tandem.config import Config, load_config, save_config
+from tandem.controller.checkpoint import check_compatible, find_resume
 from tandem.controller.cluster import Cluster, start_ray
-from tandem.controller.loop import Loop
+from tandem.controller.loop import Loop, Stopped
 from tandem.controller.metrics import MetricsLogger
 from tandem.controller.roles import build_data
 from tandem.errors import TandemError
@@ -32,27 +36,39 @@ def with_absolute_paths(cfg: Config) -> Config:
 
 def run_training(cfg: Config, on_step=None) -> dict[str, float]:
     """Train for cfg.run.steps versions in cfg.run.mode; -> the summary (held-out accuracy before and
-    after, throughput). `on_step(loop)` is called after each train step (tests use it)."""
+    after, throughput). `on_step(loop)` is called after each train step (tests use it).
+    `run.resume` continues from a checkpoint; SIGINT / SIGTERM save one and raise `Stopped`."""
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_run_dir(run_dir)
     cfg = with_absolute_paths(cfg)
+    resume = find_resume(cfg, run_dir)
+    if resume is not None:  # refused here, before anything starts
+        check_compatible(load_config(resume / "config.yaml"), cfg, resume)
     data = build_data(cfg)  # bad input fails here, before any actor starts
     load_reward_fn(cfg.reward.fn)
     start_ray(cfg)
     cfg = devices.resolve(cfg, ray.cluster_resources().get("GPU", 0))
     save_config(cfg, run_dir / "config.yaml")  # as resolved: device and dtypes concrete
     cluster = Cluster.start(cfg)
-    log = MetricsLogger(run_dir, cfg.run.steps, cfg.run.tensorboard, cfg.run.progress)
     loop = Loop(cfg, data, cluster)
-    if on_step is not None:
-        loop.on_step = lambda version: on_step(loop)
+    log = None
     try:
-        summary = loop.run(log.log)
-        loop.save("final")
+        loop.checkpoints.clear_partial()
+        if resume is not None:
+            loop.resume(resume)
+        log = MetricsLogger(
+            run_dir, cfg.run.steps, cfg.run.tensorboard, cfg.run.progress, resume and loop.version
+        )
+        if on_step is not None:
+            loop.on_step = lambda version: on_step(loop)
+        with stop_on_signals(loop):
+            summary = loop.run(log)
+            loop.save("final")
         log.log(cfg.run.steps, summary)
     finally:
         loop.timeline.write(run_dir / "timeline.json")
-        log.close()
+        if log is not None:
+            log.close()
         cluster.close()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if summary["reward/failed_fraction"] == 1.0:  # it trained on nothing: say so, and exit non-zero
@@ -63,3 +79,45 @@ def run_training(cfg: Config, on_step=None) -> dict[str, float]:
             "reward/timeouts per step. Try the function on one sample by hand."
         )
     return summary
+
+
+def make_run_dir(run_dir: Path) -> None:
+    """The run directory, and a check that checkpoints can be written there: before training, not
+    after it."""
+    try:
+        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        probe = run_dir / "checkpoints" / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise TandemError(
+            f"Cannot write the run directory {run_dir} (run.out_dir={str(run_dir.parent)!r}, "
+            f"run.name={run_dir.name!r}): {e.strerror or e}. Point run.out_dir at a writable directory."
+        ) from None
+
+
+@contextmanager
+def stop_on_signals(loop: Loop):
+    """SIGINT / SIGTERM: save a checkpoint at the end of the running step and stop (`Stopped`);
+    a second one stops at once, keeping the newest complete checkpoint."""
+
+    def handler(signum, frame):
+        name = signal.Signals(signum).name
+        if loop.stop_signal:
+            raise Stopped(name, loop.version, loop.checkpoints.latest())
+        loop.stop_signal = name
+        print(
+            f"\n{name}: saving a checkpoint when step {loop.version + 1} ends, then stopping "
+            "(send it again to stop now).",
+            file=sys.stderr,
+        )
+
+    try:
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread: signals stay as they were
+        previous = {}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

@@ -12,12 +12,12 @@ class PromptLoader:
         self.prompts, self.prompt_ids = prompts, prompt_ids
         self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
         self.epoch, self.cursor = 0, 0
-        self._order = self._permutation()
+        self._order = self._permutation(0)
 
-    def _permutation(self) -> list[int]:
+    def _permutation(self, epoch: int) -> list[int]:
         order = list(range(len(self.prompts)))
         if self.shuffle:
-            random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
+            random.Random(self.seed * 100_003 + epoch).shuffle(order)
         return order
 
     def next_batch(self, count: int | None = None) -> tuple[list[Prompt], list[list[int]]]:
@@ -27,15 +27,21 @@ class PromptLoader:
         while len(picked) < count:
             if self.cursor == len(self._order):
                 self.epoch, self.cursor = self.epoch + 1, 0
-                self._order = self._permutation()
+                self._order = self._permutation(self.epoch)
             take = self._order[self.cursor : self.cursor + count - len(picked)]
             picked += take
             self.cursor += len(take)
         return [self.prompts[i] for i in picked], [self.prompt_ids[i] for i in picked]
+
+    def at(self, position: int) -> tuple[Prompt, list[int]]:
+        """The prompt `next_batch` hands out `position`-th (0-based, over all calls and epochs)."""
+        epoch, i = divmod(position, len(self.prompts))
+        order = self._order if epoch == self.epoch else self._permutation(epoch)
+        return self.prompts[order[i]], self.prompt_ids[order[i]]
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "cursor": self.cursor}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.cursor = state["epoch"], state["cursor"]
-        self._order = self._permutation()
+        self._order = self._permutation(self.epoch)

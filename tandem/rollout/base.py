@@ -121,6 +121,16 @@ class Engine(UpdateGate):
     def _begin(self, samples: list[Sample], call: GenerateCall) -> Generation:
         raise NotImplementedError
 
+    # -- the sampling stream, for checkpoints --------------------------------------------------------
+    def rng_state(self) -> Tensor | None:
+        """The shared sampling generator's state (requests without a `Sample.seed` draw from it),
+        or None when the engine cannot restore it."""
+        generator = getattr(self, "generator", None)
+        return None if generator is None else generator.get_state()
+
+    def set_rng_state(self, state: Tensor) -> None:
+        self.generator.set_state(state)
+
     def _check_params(self, params: SamplingParams) -> None:
         """ValueError for sampling this engine cannot do (every engine does all of it but vLLM)."""
 

@@ -134,3 +134,12 @@ class RolloutEngine(Protocol):
         """While idle: copy the given parameters (Hugging Face names) into the engine's model now
         and serve `version`; it replaces any pending update."""
         ...
+
+    def rng_state(self) -> Tensor | None:
+        """While idle: the state of the stream that requests without a `Sample.seed` draw from,
+        for a checkpoint; None when the engine cannot restore it."""
+        ...
+
+    def set_rng_state(self, state: Tensor) -> None:
+        """While idle: continue that stream from a state `rng_state` returned."""
+        ...

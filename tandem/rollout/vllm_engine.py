@@ -119,6 +119,11 @@ class VLLMEngine(Engine):
         self.memory = Storages(self._weights.values())
         self._ids = itertools.count()
 
+    def rng_state(self) -> None:
+        """vLLM keeps its sampling generators inside its workers, out of reach: a resumed run's
+        requests without a `Sample.seed` draw from a fresh stream (docs/resume.md)."""
+        return None
+
     def named_weights(self) -> dict[str, Tensor]:
         """The update buffers (Hugging Face names, the trainer's shapes and dtypes, on the GPU)."""
         return self._weights

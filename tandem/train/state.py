@@ -1,0 +1,79 @@
+"""A train worker's resumable state: master weights, optimizer, LR schedule, samplers and RNGs.
+
+The weights and Adam's moments go through `torch.distributed.checkpoint` (DCP), whatever the
+strategy: under fsdp2 every rank writes only its own shards (no rank ever holds the whole optimizer
+state), and a DCP checkpoint loads into another world size too. The rest is small and per rank:
+the LR schedule, the mini-batch shuffle's generator, the process's RNGs and the worker's counters.
+
+Loading after `parallelize` puts back bit for bit what `save_state` saw, so the next train step
+computes exactly what it would have computed without the interruption.
+"""
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+SHARDS = "trainer"  # the DCP directory inside a checkpoint
+
+
+def rng_states() -> dict[str, Any]:
+    """Every RNG of this process: Python's, NumPy's, torch's on the CPU and on each CUDA device."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_states(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_state(worker, path: Path) -> None:
+    """Every rank, collectively: `path/trainer/` (DCP: master weights and optimizer state, each rank
+    its shards) and `path/trainer/rank_<r>.pt` (the rest of this rank's state)."""
+    model_sd, optim_sd = get_state_dict(worker.model, [worker.optimizer])
+    group = worker.dp_group
+    dcp.save(
+        {"model": model_sd, "optim": optim_sd},
+        checkpoint_id=path / SHARDS,
+        process_group=group,
+        no_dist=group is None,
+    )
+    own = {
+        "version": worker.version,
+        "skipped_steps": worker.skipped_steps,
+        "scheduler": worker.scheduler.state_dict(),
+        "generator": worker.generator.get_state(),
+        "rng": rng_states(),
+    }
+    torch.save(own, path / SHARDS / f"rank_{worker.rank}.pt")
+
+
+def load_state(worker, path: Path) -> None:
+    """Every rank, collectively, after `parallelize`: the state `save_state` wrote into `path`."""
+    model_sd, optim_sd = get_state_dict(worker.model, [worker.optimizer])
+    state = {"model": model_sd, "optim": optim_sd}
+    group = worker.dp_group
+    dcp.load(state, checkpoint_id=path / SHARDS, process_group=group, no_dist=group is None)
+    set_state_dict(
+        worker.model, [worker.optimizer], model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    if worker.masters is not None:  # the compute copy takes the loaded masters, rounded once
+        worker.masters.refresh()
+    own_file = path / SHARDS / f"rank_{worker.rank}.pt"
+    if not own_file.exists():  # a checkpoint of fewer ranks: rank 0's schedule is every rank's
+        own_file = path / SHARDS / "rank_0.pt"
+    own = torch.load(own_file, weights_only=False)  # our own file: NumPy's RNG state is not a tensor
+    worker.version, worker.skipped_steps = own["version"], own["skipped_steps"]
+    worker.scheduler.load_state_dict(own["scheduler"])
+    worker.generator.set_state(own["generator"])
+    set_rng_states(own["rng"])

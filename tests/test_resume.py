@@ -1,0 +1,181 @@
+"""Resume: a train worker's state round-trips bit for bit (one process, bf16 masters, fsdp2 shards),
+and whole runs continue from a checkpoint after a crash (sync bit for bit; async every group once)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from helpers import random_samples, tiny_model
+
+from tandem.config import AlgoConfig, TrainConfig, load_config
+from tandem.controller import run_training
+from tandem.errors import TandemError
+from tandem.model import load_model
+from tandem.sync import free_port, init_world
+from tandem.train import TrainWorker
+from tandem.train.state import load_state, save_state
+
+TRAIN = dict(lr=1e-3, micro_batch_tokens=40, mini_batch_size=8, warmup_steps=3, schedule="cosine")
+
+
+def worker(dtype=torch.float32, **train) -> TrainWorker:
+    algo = AlgoConfig(entropy_coef=0.01, kl_coef=0.05)
+    return TrainWorker(
+        tiny_model(), algo, TrainConfig(**{**TRAIN, **train}), pad_token_id=0, dtype=dtype, total_updates=20
+    )
+
+
+def steps(w: TrainWorker, first: int, count: int) -> list[dict[str, float]]:
+    """The metrics of `count` train steps, less their timings."""
+    out = [w.train_step(random_samples(4, 4, seed=first + i)) for i in range(count)]
+    return [{k: v for k, v in m.items() if not k.startswith("timing_s/")} for m in out]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_resumed_worker_continues_bit_for_bit(tmp_path, dtype):
+    """Two steps, save, two more -> the same metrics and weights as a fresh worker that loads the
+    save and takes the same two steps (the optimizer's moments, the LR schedule, the mini-batch
+    shuffle and the compute copy all come back)."""
+    straight = worker(dtype)
+    steps(straight, 0, 2)
+    save_state(straight, tmp_path)
+    after = steps(straight, 2, 2)
+    resumed = worker(dtype)
+    load_state(resumed, tmp_path)
+    assert resumed.version == 2
+    assert steps(resumed, 2, 2) == after
+    a, b = straight.full_weights(), resumed.full_weights()
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_a_fresh_worker_differs_from_a_resumed_one(tmp_path):
+    """The check above can fail: without load_state the next steps differ (Adam's moments are new)."""
+    straight = worker()
+    steps(straight, 0, 2)
+    after = steps(straight, 2, 1)
+    fresh = worker()
+    assert steps(fresh, 2, 1) != after
+
+
+def _rank(rank: int, world: int, port: int, out: str, phase: str) -> None:
+    torch.set_num_threads(1)
+    init_world(rank, world, "127.0.0.1", port, backend="gloo", timeout_s=60)
+    w = worker(strategy="fsdp2")
+    w.parallelize(torch.distributed.group.WORLD)
+    if phase == "straight":
+        steps(w, 0, 2)
+        save_state(w, Path(out) / "ckpt")
+        metrics = steps(w, 2, 2)
+    else:
+        load_state(w, Path(out) / "ckpt")
+        metrics = steps(w, 2, 2)
+    torch.save({"metrics": metrics, "weights": w.full_weights()}, f"{out}/{phase}_{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_fsdp2_shards_resume_bit_for_bit(tmp_path):
+    """Each rank writes only its shards of the weights and of Adam's state (DCP), and reads them back."""
+    mp.spawn(_rank, args=(2, free_port(), str(tmp_path), "straight"), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, free_port(), str(tmp_path), "resumed"), nprocs=2, join=True)
+    for r in range(2):
+        a = torch.load(tmp_path / f"straight_{r}.pt", weights_only=False)
+        b = torch.load(tmp_path / f"resumed_{r}.pt", weights_only=False)
+        assert a["metrics"] == b["metrics"]
+        assert all(torch.equal(a["weights"][n], b["weights"][n]) for n in a["weights"])
+
+
+# ---------------------------------------------------------------- whole runs on Ray
+
+RUN = [
+    "run.progress=false",
+    "run.steps=4",
+    "run.val_every=2",
+    "run.save_every=2",
+    "rollout.batch_size=4",
+    "rollout.n=4",
+    "data.val_size=16",
+    "data.train_size=200",
+    "reward.num_workers=1",
+    "run.timeout_s=120",
+]
+
+
+class Crash(Exception):
+    pass
+
+
+def crash_after(step: int):
+    def on_step(loop):
+        if loop.version == step:
+            raise Crash(f"killed after step {step}")
+
+    return on_step
+
+
+def train(out, *overrides, on_step=None):
+    cfg = load_config(None, [*RUN, f"run.out_dir={out}", *overrides])
+    return run_training(cfg, on_step=on_step)
+
+
+def records(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
+    return [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
+
+
+def learning(run_dir: Path) -> dict[int, dict]:
+    """Each train step's metrics less wall-clock ones (timings, throughput, idle ratios)."""
+    steps = [r for r in records(run_dir) if "version" in r]
+    assert len({r["step"] for r in steps}) == len(steps), "a step logged twice"
+    drop = ("timing_s/", "perf/")
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(drop)} for r in steps}
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return dict(load_model(run_dir / "checkpoints" / "final").named_parameters())
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_sync_run_resumed_after_a_crash_ends_bit_for_bit_as_one_that_never_stopped(tmp_path):
+    train(tmp_path / "straight")
+    with pytest.raises(Crash):
+        train(tmp_path / "crashed", on_step=crash_after(3))
+    resumed_dir = tmp_path / "crashed" / "default"
+    assert (resumed_dir / "checkpoints" / "latest").read_text().strip() == "step_2"
+    train(tmp_path / "crashed", "run.resume=auto")
+    straight, resumed = learning(tmp_path / "straight" / "default"), learning(resumed_dir)
+    assert sorted(resumed) == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert resumed[step] == straight[step], step
+    a, b = final_weights(tmp_path / "straight" / "default"), final_weights(resumed_dir)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    vals = [r["step"] for r in records(resumed_dir) if "val/accuracy" in r]
+    assert vals == [0, 2, 4]  # validation at the checkpoint's step ran again, once
+    summary = json.loads((resumed_dir / "summary.json").read_text())
+    assert (
+        summary["val/accuracy_start"]
+        == json.loads((tmp_path / "straight/default/summary.json").read_text())["val/accuracy_start"]
+    )
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_an_async_run_resumed_after_a_crash_trains_every_group_exactly_once(tmp_path):
+    overrides = ["run.mode=async", "run.max_staleness=1", "rollout.chunk_groups=1", "run.keep_checkpoints=1"]
+    with pytest.raises(Crash):
+        train(tmp_path, *overrides, on_step=crash_after(3))
+    run_dir = tmp_path / "default"
+    saved = torch.load(run_dir / "checkpoints" / "step_2" / "driver.pt", weights_only=False)
+    train(tmp_path, *overrides, "run.resume=auto")
+    trained = [g for r in records(run_dir, "batches.jsonl") for g in r["groups"]]
+    assert sorted(trained) == list(range(16))  # 4 steps x 4 groups: none lost, none twice
+    assert all(r["staleness/max"] <= 1 for r in learning(run_dir).values())
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["final", "latest", "step_4"]
+    assert saved["buffer"]["started"] > 8  # groups were in flight at the checkpoint: they came back
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_resume_that_changes_the_batch_is_refused_before_anything_starts(tmp_path):
+    with pytest.raises(Crash):
+        train(tmp_path, "run.steps=2", on_step=crash_after(2))
+    with pytest.raises(TandemError, match=r"rollout.batch_size: 4 in the checkpoint, 8 now"):
+        train(tmp_path, "run.resume=auto", "rollout.batch_size=8")
