@@ -2,9 +2,11 @@
 and whole runs continue from a checkpoint after a crash (sync bit for bit; async every group once)."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 import torch.multiprocessing as mp
 from helpers import random_samples, tiny_model
@@ -179,3 +181,28 @@ def test_a_resume_that_changes_the_batch_is_refused_before_anything_starts(tmp_p
         train(tmp_path, "run.steps=2", on_step=crash_after(2))
     with pytest.raises(TandemError, match=r"rollout.batch_size: 4 in the checkpoint, 8 now"):
         train(tmp_path, "run.resume=auto", "rollout.batch_size=8")
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_killed_train_worker_stops_the_run_naming_it_and_resume_continues(tmp_path):
+    def kill_trainer(loop):
+        if loop.version == 3:
+            ray.kill(loop.cluster.trainers[0])
+
+    start = time.time()
+    with pytest.raises(TandemError, match=r"train/0 died .*step_2, with run.resume=auto"):
+        train(tmp_path, on_step=kill_trainer)
+    assert time.time() - start < 120  # well within run.timeout_s: the death is seen, not waited out
+    train(tmp_path, "run.resume=auto")
+    assert sorted(learning(tmp_path / "default")) == [1, 2, 3, 4]
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_killed_reward_actor_is_restarted_and_no_sample_is_lost(tmp_path):
+    def kill_reward(loop):
+        if loop.version == 2:
+            ray.kill(loop.cluster.reward, no_restart=False)
+
+    train(tmp_path, "run.mode=async", "run.max_staleness=1", "rollout.chunk_groups=1", on_step=kill_reward)
+    trained = [g for r in records(tmp_path / "default", "batches.jsonl") for g in r["groups"]]
+    assert sorted(trained) == list(range(16))

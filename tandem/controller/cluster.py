@@ -101,7 +101,8 @@ class Cluster:
             ref = RefActor.options(
                 num_cpus=s.cpus, num_gpus=s.gpus, scheduling_strategy=strategy[s.bundle]
             ).remote(cfg, s.threads)
-        reward = RewardActor.options(num_cpus=0).remote(cfg)
+        # A killed reward actor is restarted and the calls it held run again (scoring is pure).
+        reward = RewardActor.options(num_cpus=0, max_restarts=3, max_task_retries=3).remote(cfg)
         names = {
             "rollout": [f"rollout/{i}" for i in range(len(rollouts))],
             "train": [f"train/{i}" for i in range(len(trainers))],

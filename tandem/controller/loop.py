@@ -389,9 +389,7 @@ class Loop:
     def on_worker_died(self, call: Call, error: Exception) -> None:
         """A dead rollout worker is restarted by Ray: re-sync its weights, re-submit its prompts."""
         if not call.worker.startswith("rollout/") or TRANSPORTS.get(self.cfg.sync.transport).collective:
-            raise TandemError(
-                f"{call.worker} died during {call.kind} (version {call.version}): {error}"
-            ) from None
+            raise self.died(call.worker, f"during {call.kind} (version {call.version})", error)
         i = call.rank
         if call.kind == "sleep":
             self.slept(call)  # it frees nothing now, and wakes with its restart
@@ -407,11 +405,25 @@ class Loop:
         self.syncing[i] = True
         self.resync_tries[i] += 1
         if self.resync_tries[i] > 3:
-            raise TandemError(f"{call.worker} died and could not be restarted: {error}") from None
+            raise self.died(call.worker, "and could not be restarted", error)
         # Ray retries the call while the actor restarts (it answers "unavailable" until it is back).
         resync = self.cluster.rollouts[i].receive_weights.options(max_task_retries=-1)
         ref = resync.remote(self.last_handle, self.version)
         self.pending[ref] = Call("resync", call.worker, version=self.version, rank=i)
+
+    def died(self, worker: str, when: str, error: Exception) -> TandemError:
+        """The error that ends a run whose worker died: which one, and how to go on."""
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        why = ""
+        if worker.startswith("rollout/"):
+            why = " (with sync.transport=broadcast a restarted worker could not rejoin the weight broadcast)"
+        latest = self.checkpoints.latest()
+        then = (
+            f"Continue from the newest checkpoint, {latest}, with run.resume=auto."
+            if latest
+            else "No checkpoint was written yet (run.save_every=N writes one every N steps)."
+        )
+        return TandemError(f"{worker} died {when}{why}: {reason} {then}")
 
     # -- checkpoints and resume (docs/resume.md) ---------------------------------------------------
     def save(self, name: str) -> Path:
@@ -421,10 +433,18 @@ class Loop:
         tmp = self.checkpoints.begin(name)
         saves = [t.save.remote(str(tmp)) for t in self.cluster.trainers]
         streams = [r.rng_state.remote() for r in self.cluster.rollouts]
-        self.timeline.add(*ray.get(saves, timeout=self.cfg.run.timeout_s))
-        write_driver_state(tmp, {**self.state_dict(), "engine_rngs": self.engine_streams(streams)})
-        save_config(self.cfg, tmp / "config.yaml")
-        return self.checkpoints.commit(tmp, name)
+        try:
+            self.timeline.add(*ray.get(saves, timeout=self.cfg.run.timeout_s))
+            write_driver_state(tmp, {**self.state_dict(), "engine_rngs": self.engine_streams(streams)})
+            save_config(self.cfg, tmp / "config.yaml")
+            return self.checkpoints.commit(tmp, name)
+        except ray.exceptions.RayActorError as e:
+            raise self.died("a train worker", f"while saving {name}", e) from None
+        except (ray.exceptions.RayTaskError, OSError) as e:  # e.g. a full disk
+            raise TandemError(
+                f"Writing checkpoint {name} failed; the previous one ({self.checkpoints.latest()}) is "
+                f"intact: {e}"
+            ) from None
 
     def engine_streams(self, refs: list) -> list:
         out = []
