@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from tandem.algo import (
     ADV_ESTIMATORS,
+    CORRECTIONS,
     KL_ESTIMATORS,
     LOSS_AGGS,
     POLICY_LOSSES,
@@ -18,7 +19,9 @@ from tandem.algo import (
     masked_mean,
     masked_whiten,
 )
+from tandem.algo.corrections import apply_corrections
 from tandem.errors import TandemError
+from tandem.registry import OptionRegistry
 
 T = torch.tensor
 
@@ -76,9 +79,7 @@ def test_reinforce_plus_plus_baseline():
 @pytest.mark.parametrize("name", ADV_ESTIMATORS.names())
 def test_every_estimator_takes_the_same_call_and_zeroes_padding(name):
     mask = T([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]])
-    adv = ADV_ESTIMATORS.get(name)(
-        T([1, 0, 3, 2]), T([0, 0, 1, 1]), mask, norm_by_std=True, eps=1e-6, gamma=1.0, unused="x"
-    )
+    adv = ADV_ESTIMATORS.get(name)(T([1, 0, 3, 2]), T([0, 0, 1, 1]), mask, norm_by_std=True)
     assert adv.shape == (4, 3) and adv.dtype.is_floating_point
     assert torch.isfinite(adv).all() and (adv[mask == 0] == 0).all()
 
@@ -259,3 +260,81 @@ def test_expected_names_registered():
         "seq-mean-token-sum-norm",
         "token-mean",
     ]
+
+
+# --- options: the trainer's context may go unused, anything else must be declared ------------------
+
+_M = torch.ones(2, 3)
+# Each option registry's entries, called as the trainer calls them: positional tensors, then context.
+TRAINER_CALLS = [
+    (ADV_ESTIMATORS, (T([1.0, 0.0]), T([0, 0]), _M), {"norm_by_std": True}),
+    (POLICY_LOSSES, (-_M, -_M, _M, _M), {"clip_low": 0.2, "clip_high": 0.28, "clip_c": None}),
+    (LOSS_AGGS, (_M, _M), {"global_tokens": 6.0, "global_seqs": 2.0, "norm_len": 3.0}),
+    (CORRECTIONS, (-_M, -_M, -_M, _M, _M), {"cap": 2.0, "low": 0.5, "high": 2.0, "delta": 1e-4}),
+]
+
+
+@pytest.mark.parametrize(
+    "registry, args, context, name",
+    [pytest.param(r, a, c, n, id=n) for r, a, c in TRAINER_CALLS for n in r.names()],
+)
+def test_every_entry_takes_the_trainers_context(registry, args, context, name):
+    assert set(context) == registry.context
+    registry.get(name)(*args, **context)
+
+
+@pytest.mark.parametrize(
+    "registry, args, name, typo, pattern",
+    [
+        (
+            POLICY_LOSSES,
+            TRAINER_CALLS[1][1],
+            "ppo_clip",
+            {"clip_hgh": 0.3},
+            r"Policy loss 'ppo_clip' has no option 'clip_hgh'. Its options: clip_low, clip_high, clip_c\.",
+        ),
+        (POLICY_LOSSES, TRAINER_CALLS[1][1], "gspo", {"cliplow": 3e-4}, r"'gspo' has no option 'cliplow'"),
+        (
+            ADV_ESTIMATORS,
+            TRAINER_CALLS[0][1],
+            "grpo",
+            {"norm_by_sd": False},
+            r"Advantage estimator 'grpo' has no option 'norm_by_sd'. Its options: norm_by_std, eps",
+        ),
+        (
+            ADV_ESTIMATORS,
+            TRAINER_CALLS[0][1],
+            "rloo",
+            {"eps": 0.0},
+            r"'rloo' has no option 'eps'. Its options: none \(it also accepts and ignores norm_by_std\)",
+        ),
+        (LOSS_AGGS, TRAINER_CALLS[2][1], "token-mean", {"global_token": 6.0}, r"no option 'global_token'"),
+        (
+            CORRECTIONS,
+            TRAINER_CALLS[3][1],
+            "tis",
+            {"caps": 2.0},
+            r"Correction 'tis' has no option 'caps'.*cap",
+        ),
+    ],
+    ids=["ppo_clip", "gspo", "grpo", "rloo", "token-mean", "tis"],
+)
+def test_a_misspelled_option_is_an_error_naming_entry_option_and_valid_ones(
+    registry, args, name, typo, pattern
+):
+    with pytest.raises(TandemError, match=pattern):
+        registry.get(name)(*args, **typo)
+
+
+def test_misspelled_options_fail_through_the_combinators():
+    with pytest.raises(TandemError, match="'tis' has no option 'cap_'"):
+        apply_corrections(["tis"], -_M, -_M, -_M, _M, _M, cap_=2.0)
+
+
+def test_an_entry_taking_kwargs_is_refused_at_registration():
+    registry = OptionRegistry("thing", context=["a"])
+    with pytest.raises(ValueError, match=r"'loose' takes \*\*kwargs"):
+
+        @registry.register("loose")
+        def loose(x, **_):
+            return x

@@ -2,10 +2,11 @@
 
 Every estimator has one signature so the trainer can call any of them the same way:
 
-    fn(rewards (B,), group_ids (B,) long, mask (B, T), *, norm_by_std=True, eps=1e-6, **_) -> (B, T)
+    fn(rewards (B,), group_ids (B,) long, mask (B, T), *, options) -> (B, T)
 
-The result is 0 where mask == 0. Keyword arguments an estimator has no use for are accepted and
-ignored. Samples of one prompt share a group id; ids need not be contiguous or sorted.
+The result is 0 where mask == 0. Samples of one prompt share a group id; ids need not be contiguous
+or sorted. The trainer passes `norm_by_std` (algo.norm_by_std) to every estimator, as context that
+one without a use for it drops; any other option (`eps`) must be one the estimator declares.
 """
 
 from collections.abc import Callable
@@ -14,10 +15,10 @@ import torch
 from torch import Tensor
 
 from tandem.algo.masked import masked_whiten
-from tandem.registry import Registry
+from tandem.registry import OptionRegistry
 
 AdvantageFn = Callable[..., Tensor]
-ADV_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
+ADV_ESTIMATORS: OptionRegistry[AdvantageFn] = OptionRegistry("advantage estimator", context=["norm_by_std"])
 
 
 def _float_rewards(rewards: Tensor, group_ids: Tensor, mask: Tensor) -> Tensor:
@@ -57,7 +58,7 @@ def _to_tokens(per_seq: Tensor, mask: Tensor) -> Tensor:
 
 @ADV_ESTIMATORS.register("grpo")
 def grpo_advantages(
-    rewards: Tensor, group_ids: Tensor, mask: Tensor, *, norm_by_std: bool = True, eps: float = 1e-6, **_
+    rewards: Tensor, group_ids: Tensor, mask: Tensor, *, norm_by_std: bool = True, eps: float = 1e-6
 ) -> Tensor:
     """rewards (B,), group_ids (B,), mask (B, T) -> (B, T).
 
@@ -73,7 +74,7 @@ def grpo_advantages(
 
 
 @ADV_ESTIMATORS.register("drgrpo")
-def drgrpo_advantages(rewards: Tensor, group_ids: Tensor, mask: Tensor, *, eps: float = 1e-6, **_) -> Tensor:
+def drgrpo_advantages(rewards: Tensor, group_ids: Tensor, mask: Tensor, *, eps: float = 1e-6) -> Tensor:
     """rewards (B,), group_ids (B,), mask (B, T) -> (B, T). A_i = r_i - mean_g (Dr. GRPO).
 
     Ignores norm_by_std: dividing by std is exactly the bias Dr. GRPO removes.
@@ -82,7 +83,7 @@ def drgrpo_advantages(rewards: Tensor, group_ids: Tensor, mask: Tensor, *, eps: 
 
 
 @ADV_ESTIMATORS.register("rloo")
-def rloo_advantages(rewards: Tensor, group_ids: Tensor, mask: Tensor, **_) -> Tensor:
+def rloo_advantages(rewards: Tensor, group_ids: Tensor, mask: Tensor) -> Tensor:
     """rewards (B,), group_ids (B,), mask (B, T) -> (B, T).
 
     A_i = r_i - mean_{j != i in g} r_j = n_g / (n_g - 1) · (r_i - mean_g); a group of one gets 0.
@@ -95,7 +96,7 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor, mask: Tensor, **_) -> Te
 
 @ADV_ESTIMATORS.register("reinforce_plus_plus")
 def reinforce_plus_plus_advantages(
-    rewards: Tensor, group_ids: Tensor, mask: Tensor, *, eps: float = 1e-6, **_
+    rewards: Tensor, group_ids: Tensor, mask: Tensor, *, eps: float = 1e-6
 ) -> Tensor:
     """rewards (B,), group_ids (B,), mask (B, T) -> (B, T).
 
@@ -109,7 +110,7 @@ def reinforce_plus_plus_advantages(
 
 @ADV_ESTIMATORS.register("reinforce_plus_plus_baseline")
 def reinforce_plus_plus_baseline_advantages(
-    rewards: Tensor, group_ids: Tensor, mask: Tensor, *, eps: float = 1e-6, **_
+    rewards: Tensor, group_ids: Tensor, mask: Tensor, *, eps: float = 1e-6
 ) -> Tensor:
     """rewards (B,), group_ids (B,), mask (B, T) -> (B, T).
 

@@ -7,7 +7,8 @@ own batch. A sequence counts only if it has at least one masked token: a row wit
 a response whose every token is masked out) contributes nothing and must not dilute the mean.
 
 Every mode: fn(loss_mat (B, T), mask (B, T), *, global_tokens=None, global_seqs=None,
-norm_len=None) -> scalar. Counts below 1 count as 1, so an empty batch gives 0, not nan.
+norm_len=None) -> scalar. Counts below 1 count as 1, so an empty batch gives 0, not nan. The three
+counts are context the trainer passes to every mode; a mode drops the ones it does not divide by.
 """
 
 from collections.abc import Callable
@@ -16,10 +17,12 @@ import torch
 from torch import Tensor
 
 from tandem.algo.masked import masked_mean, masked_sum
-from tandem.registry import Registry
+from tandem.registry import OptionRegistry
 
 AggFn = Callable[..., Tensor]
-LOSS_AGGS: Registry[AggFn] = Registry("loss aggregation")
+LOSS_AGGS: OptionRegistry[AggFn] = OptionRegistry(
+    "loss aggregation", context=["global_tokens", "global_seqs", "norm_len"]
+)
 
 
 def _count(given: float | Tensor | None, local: Tensor | int, like: Tensor) -> Tensor:
@@ -34,14 +37,14 @@ def active_seqs(mask: Tensor) -> Tensor:
 
 
 @LOSS_AGGS.register("token-mean")
-def token_mean(loss_mat: Tensor, mask: Tensor, *, global_tokens: float | Tensor | None = None, **_) -> Tensor:
+def token_mean(loss_mat: Tensor, mask: Tensor, *, global_tokens: float | Tensor | None = None) -> Tensor:
     """loss_mat, mask (B, T) -> scalar. sum(loss · mask) / global_tokens (default: mask.sum())."""
     return masked_sum(loss_mat, mask) / _count(global_tokens, mask.bool().sum(), loss_mat)
 
 
 @LOSS_AGGS.register("seq-mean-token-sum")
 def seq_mean_token_sum(
-    loss_mat: Tensor, mask: Tensor, *, global_seqs: float | Tensor | None = None, **_
+    loss_mat: Tensor, mask: Tensor, *, global_seqs: float | Tensor | None = None
 ) -> Tensor:
     """loss_mat, mask (B, T) -> scalar. sum_i sum_t (loss · mask) / global_seqs (default: active rows)."""
     return masked_sum(loss_mat, mask) / _count(global_seqs, active_seqs(mask), loss_mat)
@@ -49,7 +52,7 @@ def seq_mean_token_sum(
 
 @LOSS_AGGS.register("seq-mean-token-mean")
 def seq_mean_token_mean(
-    loss_mat: Tensor, mask: Tensor, *, global_seqs: float | Tensor | None = None, **_
+    loss_mat: Tensor, mask: Tensor, *, global_seqs: float | Tensor | None = None
 ) -> Tensor:
     """loss_mat, mask (B, T) -> scalar. sum_i (sum_t loss · mask / max(len_i, 1)) / global_seqs."""
     per_seq = masked_mean(loss_mat, mask, dim=-1)  # (B,), 0 for rows with no masked token
@@ -63,7 +66,6 @@ def seq_mean_token_sum_norm(
     *,
     global_seqs: float | Tensor | None = None,
     norm_len: float | None = None,
-    **_,
 ) -> Tensor:
     """loss_mat, mask (B, T) -> scalar. sum(loss · mask) / (global_seqs · norm_len) (Dr. GRPO).
 

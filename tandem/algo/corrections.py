@@ -13,10 +13,11 @@ correct for that. Every entry has one signature, so the trainer can chain any of
 mask is 0. The returned mask is the input mask less the tokens the entry rejects; the trainer
 aggregates the pg loss over it, so rejected tokens leave the loss's denominator too. Metrics are
 shares of the input mask's tokens (for a sequence-level entry: of the tokens in the sequences it
-hit), so they add up across micro-batches as token-weighted means. Options: cap
-(algo.correction_cap), low and high (algo.mis_low, algo.mis_high), delta (algo.opsm_delta); an
-entry ignores the ones it has no use for. Rows are whole sequences, so sequence-level entries give
-the same result on any split of a batch into rows.
+hit), so they add up across micro-batches as token-weighted means. The trainer passes every entry
+the same context: cap (algo.correction_cap), low and high (algo.mis_low, algo.mis_high), delta
+(algo.opsm_delta); an entry drops the ones it has no use for, and any other keyword is an error.
+Rows are whole sequences, so sequence-level entries give the same result on any split of a batch
+into rows.
 """
 
 import math
@@ -27,10 +28,12 @@ from torch import Tensor
 
 from tandem.algo.kl import kl_k3
 from tandem.algo.masked import masked_mean
-from tandem.registry import Registry
+from tandem.registry import OptionRegistry
 
 CorrectionFn = Callable[..., tuple[Tensor, Tensor, dict[str, float]]]
-CORRECTIONS: Registry[CorrectionFn] = Registry("correction")
+CORRECTIONS: OptionRegistry[CorrectionFn] = OptionRegistry(
+    "correction", context=["cap", "low", "high", "delta"]
+)
 
 # Entries that weight by π_old/μ (or π_prox/μ). Two of them would apply that ratio twice.
 IMPORTANCE_WEIGHTS = ("decoupled", "icepop", "mis", "seq_mask_tis", "seq_tis", "tis")
@@ -74,7 +77,6 @@ def tis_correction(
     mask: Tensor,
     *,
     cap: float | None = 2.0,
-    **_,
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
     """Token TIS (truncated importance sampling), all (B, T). w_t = min(π_old/μ, C); mask unchanged.
 
@@ -94,7 +96,6 @@ def seq_tis_correction(
     mask: Tensor,
     *,
     cap: float | None = 2.0,
-    **_,
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
     """Sequence TIS, all (B, T). w_i = min(prod_t π_old/μ, C) on every token of sequence i.
 
@@ -120,7 +121,6 @@ def mis_correction(
     *,
     low: float = 0.5,
     high: float = 2.0,
-    **_,
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
     """Token MIS (masked importance sampling; IcePop), all (B, T). w_t = r_t · 1[low <= r_t <= high].
 
@@ -146,7 +146,6 @@ def seq_mask_tis_correction(
     cap: float | None = 2.0,
     low: float = 0.5,
     high: float = 2.0,
-    **_,
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
     """Geometric-mean sequence mask + token TIS, all (B, T). Follows verl's "geo RS + token TIS".
 
@@ -179,7 +178,6 @@ def opsm_correction(
     mask: Tensor,
     *,
     delta: float = 1e-4,
-    **_,
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
     """Off-Policy Sequence Masking (DeepSeek-V3.2), all (B, T). Weight 1 on the tokens kept.
 
@@ -207,7 +205,6 @@ def decoupled_correction(
     mask: Tensor,
     *,
     cap: float | None = 2.0,
-    **_,
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
     """AReaL's decoupled PPO behaviour weight, all (B, T). w_t = min(π_prox/μ, C); mask unchanged.
 
@@ -222,7 +219,7 @@ def decoupled_correction(
 
 @CORRECTIONS.register("bypass")
 def bypass_correction(
-    logp: Tensor, old_logp: Tensor, behaviour_logp: Tensor, advantages: Tensor, mask: Tensor, **_
+    logp: Tensor, old_logp: Tensor, behaviour_logp: Tensor, advantages: Tensor, mask: Tensor
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
     """Bypass, all (B, T): the trainer uses μ as π_old and skips its recompute forward pass.
 

@@ -2,9 +2,11 @@
 
 Every loss has one signature so the trainer can call any of them the same way:
 
-    fn(logp, old_logp, advantages, mask (all B, T), **options) -> (loss (B, T), {name: (B, T)})
+    fn(logp, old_logp, advantages, mask (all B, T), *, options) -> (loss (B, T), {name: (B, T)})
 
-Losses and diagnostics are 0 where mask == 0; reduce the loss with `tandem.algo.aggregate`.
+Losses and diagnostics are 0 where mask == 0; reduce the loss with `tandem.algo.aggregate`. The
+trainer passes the trust region (clip_low, clip_high, clip_c) to every loss, as context that a loss
+without one drops; any other option must be one the loss declares.
 """
 
 from collections.abc import Callable
@@ -13,10 +15,12 @@ import torch
 from torch import Tensor
 
 from tandem.algo.masked import masked_mean
-from tandem.registry import Registry
+from tandem.registry import OptionRegistry
 
 PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
-POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+POLICY_LOSSES: OptionRegistry[PolicyLossFn] = OptionRegistry(
+    "policy loss", context=["clip_low", "clip_high", "clip_c"]
+)
 
 
 def _check_clip(clip_low: float, clip_high: float, clip_c: float | None) -> None:
@@ -40,7 +44,6 @@ def ppo_clip_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     clip_c: float | None = None,
-    **_,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """logp, old_logp, advantages, mask (B, T) -> loss (B, T), diagnostics {name: (B, T)}.
 
@@ -96,7 +99,6 @@ def gspo_loss(
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
     clip_c: float | None = None,
-    **_,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """logp, old_logp, advantages, mask (B, T) -> loss (B, T), diagnostics {name: (B, T)}.
 
