@@ -215,6 +215,55 @@ def test_gspo_ignores_garbage_padding():
     assert torch.isfinite(logp.grad).all()
 
 
+@pytest.mark.parametrize("log_ratio", [-25.0, -3.0, 0.1, 3.0, 19.0, 25.0])
+@pytest.mark.parametrize("adv", [1.0, -1.0])
+def test_gspo_on_one_token_sequences_is_ppo_clip_in_value_and_gradient(log_ratio, adv):
+    """A one-token sequence's ratio is its token's, so the two losses must agree, beyond the ±20
+    clamp too: there ppo_clip's clamp passes no gradient, and neither may GSPO's."""
+    old = T([[-30.0]])
+    out = {}
+    for name in ("ppo_clip", "gspo"):
+        logp = (old + log_ratio).requires_grad_()
+        loss, _ = POLICY_LOSSES.get(name)(
+            logp, old, T([[adv]]), torch.ones(1, 1), clip_low=0.2, clip_high=0.28
+        )
+        loss.sum().backward()
+        out[name] = (loss.detach(), logp.grad)
+    torch.testing.assert_close(out["gspo"], out["ppo_clip"], rtol=1e-6, atol=0)
+
+
+def test_gspo_sequence_beyond_the_clamp_gets_no_gradient():
+    old = T([[-1.0, -2.0, -3.0], [-1.0, -2.0, -3.0]])
+    # row 0: mean log-ratio 30 (> 20, clamped); row 1: 0.5, inside. A < 0, so neither is clipped.
+    logp = (old + T([[20.0, 40.0, 30.0], [0.5, 0.5, 0.5]])).requires_grad_()
+    loss, _ = POLICY_LOSSES.get("gspo")(logp, old, -torch.ones(2, 3), torch.ones(2, 3))
+    close(loss[0], [math.exp(20.0)] * 3, atol=1e-3 * math.exp(20.0))  # the clamped value
+    loss.sum().backward()
+    close(logp.grad, [[0.0, 0.0, 0.0], [math.exp(0.5)] * 3])
+
+
+@pytest.mark.parametrize(
+    "overrides, low, high",
+    [
+        (["algo.policy_loss=gspo"], 3e-4, 4e-4),
+        (["algo.policy_loss=gspo", "algo.clip_low=0.001"], 0.001, 4e-4),
+        (["algo.policy_loss=gspo", "algo.clip_high=0.2"], 3e-4, 0.2),
+        (["algo.clip_high=0.2", "algo.policy_loss=gspo"], 3e-4, 0.2),
+        (["algo.policy_loss=ppo_clip"], 0.2, 0.28),
+        ([], 0.2, 0.28),
+    ],
+)
+def test_gspo_brings_its_own_clip_range_unless_one_is_set(overrides, low, high):
+    algo = load_config(None, overrides).algo
+    assert (algo.clip_low, algo.clip_high) == (low, high)
+
+
+def test_gspo_clip_range_set_in_a_recipe_is_kept(tmp_path):
+    (tmp_path / "r.yaml").write_text("algo:\n  policy_loss: gspo\n  clip_high: 0.01\n")
+    algo = load_config(tmp_path / "r.yaml").algo
+    assert (algo.clip_low, algo.clip_high) == (3e-4, 0.01)
+
+
 # --- config -----------------------------------------------------------------------------------------
 
 

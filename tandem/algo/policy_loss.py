@@ -23,6 +23,17 @@ POLICY_LOSSES: OptionRegistry[PolicyLossFn] = OptionRegistry(
 )
 
 
+# GSPO's own clip range (the paper's): a geometric mean of token ratios stays far closer to 1 than one
+# token's ratio, so ppo_clip's 0.2 / 0.28 would clip nothing.
+GSPO_CLIP_LOW, GSPO_CLIP_HIGH = 3e-4, 4e-4
+# The algo.* defaults a policy loss brings with it: the config loader applies them where neither the
+# recipe nor an override set the key (docs/config.md, `algo`).
+CONFIG_DEFAULTS: dict[str, dict[str, float]] = {
+    "gspo": {"clip_low": GSPO_CLIP_LOW, "clip_high": GSPO_CLIP_HIGH},
+}
+_LOG_CLAMP = 20.0  # one far-off logprob must not overflow exp() and turn the batch to inf/nan
+
+
 def _check_clip(clip_low: float, clip_high: float, clip_c: float | None) -> None:
     if not 0 <= clip_low < 1:
         raise ValueError(
@@ -54,8 +65,8 @@ def ppo_clip_loss(
     the dual-clip bound was, "ppo_kl" = old_logp - logp.
     """
     _check_clip(clip_low, clip_high, clip_c)
-    # Clamped as verl does: one far-off logprob must not overflow exp() and turn the batch to inf/nan.
-    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
+    # Clamped as verl does; where the clamp acts the token gets no gradient (clamp's derivative is 0).
+    ratio = torch.exp((logp - old_logp).clamp(-_LOG_CLAMP, _LOG_CLAMP))
     return _clipped_surrogate(ratio, logp, old_logp, advantages, mask, clip_low, clip_high, clip_c)
 
 
@@ -96,8 +107,8 @@ def gspo_loss(
     advantages: Tensor,
     mask: Tensor,
     *,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
+    clip_low: float = GSPO_CLIP_LOW,
+    clip_high: float = GSPO_CLIP_HIGH,
     clip_c: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """logp, old_logp, advantages, mask (B, T) -> loss (B, T), diagnostics {name: (B, T)}.
@@ -109,14 +120,18 @@ def gspo_loss(
     loss    = max(-A·s_{i,t}, -A·clip(s_{i,t}, 1 - clip_low, 1 + clip_high)), dual clip as ppo_clip
     Every token of a sequence shares one ratio, so the clip keeps or drops whole sequences. A
     geometric mean of per-token ratios stays far closer to 1 than a token ratio, so GSPO clips far
-    tighter: the paper uses clip_low = 3e-4, clip_high = 4e-4 (the defaults here; the trainer passes
-    algo.clip_low / algo.clip_high, so set those) and averages per sequence (seq-mean-token-mean).
+    tighter: the paper uses clip_low = 3e-4, clip_high = 4e-4 (the defaults here, and algo.clip_low /
+    algo.clip_high's with policy_loss=gspo) and averages per sequence (seq-mean-token-mean).
+    log s_i is clamped to ±20 as ppo_clip's token log-ratio is, and like that clamp it stops the
+    gradient: a sequence the clamp acted on contributes its clamped value and no gradient.
     Diagnostics as ppo_clip; "ppo_kl" stays per token.
     """
     _check_clip(clip_low, clip_high, clip_c)
     keep = mask.bool()
-    seq_log_ratio = masked_mean(logp - old_logp, keep, dim=-1).detach().clamp(-20.0, 20.0)  # (B,)
+    raw = masked_mean(logp - old_logp, keep, dim=-1).detach()  # (B,)
+    seq_log_ratio = raw.clamp(-_LOG_CLAMP, _LOG_CLAMP)
+    unclamped = (raw == seq_log_ratio)[:, None]  # (B, 1)
     # where() before exp(): garbage logprobs in the padding never reach the value or the gradient.
-    token_part = torch.where(keep, logp - logp.detach(), 0.0)  # 0 in value, ∇logp in gradient
+    token_part = torch.where(keep & unclamped, logp - logp.detach(), 0.0)  # 0 in value, ∇logp in gradient
     ratio = torch.exp(seq_log_ratio[:, None] + token_part)
     return _clipped_surrogate(ratio, logp, old_logp, advantages, mask, clip_low, clip_high, clip_c)

@@ -38,10 +38,22 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
                 raise TandemError(f"Override {item!r}: {part!r} is a value, not a section.")
         node[leaf] = yaml.safe_load(raw) if raw.strip() else ""
     cfg = _build(Config, tree, "")
+    _apply_loss_defaults(cfg, tree.get("algo"))
     from tandem.config.validate import validate
 
     validate(cfg)
     return cfg
+
+
+def _apply_loss_defaults(cfg: Config, algo_tree: Any) -> None:
+    """The chosen policy loss's own defaults for algo keys (gspo: its clip range) where neither the
+    recipe nor an override set them. The schema's are ppo_clip's; only the loader knows what was set."""
+    from tandem.algo.policy_loss import CONFIG_DEFAULTS
+
+    given = algo_tree if isinstance(algo_tree, dict) else {}
+    for key, value in CONFIG_DEFAULTS.get(cfg.algo.policy_loss, {}).items():
+        if key not in given:
+            setattr(cfg.algo, key, value)
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
