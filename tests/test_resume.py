@@ -2,6 +2,8 @@
 and whole runs continue from a checkpoint after a crash (sync bit for bit; async every group once)."""
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -11,8 +13,10 @@ import torch
 import torch.multiprocessing as mp
 from helpers import random_samples, tiny_model
 
+from tandem.cli.main import main
 from tandem.config import AlgoConfig, TrainConfig, load_config
 from tandem.controller import run_training
+from tandem.controller.loop import Stopped
 from tandem.errors import TandemError
 from tandem.model import load_model
 from tandem.sync import free_port, init_world
@@ -206,3 +210,28 @@ def test_a_killed_reward_actor_is_restarted_and_no_sample_is_lost(tmp_path):
     train(tmp_path, "run.mode=async", "run.max_staleness=1", "rollout.chunk_groups=1", on_step=kill_reward)
     trained = [g for r in records(tmp_path / "default", "batches.jsonl") for g in r["groups"]]
     assert sorted(trained) == list(range(16))
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_sigterm_saves_at_the_step_boundary_and_resume_finishes_the_run(tmp_path):
+    def terminate(loop):
+        if loop.version == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Stopped) as stopped:
+        train(tmp_path, "run.save_every=0", on_step=terminate)
+    assert stopped.value.version == 1 and stopped.value.checkpoint.name == "step_1"
+    assert signal.getsignal(signal.SIGTERM) is before  # the run's handler is gone again
+    train(tmp_path, "run.save_every=0", "run.resume=auto")
+    assert sorted(learning(tmp_path / "default")) == [1, 2, 3, 4]
+
+
+def test_a_stopped_train_says_how_to_continue_and_exits_as_a_shell_would(monkeypatch, capsys, tmp_path):
+    def stopped(cfg, on_step=None):
+        raise Stopped("SIGINT", 7, tmp_path / "step_7")
+
+    monkeypatch.setattr("tandem.controller.run_training", stopped)
+    assert main(["train", "run.steps=9", "run.resume=/old"]) == 130
+    out = capsys.readouterr().out
+    assert "after step 7" in out and "continue with: tandem train run.steps=9 run.resume=auto" in out

@@ -10,6 +10,8 @@ computes exactly what it would have computed without the interruption.
 """
 
 import random
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +44,13 @@ def save_state(worker, path: Path) -> None:
     its shards) and `path/trainer/rank_<r>.pt` (the rest of this rank's state)."""
     model_sd, optim_sd = get_state_dict(worker.model, [worker.optimizer])
     group = worker.dp_group
-    dcp.save(
-        {"model": model_sd, "optim": optim_sd},
-        checkpoint_id=path / SHARDS,
-        process_group=group,
-        no_dist=group is None,
-    )
+    with _one_process_is_fine():
+        dcp.save(
+            {"model": model_sd, "optim": optim_sd},
+            checkpoint_id=path / SHARDS,
+            process_group=group,
+            no_dist=group is None,
+        )
     own = {
         "version": worker.version,
         "skipped_steps": worker.skipped_steps,
@@ -63,7 +66,8 @@ def load_state(worker, path: Path) -> None:
     model_sd, optim_sd = get_state_dict(worker.model, [worker.optimizer])
     state = {"model": model_sd, "optim": optim_sd}
     group = worker.dp_group
-    dcp.load(state, checkpoint_id=path / SHARDS, process_group=group, no_dist=group is None)
+    with _one_process_is_fine():
+        dcp.load(state, checkpoint_id=path / SHARDS, process_group=group, no_dist=group is None)
     set_state_dict(
         worker.model, [worker.optimizer], model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
@@ -77,3 +81,11 @@ def load_state(worker, path: Path) -> None:
     worker.scheduler.load_state_dict(own["scheduler"])
     worker.generator.set_state(own["generator"])
     set_rng_states(own["rng"])
+
+
+@contextmanager
+def _one_process_is_fine():
+    """DCP warns that it assumes one process when no process group exists: here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
