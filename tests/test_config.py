@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from tandem.config import Config, load_config, save_config
+from tandem.config.verl import VERL_KEYS
 from tandem.errors import TandemError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,3 +80,49 @@ def test_bad_recipe_files(tmp_path):
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump({"rollout": {"temperature": "hot"}}))
     with pytest.raises(TandemError, match="'rollout.temperature' must be a number"):
         load_config(tmp_path / "bad.yaml")
+
+
+# --- keys written as for verl -----------------------------------------------------------------------
+
+
+def _tandem_keys() -> set[str]:
+    """Every section.key of the config tree."""
+    return {f"{section}.{key}" for section, values in asdict(Config()).items() for key in values}
+
+
+# Keys the resume work of issue 12 adds to run; the table maps verl's resume keys to them already.
+COMING = {"run.resume", "run.keep_checkpoints"}
+
+
+def test_the_verl_table_maps_to_tandem_keys_and_shadows_none():
+    ours = _tandem_keys()
+    assert len(VERL_KEYS) >= 25
+    assert not set(VERL_KEYS) & ours
+    assert {t for t, _ in VERL_KEYS.values() if t} - ours <= COMING
+
+
+@pytest.mark.parametrize("key", sorted(VERL_KEYS))
+def test_a_verl_key_names_tandems_equivalent(key):
+    target, _ = VERL_KEYS[key]
+    expected = f"tandem's equivalent is '{target}'" if target else "tandem has no equivalent: "
+    with pytest.raises(TandemError, match=rf"Config '{key}' is verl's.*{expected}"):
+        load_config(None, [f"{key}=1"])
+
+
+def test_verl_keys_in_a_recipe_and_under_verl_sections(tmp_path):
+    (tmp_path / "verl.yaml").write_text("actor_rollout_ref:\n  actor:\n    optim:\n      lr: 1.0e-6\n")
+    with pytest.raises(TandemError, match="'actor_rollout_ref.actor.optim.lr' is verl's.*'train.lr'"):
+        load_config(tmp_path / "verl.yaml")
+    with pytest.raises(TandemError, match=r"'critic.model.path' is a verl key.*no critic"):
+        load_config(None, ["critic.model.path=x"])
+    with pytest.raises(
+        TandemError, match=r"'\+trainer.val_before_train' is verl's; tandem has no equivalent"
+    ):
+        load_config(None, ["+trainer.val_before_train=false"])
+
+
+def test_docs_show_the_verl_table():
+    docs = (ROOT / "docs" / "config.md").read_text()
+    section = docs[docs.index("## Coming from verl") :]
+    for key, (target, _) in VERL_KEYS.items():
+        assert f"| `{key}` | {f'`{target}`' if target else '—'} |" in section, key

@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 from tandem.config.schema import Config
+from tandem.config.verl import verl_key_error
 from tandem.errors import TandemError
 
 TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
@@ -37,12 +38,26 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
             if not isinstance(node, dict):
                 raise TandemError(f"Override {item!r}: {part!r} is a value, not a section.")
         node[leaf] = yaml.safe_load(raw) if raw.strip() else ""
+    for key in _leaf_keys(tree):
+        if message := verl_key_error(key):
+            raise TandemError(message)
     cfg = _build(Config, tree, "")
     _apply_loss_defaults(cfg, tree.get("algo"))
     from tandem.config.validate import validate
 
     validate(cfg)
     return cfg
+
+
+def _leaf_keys(tree: dict[str, Any], prefix: str = "") -> list[str]:
+    """Every dotted key of the tree that holds a value, e.g. ["rollout.n", "algo.clip_low"]."""
+    keys = []
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            keys += _leaf_keys(value, f"{prefix}{key}.")
+        else:
+            keys.append(f"{prefix}{key}")
+    return keys
 
 
 def _apply_loss_defaults(cfg: Config, algo_tree: Any) -> None:
