@@ -224,6 +224,27 @@ def test_scaled_rope_matches_transformers_beyond_the_original_length(case, tmp_p
         torch.testing.assert_close(back(input_ids=ids, position_ids=positions).logits, got, atol=1e-4, rtol=0)
 
 
+def test_dynamic_rope_matches_transformers_within_the_context_and_refuses_past_it(tmp_path):
+    """Dynamic NTK changes nothing up to max_position_embeddings (tandem's whole context): logits
+    equal transformers' at the last positions of it; a forward past it is refused, since there the
+    frequencies would depend on the batch."""
+    SCALINGS["llama-dynamic"] = ("llama", {"rope_type": "dynamic", "factor": 4.0})
+    try:
+        hf = write_scaled_hf("llama-dynamic", tmp_path)
+    finally:
+        del SCALINGS["llama-dynamic"]
+    model = load_model(tmp_path).eval()
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, 12))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad():
+        for positions in (torch.arange(LONG - 12, LONG), torch.linspace(0, LONG - 1, 12).long()):
+            positions = positions.expand(2, -1)
+            expected = hf(input_ids=ids, position_ids=positions).logits
+            torch.testing.assert_close(model(ids, positions, mask), expected, atol=1e-4, rtol=0)
+        with pytest.raises(ValueError, match=r"within max_position_embeddings=256.*position 256"):
+            model(ids, torch.arange(LONG - 11, LONG + 1).expand(2, -1), mask)
+
+
 def test_old_rope_scaling_spelling_loads(tmp_path):
     """Checkpoints saved by transformers<5 (Qwen2.5 long-context, Llama 3.1) spell it
     `rope_scaling` with `type`, rope_theta at the top level."""
@@ -247,7 +268,7 @@ def test_old_rope_scaling_spelling_loads(tmp_path):
 @pytest.mark.parametrize(
     "rope, message",
     [
-        ({"rope_type": "dynamic", "factor": 2.0}, r"rope_type 'dynamic' is not supported: .*batch"),
+        ({"rope_type": "dynamic"}, r"rope_type 'dynamic' needs factor"),
         ({"rope_type": "longrope", "short_factor": [1.0]}, r"rope_type 'longrope' is not supported.*llama3"),
         (
             {"rope_type": "made-up"},

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from tandem.model.config import ModelConfig
 from tandem.model.kv_cache import KVCache
 from tandem.model.logprobs import Targets, score_tokens
-from tandem.model.rope import apply_rope, rope_table
+from tandem.model.rope import apply_rope, check_positions, rope_table
 from tandem.model.segments import Segments
 
 
@@ -188,6 +188,7 @@ class CausalLM(nn.Module):
             needed = int(positions.max()) + 1
             table = self._rope
             if table is None or table[0].device != positions.device or table[0].shape[0] < needed:
+                check_positions(self.cfg, needed)
                 size = max(self.cfg.max_position_embeddings, needed)  # RoPE itself has no length limit
                 self._rope = rope_table(self.cfg, size, positions.device)
         cos, sin = self._rope

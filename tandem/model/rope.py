@@ -21,14 +21,10 @@ if TYPE_CHECKING:
 InvFreq = Callable[["ModelConfig", torch.device], tuple[Tensor, float]]
 ROPE_TYPES: dict[str, InvFreq] = {}
 REQUIRED_KEYS: dict[str, tuple[str, ...]] = {}
-REFUSED = {
-    # The NTK base grows with the longest position in the forward (and, in transformers, with the
-    # longest one any earlier forward saw), so a token's logprob would depend on its batch: the
-    # engine's and the trainer's logprobs of one sequence would disagree, and a KV cache would hold
-    # keys rotated under frequencies the next step no longer uses.
-    "dynamic": "its frequencies depend on the longest sequence in each forward, so a token's "
-    "logprob would depend on which batch it is in (engine and trainer would disagree)",
-}
+REFUSED: dict[str, str] = {}
+# Rope types whose frequencies are the plain ones up to max_position_embeddings and depend on the
+# forward's longest position past it: the decoder refuses positions past it (`check_positions`).
+WITHIN_CONTEXT_ONLY = {"dynamic"}
 
 
 def register(name: str, *required: str) -> Callable[[InvFreq], InvFreq]:
@@ -130,6 +126,28 @@ def _yarn(cfg: "ModelConfig", device: torch.device) -> tuple[Tensor, float]:
     keep = 1 - ramp  # 1: keep the original frequency, 0: interpolate
     inv_freq = (1.0 / (factor * wavelength)) * (1 - keep) + (1.0 / wavelength) * keep
     return inv_freq, attention
+
+
+@register("dynamic", "factor")
+def _dynamic(cfg: "ModelConfig", device: torch.device) -> tuple[Tensor, float]:
+    """Dynamic NTK: base' = base · (factor · L / C − (factor − 1))^(D / (D − 2)) with L the longest
+    position of the forward and C = max_position_embeddings, L taken as C when shorter. Up to C the
+    base is unchanged, so these are the plain frequencies; past C they would change with the
+    longest sequence of each forward (in transformers, of any earlier one too) and a token's
+    logprob would depend on its batch, so the decoder refuses positions past C for this type.
+    """
+    return _default(cfg, device)
+
+
+def check_positions(cfg: "ModelConfig", needed: int) -> None:
+    """ValueError when a forward needs positions the rope type computes only within the context."""
+    rope_type = (cfg.rope_scaling or {}).get("rope_type", "default")
+    if rope_type in WITHIN_CONTEXT_ONLY and needed > cfg.max_position_embeddings:
+        raise ValueError(
+            f"rope_type {rope_type!r} is computed exactly only within max_position_embeddings="
+            f"{cfg.max_position_embeddings}; this forward reaches position {needed - 1}. Past it the "
+            "frequencies would depend on the batch's longest sequence."
+        )
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
