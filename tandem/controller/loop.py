@@ -434,12 +434,14 @@ class Loop:
         saves = [t.save.remote(str(tmp)) for t in self.cluster.trainers]
         streams = [r.rng_state.remote() for r in self.cluster.rollouts]
         try:
-            self.timeline.add(*ray.get(saves, timeout=self.cfg.run.timeout_s))
+            for rank, ref in enumerate(saves):
+                try:
+                    self.timeline.add(ray.get(ref, timeout=self.cfg.run.timeout_s))
+                except ray.exceptions.RayActorError as e:
+                    raise self.died(f"train/{rank}", f"while saving {name}", e) from None
             write_driver_state(tmp, {**self.state_dict(), "engine_rngs": self.engine_streams(streams)})
             save_config(self.cfg, tmp / "config.yaml")
             return self.checkpoints.commit(tmp, name)
-        except ray.exceptions.RayActorError as e:
-            raise self.died("a train worker", f"while saving {name}", e) from None
         except (ray.exceptions.RayTaskError, OSError) as e:  # e.g. a full disk
             raise TandemError(
                 f"Writing checkpoint {name} failed; the previous one ({self.checkpoints.latest()}) is "
