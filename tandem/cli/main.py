@@ -1,17 +1,57 @@
 """`tandem train | sft | eval | generate | data make` — the command line.
 
-A TandemError (bad config, bad data, unknown name) prints as one paragraph and exits with 2;
-anything else is a bug and keeps its traceback. `tandem train` stopped by SIGINT / SIGTERM saves a
+A TandemError (bad config, bad data, unknown name, a bad flag) prints as one paragraph and exits
+with 2, as does a file-system error about a path; anything else is a bug and keeps its traceback. `tandem train` stopped by SIGINT / SIGTERM saves a
 checkpoint, prints how to resume and exits with 130 / 143, as a shell reports those signals.
 """
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import signal
 import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from tandem.errors import TandemError
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with its errors as TandemErrors: one paragraph naming the flag, exit 2, like the rest."""
+
+    def error(self, message: str):  # argparse's own prints the usage and exits
+        raise TandemError(f"{self.prog}: {message}. See `{self.prog} --help`.")
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= low (argparse names the flag in the error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+@contextlib.contextmanager
+def flags_named(flags: dict[str, str]) -> Iterator[None]:
+    """A TandemError about a config key that a flag set names the flag instead (`rollout.n` -> `--n`):
+    the checks stay in one place (the config's), and the user reads what they typed."""
+    try:
+        yield
+    except TandemError as e:
+        message = str(e)
+        for key, flag in flags.items():
+            pattern = rf"(Config )?'?{re.escape(key)}(?![\w.])'?(=)?"
+            message = re.sub(pattern, lambda m, flag=flag: flag + (" " if m.group(2) else ""), message)
+        raise TandemError(message) from None
 
 
 def split_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -33,9 +73,12 @@ def cmd_train(ns: argparse.Namespace) -> int:
     from tandem.config import load_config
     from tandem.controller import run_training
     from tandem.controller.loop import Stopped
+    from tandem.paths import check_writable
 
+    cfg = load_config(*split_args(ns.args))
+    check_writable(Path(cfg.run.out_dir) / cfg.run.name, "run.out_dir")  # not after the whole run
     try:
-        summary = run_training(load_config(*split_args(ns.args)))
+        summary = run_training(cfg)
     except Stopped as e:  # SIGINT / SIGTERM: one line, how to go on, the shell's exit code for it
         args = " ".join([a for a in ns.args if not a.startswith("run.resume=")] + ["run.resume=auto"])
         saved = f"checkpoint {e.checkpoint}" if e.checkpoint else "no checkpoint yet"
@@ -66,11 +109,15 @@ def cmd_eval(ns: argparse.Namespace) -> None:
     from tandem.controller.standalone import evaluate_checkpoint
 
     recipe, overrides = split_args(ns.args)
+    flags = {}
     if ns.model:
         overrides.append(f"model.path={ns.model}")
+        flags["model.path"] = "--model"
     if ns.data:
         overrides.append(f"data.val_files=[{json.dumps(ns.data)}]")
-    metrics = evaluate_checkpoint(load_config(recipe, overrides), show=ns.show)
+        flags["data.val_files"] = "--data"
+    with flags_named(flags):
+        metrics = evaluate_checkpoint(load_config(recipe, overrides), show=ns.show)
     print(json.dumps(metrics, indent=2))
 
 
@@ -78,17 +125,12 @@ def cmd_generate(ns: argparse.Namespace) -> None:
     from tandem.config import load_config
     from tandem.controller.standalone import generate_text
 
-    overrides = [f"model.path={ns.model}"] if ns.model else []
-    cfg = load_config(
-        None,
-        overrides
-        + [
-            f"rollout.n={ns.n}",
-            f"rollout.temperature={ns.temperature}",
-            f"rollout.max_new_tokens={ns.max_new_tokens}",
-        ],
-    )
-    for i, text in enumerate(generate_text(cfg, ns.prompt, chat=not ns.raw)):
+    flags = {"rollout.n": "--n", "rollout.temperature": "--temperature"}
+    flags |= {"rollout.max_new_tokens": "--max-new-tokens", **({"model.path": "--model"} if ns.model else {})}
+    overrides = [f"{key}={getattr(ns, flag[2:].replace('-', '_'))}" for key, flag in flags.items()]
+    with flags_named(flags):
+        texts = generate_text(load_config(None, overrides), ns.prompt, chat=not ns.raw)
+    for i, text in enumerate(texts):
         print(f"[{i}] {text}")
 
 
@@ -99,9 +141,7 @@ def cmd_data_make(ns: argparse.Namespace) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="tandem", description="Asynchronous RL post-training for language models."
-    )
+    p = Parser(prog="tandem", description="Asynchronous RL post-training for language models.")
     sub = p.add_subparsers(dest="command", required=True)
     for name, fn, text in [
         ("train", cmd_train, "RL-train a policy (default: the built-in addition run)"),
@@ -114,7 +154,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("args", nargs="*", help="[recipe.yaml] [section.key=value ...]")
     e.add_argument("--model", help="checkpoint directory (default: model.path)")
     e.add_argument("--data", help="JSONL/parquet file (default: the task's held-out split)")
-    e.add_argument("--show", type=int, default=0, help="print this many prompts with their responses")
+    e.add_argument("--show", type=at_least(0), default=0, help="print this many prompts with their responses")
     e.set_defaults(fn=cmd_eval)
     g = sub.add_parser("generate", help="sample responses to a prompt")
     g.add_argument("prompt")
@@ -128,7 +168,7 @@ def parser() -> argparse.ArgumentParser:
     m = d.add_parser("make", help="write a synthetic task dataset (JSONL or parquet by extension)")
     m.add_argument("task")
     m.add_argument("--out", required=True)
-    m.add_argument("--n", type=int, default=1000)
+    m.add_argument("--n", type=at_least(1), default=1000)
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--split", choices=["train", "test"], default="train")
     m.set_defaults(fn=cmd_data_make)
@@ -136,14 +176,21 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = parser().parse_args(argv)
     # As `python -m` would: reward functions named `my_pkg.rewards:score` resolve from the current dir.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
+        ns = parser().parse_args(argv)
         return ns.fn(ns) or 0
     except TandemError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)  # one paragraph, whatever it quotes
+        return 2
+    except OSError as e:
+        if e.filename is None:  # not about a file: a bug or the system's, keep the traceback
+            raise
+        # A file-system refusal (permissions, a full disk, a file where a directory should be) is
+        # the user's to fix, and a traceback would bury which path it was.
+        print(f"error: {e.strerror or e}: {e.filename}", file=sys.stderr)
         return 2
 
 

@@ -15,6 +15,7 @@ from tandem.config import Config
 from tandem.data import build_char_tokenizer, encode_prompts, load_tokenizer, prompts_from_rows
 from tandem.data.tasks import TASKS
 from tandem.model import CausalLM, ModelConfig, init_weights, load_model, resolve_model_path, save_model
+from tandem.paths import check_writable
 from tandem.sample import Sample
 from tandem.train.batch import packed, score
 from tandem.train.optim import lr_factor
@@ -63,6 +64,7 @@ def demonstrations(cfg: Config, tokenizer, n: int) -> list[Sample]:
 def run_sft(cfg: Config) -> Path:
     """Train with cross-entropy on response tokens; save model + tokenizer to cfg.sft.out."""
     s = cfg.sft
+    check_writable(Path(s.out), "sft.out")  # now, not after the training it is to keep
     torch.manual_seed(cfg.run.seed)
     if s.init_from:
         path = resolve_model_path(s.init_from)
