@@ -19,6 +19,7 @@ from tandem.data.tasks import TASKS
 from tandem.devices import DTYPES, check_runnable
 from tandem.errors import TandemError
 from tandem.model import CausalLM, ModelConfig, load_model, resolve_model_path
+from tandem.model.checkpoint import check_checkpoint
 from tandem.registry import Registry
 from tandem.rollout import (
     BuiltinEngine,
@@ -77,12 +78,17 @@ def load_checked_tokenizer(cfg: Config):
     return tokenizer
 
 
-def prompt_limit(cfg: Config) -> PromptLimit:
-    """The longest prompt the model's context leaves room for, next to rollout.max_new_tokens."""
+def model_dir(cfg: Config) -> Path:
+    """The checkpoint directory model.path names ("builtin:" resolved), or a TandemError."""
     path = resolve_model_path(cfg.model.path)
     if not path.is_dir():
-        raise TandemError(f"Model path {path} does not exist or is not a directory.")
-    context = ModelConfig.load(path).max_position_embeddings
+        raise TandemError(f"Model path {path} (model.path) does not exist or is not a directory.")
+    return path
+
+
+def prompt_limit(cfg: Config) -> PromptLimit:
+    """The longest prompt the model's context leaves room for, next to rollout.max_new_tokens."""
+    context = ModelConfig.load(model_dir(cfg)).max_position_embeddings
     room = context - cfg.rollout.max_new_tokens
     if room < 1:
         raise TandemError(
@@ -110,7 +116,9 @@ class Data:
 def build_data(cfg: Config) -> Data:
     if cfg.rollout.engine == "vllm":  # the rollout actors would fail on it; fail here, in seconds
         require_vllm()
-    tokenizer, limit, d = load_checked_tokenizer(cfg), prompt_limit(cfg), cfg.data
+    # The weights' names, shapes and dtypes from their headers: a bad file fails here, not in every actor.
+    check_checkpoint(model_dir(cfg))
+    limit, tokenizer, d = prompt_limit(cfg), load_checked_tokenizer(cfg), cfg.data
     train_prompts, train_src = load_split(cfg, d.train_files, "train", d.train_size, cfg.run.seed)
     train_ids = limit.encode(tokenizer, train_prompts, train_src)
     val_prompts, val_ids = [], []
@@ -124,7 +132,7 @@ def build_data(cfg: Config) -> Data:
 def build_rollout(cfg: Config, index: int = 0) -> tuple[RolloutWorker, PromptLimit]:
     """Rollout worker `index` (its own sampling seed), and the longest prompt it accepts."""
     torch.manual_seed(cfg.run.seed)
-    tokenizer, limit = load_checked_tokenizer(cfg), prompt_limit(cfg)
+    limit, tokenizer = prompt_limit(cfg), load_checked_tokenizer(cfg)
     engine = ENGINE_BUILDERS.get(cfg.rollout.engine)(cfg, tokenizer, cfg.run.seed + 1000 * index)
     return RolloutWorker(engine, tokenizer), limit
 

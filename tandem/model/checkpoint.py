@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from tandem.errors import TandemError
@@ -11,20 +12,86 @@ from tandem.model.config import ModelConfig
 from tandem.model.decoder import CausalLM
 
 INDEX = "model.safetensors.index.json"
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors' names; tandem casts any of them
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory: the shards its index names, or model.safetensors."""
     if (path / INDEX).is_file():
-        shards = sorted(set(json.loads((path / INDEX).read_text())["weight_map"].values()))
-        tensors: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            tensors.update(load_file(str(path / shard)))
-        return tensors
+        try:
+            shards = sorted(set(json.loads((path / INDEX).read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise TandemError(
+                f"{path / INDEX} is not a safetensors index ({type(e).__name__}: {e}); it must be JSON "
+                'with a "weight_map" of weight name -> shard file.'
+            ) from None
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise TandemError(f"{path / INDEX} names shard files that are not there: {', '.join(missing)}.")
+        return [path / s for s in shards]
     if (path / "model.safetensors").is_file():
-        return load_file(str(path / "model.safetensors"))
+        return [path / "model.safetensors"]
     raise TandemError(
         f"No model.safetensors or {INDEX} in {path}: expected a Hugging Face checkpoint directory."
     )
+
+
+def _headers(files: list[Path]) -> dict[str, tuple[tuple[int, ...], str, Path]]:
+    """name -> (shape, dtype, file) from the files' safetensors headers; no tensor is read."""
+    found = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    view = f.get_slice(name)
+                    found[name] = (tuple(view.get_shape()), view.get_dtype(), file)
+        except (SafetensorError, OSError) as e:
+            raise TandemError(f"Weights file {file} is not readable safetensors: {e}.") from None
+    return found
+
+
+def check_checkpoint(path: str | Path) -> ModelConfig:
+    """The checkpoint's config.json and weights agree, read from the safetensors headers alone (no
+    tensor is loaded, so the driver can check a large model in milliseconds before any actor
+    starts): every file present and readable, every weight the config implies there under its name
+    with its shape and a floating-point dtype, and no weight the config does not imply. Returns the
+    config; TandemError naming the directory, file or weight otherwise."""
+    path = Path(path)
+    if not path.is_dir():
+        raise TandemError(f"Model path {path} does not exist or is not a directory.")
+    cfg = ModelConfig.load(path)
+    with torch.device("meta"):
+        expected = {n: tuple(p.shape) for n, p in CausalLM(cfg).named_parameters()}
+    found = _headers(weight_files(path))
+    if cfg.tie_word_embeddings:
+        found.pop("lm_head.weight", None)  # tied: the embedding is the head
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(n for n in set(found) - set(expected) if not n.endswith("rotary_emb.inv_freq"))
+    if missing or unexpected:
+        raise TandemError(
+            f"Checkpoint {path} does not match its config.json: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]}{' (and more)' if len(missing) > 5 or len(unexpected) > 5 else ''}."
+        )
+    for name, shape in expected.items():
+        have, dtype, file = found[name]
+        if have != shape:
+            raise TandemError(
+                f"Weight {name} in {file} has shape {list(have)}, but {path}/config.json implies "
+                f"{list(shape)}: the weights and the config are of different models."
+            )
+        if dtype not in FLOAT_DTYPES:
+            raise TandemError(
+                f"Weight {name} in {file} is {dtype}; tandem loads floating-point weights "
+                f"({', '.join(FLOAT_DTYPES)}), not quantized ones."
+            )
+    return cfg
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in weight_files(path):
+        tensors.update(load_file(str(file)))
+    return tensors
 
 
 def load_model(
@@ -32,22 +99,10 @@ def load_model(
 ) -> CausalLM:
     """A CausalLM with the checkpoint's weights, cast to `dtype`, on `device`."""
     path = Path(path)
-    if not path.is_dir():
-        raise TandemError(f"Model path {path} does not exist or is not a directory.")
-    cfg = ModelConfig.load(path)
+    cfg = check_checkpoint(path)
     with torch.device("meta"):
         model = CausalLM(cfg)
     tensors = _read_tensors(path)
-    if cfg.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    expected = {n for n, _ in model.named_parameters()}
-    missing, unexpected = expected - set(tensors), set(tensors) - expected
-    unexpected = {n for n in unexpected if not n.endswith("rotary_emb.inv_freq")}
-    if missing or unexpected:
-        raise TandemError(
-            f"Checkpoint {path} does not match its config.json: missing {sorted(missing)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]}."
-        )
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

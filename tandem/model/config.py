@@ -50,6 +50,7 @@ class ModelConfig:
                 f"{source}: model_type {model_type!r} is not supported. "
                 f"Valid model types: {', '.join(ARCHITECTURES)}."
             )
+        _check_shape_fields(hf, source)
         _refuse_what_changes_the_computation(hf, source)
         # rope_scaling (the older spelling) wins when both are there, as in transformers.
         rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
@@ -101,7 +102,13 @@ class ModelConfig:
         file = Path(path) / "config.json"
         if not file.is_file():
             raise TandemError(f"No config.json in {path}: a model is a Hugging Face checkpoint directory.")
-        return cls.from_hf(json.loads(file.read_text()), source=str(file))
+        try:
+            hf = json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise TandemError(f"{file} is not valid JSON: {e}.") from None
+        if not isinstance(hf, dict):
+            raise TandemError(f"{file} must hold a JSON object, not a {type(hf).__name__}.")
+        return cls.from_hf(hf, source=str(file))
 
 
 def _rope_scaling(hf: dict[str, Any], rope: dict[str, Any], source: str) -> dict[str, Any] | None:
@@ -121,6 +128,28 @@ def _rope_scaling(hf: dict[str, Any], rope: dict[str, Any], source: str) -> dict
         params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 2048))
     check_scaling(params, source)
     return params
+
+
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _check_shape_fields(hf: dict[str, Any], source: str) -> None:
+    """The fields that size the decoder are there and positive integers (the optional ones too)."""
+    for name in SHAPE_FIELDS + ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+        value = hf.get(name)
+        if value is None and name not in SHAPE_FIELDS:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            what = "missing" if name not in hf else f"{value!r}"
+            raise TandemError(f"{source}: {name} is {what}; it must be a positive integer.")
+    heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    if heads % kv:
+        raise TandemError(f"{source}: num_key_value_heads={kv} must divide num_attention_heads={heads}.")
+    if not hf.get("head_dim") and hf["hidden_size"] % heads:
+        raise TandemError(
+            f"{source}: hidden_size={hf['hidden_size']} is not divisible by num_attention_heads={heads} "
+            "and there is no head_dim."
+        )
 
 
 def _refuse_what_changes_the_computation(hf: dict[str, Any], source: str) -> None:
