@@ -81,9 +81,16 @@ def _read_yaml(path: Path) -> dict[str, Any]:
             f"Recipe file {path} does not exist. Recipes live in recipes/ (e.g. recipes/default.yaml)."
         )
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise TandemError(f"Recipe {path} is not valid YAML: {e}") from None
+        raise TandemError(f"Recipe {path} is not valid YAML: {' '.join(str(e).split())}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TandemError(f"Recipe {path} cannot be read: {e}.") from None
+    if tree is None:  # an empty file would train the defaults without a word; that needs no recipe
+        raise TandemError(
+            f"Recipe {path} is empty. Give it sections (run:, model:, rollout: ...), or leave the recipe "
+            "out to run the defaults."
+        )
     if not isinstance(tree, dict):
         raise TandemError(f"Recipe {path} must be a mapping of sections (run:, model:, rollout: ...).")
     return tree

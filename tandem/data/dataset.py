@@ -72,13 +72,22 @@ def _extension(path: str) -> str:
 
 def _read_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
     """[(where, row)] where `where` names the row in errors: "row 3 (line 5)" or "row 3"."""
+    if os.path.isdir(path):
+        raise TandemError(f"Dataset file {path} is a directory; name the .jsonl / .parquet files in it.")
     if not os.path.isfile(path):
         raise TandemError(f"Dataset file {path} does not exist (working directory: {os.getcwd()}).")
     ext = _extension(path)
     if ext in PARQUET_EXTENSIONS:
         return _read_parquet(path)
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise TandemError(
+            f"Dataset {path} is not UTF-8 text (byte {e.start}: {e.reason}); JSON lines must be UTF-8."
+        ) from None
+    except OSError as e:
+        raise TandemError(f"Dataset file {path} cannot be read: {e.strerror or e}.") from None
     if ext == ".json" and text.lstrip().startswith("["):
         return _read_json_array(path, text)
     return _read_json_lines(path, text)

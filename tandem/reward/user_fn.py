@@ -13,6 +13,7 @@ import inspect
 import numbers
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -77,8 +78,23 @@ class _UserReward:
         return self.fn(**kwargs)
 
 
+VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
+
+
 class VerlReward(_UserReward):
     """verl's `compute_score(data_source, solution_str, ground_truth, extra_info)`."""
+
+    def __init__(self, fn: Callable, spec: str):
+        super().__init__(fn, spec)
+        # A required parameter the convention never passes would fail on every sample, in the actors.
+        for p in inspect.signature(fn).parameters.values():
+            passed = p.name in VERL_ARGS and p.kind is not p.POSITIONAL_ONLY
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and not passed:
+                raise TandemError(
+                    f"Reward function {spec!r} requires the parameter {p.name!r}, which verl's convention "
+                    f"never passes: it passes {', '.join(VERL_ARGS)} by keyword. Give {p.name!r} a "
+                    "default or drop it."
+                )
 
     def __call__(self, prompt: Prompt, response: str) -> tuple[float, dict[str, float]]:
         result = self._call(
@@ -168,6 +184,8 @@ def _import_target(target: str, spec: str) -> Any:
         raise TandemError(
             f"Cannot import module {target!r} of reward function {spec!r}: {e}. {_spec_forms()}"
         ) from e
+    except Exception as e:  # the user's module failed as it ran: say where, in one paragraph
+        raise TandemError(f"Importing module {target!r} of reward function {spec!r} {_raised(e)}") from None
 
 
 def _import_file(path: str, spec: str) -> Any:
@@ -183,10 +201,22 @@ def _import_file(path: str, spec: str) -> Any:
     sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)
+    except Exception as e:  # the user's file failed as it ran: say where, in one paragraph
+        del sys.modules[name]
+        raise TandemError(f"Running reward function file {path!r} of spec {spec!r} {_raised(e)}") from None
     except BaseException:
         del sys.modules[name]
         raise
     return module
+
+
+def _raised(e: Exception) -> str:
+    """'raised NameError: ... (at file.py:3).' for an exception from a user's module."""
+    if isinstance(e, SyntaxError):
+        return f"raised SyntaxError: {e.msg} (at {e.filename}:{e.lineno})."
+    frames = traceback.extract_tb(e.__traceback__)
+    at = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"raised {type(e).__name__}: {e}{at}."
 
 
 def _resolve_attr(module: Any, attr: str, spec: str) -> Callable:
