@@ -1,8 +1,9 @@
 """`tandem train | sft | eval | generate | data make` — the command line.
 
 A TandemError (bad config, bad data, unknown name, a bad flag) prints as one paragraph and exits
-with 2, as does a file-system error about a path; anything else is a bug and keeps its traceback. `tandem train` stopped by SIGINT / SIGTERM saves a
-checkpoint, prints how to resume and exits with 130 / 143, as a shell reports those signals.
+with 2, as does a file-system error about a path; anything else is a bug and keeps its traceback.
+`tandem train` stopped by SIGINT / SIGTERM saves a checkpoint, prints how to resume and exits with
+130 / 143, as a shell reports those signals.
 """
 
 import argparse
