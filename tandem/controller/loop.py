@@ -316,8 +316,17 @@ class Loop:
 
     def on_resync(self, call: Call, span) -> None:
         self.timeline.add(span)
+        if call.version < self.version:  # pushed while it restarted: its push went to the dead
+            return self.resync(call.rank)  # process, and this re-sync brought an older version
         self.syncing[call.rank] = False
         self.resync_tries[call.rank] = 0
+
+    def resync(self, i: int) -> None:
+        """Bring restarted rollout worker `i` the newest weights; it gets no work until then."""
+        # Ray retries the call while the actor restarts (it answers "unavailable" until it is back).
+        resync = self.cluster.rollouts[i].receive_weights.options(max_task_retries=-1)
+        ref = resync.remote(self.last_handle, self.version)
+        self.pending[ref] = Call("resync", f"rollout/{i}", version=self.version, rank=i)
 
     # -- validation: prompts at the front of the rollout queue, never in training data ------------
     def request_validation(self, version: int) -> None:
@@ -406,10 +415,7 @@ class Loop:
         self.resync_tries[i] += 1
         if self.resync_tries[i] > 3:
             raise self.died(call.worker, "and could not be restarted", error)
-        # Ray retries the call while the actor restarts (it answers "unavailable" until it is back).
-        resync = self.cluster.rollouts[i].receive_weights.options(max_task_retries=-1)
-        ref = resync.remote(self.last_handle, self.version)
-        self.pending[ref] = Call("resync", call.worker, version=self.version, rank=i)
+        self.resync(i)
 
     def died(self, worker: str, when: str, error: Exception) -> TandemError:
         """The error that ends a run whose worker died: which one, and how to go on."""
