@@ -14,7 +14,7 @@ lost, none twice), the staleness bound held at every step, and, in sync mode, ev
 (less wall-clock ones) and the final weights equal those of an uninterrupted run bit for bit. Last,
 the cost of `run.save_every=5` on the mean step time, measured side by side with `save_every=0`.
 
-    python bench/chaos.py [--steps 8] [--json PATH]
+    python bench/chaos.py [--steps 10] [--json PATH]
 """
 
 import argparse
@@ -155,7 +155,7 @@ def scenario(i: int, mode: str, target: str, args, root: Path, rng: random.Rando
     run_dir = out / "default"
     overrides = [*BASE, *MODES[mode][0], f"run.steps={args.steps}", f"run.seed={args.seed}"]
     proc = start(out, overrides)
-    at = rng.randint(2, args.steps - 2)
+    at = rng.randint(2, args.steps - 3)
     step_s = wait_for_step(proc, run_dir, at)
     time.sleep(rng.uniform(0, step_s))
     result: dict = {"mode": mode, "target": target, "killed_after_step": at}
@@ -164,7 +164,8 @@ def scenario(i: int, mode: str, target: str, args, root: Path, rng: random.Rando
         kill_tree(proc)
     else:
         if not kill_actor(proc, target):
-            raise RuntimeError(f"no {ACTOR[target]} process found under the run")
+            kill_tree(proc)
+            raise RuntimeError(f"no {ACTOR[target]} process found under the run: see {out / 'log.txt'}")
         proc.wait(timeout=args.steps * 60)
         if target == "train":
             result["seconds_to_detect"] = time.time() - killed
@@ -210,7 +211,7 @@ def save_overhead(args, root: Path) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--seed", type=int, default=0, help="the runs' run.seed and the kill moments' RNG")
     p.add_argument("--overhead-steps", type=int, default=20)
     p.add_argument("--overhead-repeats", type=int, default=2)
