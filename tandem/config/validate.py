@@ -202,6 +202,12 @@ def _check_placement(cfg: Config) -> None:
     p = cfg.placement
     _check(p.num_cpus >= 0, "placement.num_cpus", "must be >= 0 (0 = all the cluster has).")
     _check(p.num_gpus >= 0, "placement.num_gpus", "must be >= 0 (0 = all the cluster has).")
+    _check(
+        not p.num_gpus or cfg.run.device != "cpu",
+        "placement.num_gpus",
+        f"is {p.num_gpus:g}, but run.device=cpu puts nothing on a GPU: set run.device=cuda (or auto), "
+        "or placement.num_gpus=0.",
+    )
     if not p.groups:
         _check(not p.ratios, "placement.ratios", "needs placement.groups (one ratio per task group).")
         return

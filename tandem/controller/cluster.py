@@ -8,6 +8,9 @@ than one train worker, or the broadcast weight transport) every actor joins one 
 
 import logging
 import os
+import socket
+import threading
+import time
 from dataclasses import dataclass, field
 
 import ray
@@ -21,6 +24,8 @@ from tandem.controller.actors import RefActor, RewardActor, RolloutActor, TrainA
 from tandem.errors import TandemError
 from tandem.sync import TRANSPORTS, free_port
 
+RAY_CONNECT_TIMEOUT_S = 30.0  # the longest wait for ray.address to answer (or run.timeout_s if less)
+
 
 def start_ray(cfg: Config) -> None:
     if ray.is_initialized():
@@ -30,15 +35,91 @@ def start_ray(cfg: Config) -> None:
     runtime_env = None
     if cfg.ray.address:  # a running cluster's workers do not inherit this process's environment
         runtime_env = {"env_vars": {"PYTHONPATH": path}}
+        check_ray_address(cfg.ray.address, min(RAY_CONNECT_TIMEOUT_S, cfg.run.timeout_s))
     else:  # local Ray's workers do; without a runtime env they also start ~2 s sooner
         os.environ["PYTHONPATH"] = path
-    ray.init(
-        address=cfg.ray.address or None,
-        num_cpus=(cfg.ray.num_cpus or None) if not cfg.ray.address else None,
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-        runtime_env=runtime_env,
-    )
+    # Every local start logs that token authentication is on (Ray's default): no news, and a line
+    # in front of the one paragraph an error after it should be.
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    try:
+        ray.init(
+            address=cfg.ray.address or None,
+            num_cpus=(cfg.ray.num_cpus or None) if not cfg.ray.address else None,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            runtime_env=runtime_env,
+        )
+    except ConnectionError as e:  # e.g. "auto" with no cluster recorded on this machine
+        raise TandemError(f"ray.address={cfg.ray.address!r}: {e}") from None
+
+
+def check_ray_address(address: str, timeout: float) -> None:
+    """Return once a Ray head answers at `address`, or raise a TandemError naming it within `timeout` s.
+
+    ray.init retries an address where no Ray head answers without end (Ray 2.60: a 5 s connect, a
+    30 s wait for the cluster id, again and again), so the driver asks first: the TCP port, then a
+    GCS client built in a thread it can stop waiting for. The client releases the GIL while it
+    waits, and the daemon thread it is left in does not hold up the process's exit.
+    """
+    from ray._private.services import canonicalize_bootstrap_address
+
+    advice = "Start the head there (ray start --head), fix ray.address, or leave it empty to start Ray here."
+    client = address.startswith("ray://")  # Ray Client: only its port can be asked without connecting
+    try:
+        target = address.removeprefix("ray://") if client else canonicalize_bootstrap_address(address)
+    except (ConnectionError, ValueError) as e:  # "auto" with no cluster recorded; not host:port
+        raise TandemError(f"ray.address={address!r}: {e} {advice}") from None
+    host, _, port = (target or "").rpartition(":")
+    if not host or not port.isdigit():
+        raise TandemError(f"ray.address={address!r} is not host:port (or auto, or ray://host:port). {advice}")
+    deadline = time.monotonic() + timeout
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise TandemError(
+            f"ray.address={address!r}: nothing answers at {host}:{port} ({e}). {advice}"
+        ) from None
+    if client:
+        return
+    if address == "auto":  # as ray.init does for a cluster it finds itself: use the token on file
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    answered: list[BaseException | None] = []
+
+    def probe() -> None:
+        try:
+            ray._raylet.GcsClient(address=target)
+            answered.append(None)
+        except Exception as e:  # Ray's own timeout ran out first
+            answered.append(e)
+
+    thread = threading.Thread(target=probe, name="tandem-ray-address-probe", daemon=True)
+    thread.start()
+    thread.join(max(deadline - time.monotonic(), 0.0))
+    if not answered or answered[0] is not None:
+        raise TandemError(
+            f"ray.address={address!r}: {host}:{port} accepts connections, but no Ray head (GCS) answered "
+            f"there within {timeout:g} s{f' ({answered[0]})' if answered else ''}. A head with token "
+            f"authentication answers only a driver with RAY_AUTH_MODE=token and its token. {advice}"
+        )
+
+
+def check_resources(cfg: Config, have: dict[str, float]) -> None:
+    """placement.num_cpus / num_gpus within what the cluster has (0 = all of it), or a TandemError now:
+    Ray would wait run.timeout_s for a reservation it can never make."""
+    for key, asked, unit in (
+        ("placement.num_cpus", cfg.placement.num_cpus, "CPU"),
+        ("placement.num_gpus", cfg.placement.num_gpus, "GPU"),
+    ):
+        if asked > have.get(unit, 0.0) + 1e-6:
+            raise TandemError(
+                f"Config '{key}' asks for {asked:g} {unit}s, but the Ray cluster has "
+                f"{have.get('CPU', 0.0):g} CPUs and {have.get('GPU', 0.0):g} GPUs. Set it to what exists "
+                "(0 = all of it) or join a larger cluster (ray.address)."
+            )
 
 
 @dataclass
@@ -55,6 +136,7 @@ class Cluster:
     def start(cls, cfg: Config) -> "Cluster":
         start_ray(cfg)
         have = ray.cluster_resources()
+        check_resources(cfg, have)
         cfg = devices.resolve(cfg, have.get("GPU", 0))  # a no-op on a config run_training resolved
         cpus = cfg.placement.num_cpus or have.get("CPU", 1)
         gpus = cfg.placement.num_gpus or have.get("GPU", 0)
