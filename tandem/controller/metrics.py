@@ -72,7 +72,10 @@ def _keep_until(path: Path, step: int) -> None:
         return
     kept = []
     for line in path.read_text().splitlines():
-        row = json.loads(line)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # the last line of a killed run, cut mid-write
+            continue
         if row["step"] < step or (row["step"] == step and ("version" in row or "groups" in row)):
             kept.append(line + "\n")
     path.write_text("".join(kept))
