@@ -215,17 +215,19 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="the runs' run.seed and the kill moments' RNG")
     p.add_argument("--overhead-steps", type=int, default=20)
     p.add_argument("--overhead-repeats", type=int, default=2)
+    p.add_argument("--only", default="", help="scenarios as mode:target,... (default: all 12)")
     p.add_argument("--json", help="write the figures as one flat JSON object")
     args = p.parse_args()
     rng = random.Random(args.seed)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        reference = run_to_end(
-            root / "reference", [*BASE, *MODES["sync"][0], f"run.steps={args.steps}", f"run.seed={args.seed}"]
-        )
-        results = [scenario(i, *what, args, root, rng, reference) for i, what in enumerate(SCENARIOS)]
-        overhead = save_overhead(args, root)
+    root = Path(tempfile.mkdtemp(prefix="chaos-"))  # kept: each run's log.txt and run directory
+    print(f"runs in {root}", flush=True)
+    chosen = [s for s in SCENARIOS if not args.only or f"{s[0]}:{s[1]}" in args.only.split(",")]
+    reference = run_to_end(
+        root / "reference", [*BASE, *MODES["sync"][0], f"run.steps={args.steps}", f"run.seed={args.seed}"]
+    )
+    results = [scenario(i, *what, args, root, rng, reference) for i, what in enumerate(chosen)]
+    overhead = save_overhead(args, root) if args.overhead_repeats else float("nan")
     detect = [r["seconds_to_detect"] for r in results if "seconds_to_detect" in r]
     figures = {
         "kills": len(results),
