@@ -193,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         # the user's to fix, and a traceback would bury which path it was.
         print(f"error: {e.strerror or e}: {e.filename}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before a run's own handler is up (it saves at a step's end)
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
