@@ -14,6 +14,7 @@ import torch
 from tandem.config import Config
 from tandem.data import build_char_tokenizer, encode_prompts, load_tokenizer, prompts_from_rows
 from tandem.data.tasks import TASKS
+from tandem.errors import TandemError
 from tandem.model import CausalLM, ModelConfig, init_weights, load_model, resolve_model_path, save_model
 from tandem.paths import check_writable
 from tandem.sample import Sample
@@ -64,6 +65,11 @@ def demonstrations(cfg: Config, tokenizer, n: int) -> list[Sample]:
 def run_sft(cfg: Config) -> Path:
     """Train with cross-entropy on response tokens; save model + tokenizer to cfg.sft.out."""
     s = cfg.sft
+    if s.batch_size > cfg.data.train_size:
+        raise TandemError(
+            f"Config 'sft.batch_size' must be at most data.train_size={cfg.data.train_size} (the "
+            f"demonstrations it samples from), got {s.batch_size}."
+        )
     check_writable(Path(s.out), "sft.out")  # now, not after the training it is to keep
     torch.manual_seed(cfg.run.seed)
     if s.init_from:
