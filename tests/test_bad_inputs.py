@@ -470,3 +470,24 @@ def check(name: str, root: Path, good: Path, capsys) -> None:
     assert "Traceback" not in err and err.startswith("error: ") and err.count("\n") == 1, err
     assert re.search(CASES[name][1], err), err
     assert seconds < SECONDS, f"{name}: {seconds:.1f} s"
+
+
+def test_an_address_where_no_ray_head_answers_fails_within_the_timeout(corpus, monkeypatch, capsys):
+    """A port that accepts connections but is no Ray head: Ray would retry it without end."""
+    import socket
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", forbidden)
+    root, good = corpus
+    with socket.create_server(("0.0.0.0", 0)) as server:  # every interface: Ray dials the node's IP
+        port = server.getsockname()[1]
+        start = time.perf_counter()
+        code = main(
+            ["train", f"model.path={good}", *FAST, f"run.out_dir={root}/runs"]
+            + ["run.timeout_s=2", f"ray.address=127.0.0.1:{port}"]
+        )
+        seconds = time.perf_counter() - start
+    out, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1, err
+    assert re.search(rf"ray.address='127.0.0.1:{port}': \S+:{port} accepts connections, but no Ray head", err)
+    assert 2 <= seconds < 2 + SECONDS
