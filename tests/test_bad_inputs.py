@@ -279,7 +279,10 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["sft", "sft.out={r}/rewards.py/sft"],
         r"Cannot write to \S*rewards.py/sft, the directory sft.out sets",
     ),
-    "missing sft.init_from": (["sft", "sft.init_from={r}/nomodel", "sft.out={r}/sft"], r"nomodel"),
+    "missing sft.init_from": (
+        ["sft", "sft.init_from={r}/nomodel", "sft.out={r}/sft"],
+        r"Model path \S*nomodel does not exist",
+    ),
     # Ray
     "unreachable ray.address": (
         ["train", "ray.address=127.0.0.1:1"],

@@ -74,7 +74,7 @@ def run_sft(cfg: Config) -> Path:
     torch.manual_seed(cfg.run.seed)
     if s.init_from:
         path = resolve_model_path(s.init_from)
-        tokenizer, model = load_tokenizer(path), load_model(path)
+        model, tokenizer = load_model(path), load_tokenizer(path)  # the model's error names the path
     else:
         tokenizer = build_char_tokenizer()
         model = fresh_model(cfg, tokenizer)
