@@ -273,7 +273,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     # paths
     "unwritable run.out_dir": (
         ["train", "run.out_dir={r}/rewards.py/runs"],
-        r"Cannot write to \S*rewards.py/runs/default, the directory run.out_dir sets",
+        r"Cannot write to \S*rewards.py/runs/default/checkpoints, the directory run.out_dir sets",
     ),
     "unwritable sft.out": (
         ["sft", "sft.out={r}/rewards.py/sft"],

@@ -14,7 +14,6 @@ import re
 import signal
 import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 from tandem.errors import TandemError
 
@@ -74,12 +73,9 @@ def cmd_train(ns: argparse.Namespace) -> int:
     from tandem.config import load_config
     from tandem.controller import run_training
     from tandem.controller.loop import Stopped
-    from tandem.paths import check_writable
 
-    cfg = load_config(*split_args(ns.args))
-    check_writable(Path(cfg.run.out_dir) / cfg.run.name, "run.out_dir")  # not after the whole run
-    try:
-        summary = run_training(cfg)
+    try:  # run_training checks that run.out_dir is writable before anything starts
+        summary = run_training(load_config(*split_args(ns.args)))
     except Stopped as e:  # SIGINT / SIGTERM: one line, how to go on, the shell's exit code for it
         args = " ".join([a for a in ns.args if not a.startswith("run.resume=")] + ["run.resume=auto"])
         saved = f"checkpoint {e.checkpoint}" if e.checkpoint else "no checkpoint yet"

@@ -24,9 +24,10 @@ from typing import Any
 import ray
 
 from tandem.buffer import RolloutBuffer
-from tandem.config import Config, save_config
-from tandem.controller.checkpoint import Checkpoints, read_driver_state, write_driver_state
+from tandem.config import Config
+from tandem.controller.checkpoint import Checkpoints
 from tandem.controller.cluster import Cluster
+from tandem.controller.resume import resume_from, save_checkpoint
 from tandem.controller.roles import Data, sampling_params
 from tandem.controller.stats import rollout_stats
 from tandem.controller.timeline import Timeline
@@ -431,102 +432,12 @@ class Loop:
         )
         return TandemError(f"{worker} died {when}{why}: {reason} {then}")
 
-    # -- checkpoints and resume (docs/resume.md) ---------------------------------------------------
+    # -- checkpoints and resume (docs/resume.md; the work is in `tandem.controller.resume`) --------
     def save(self, name: str) -> Path:
-        """A full checkpoint at this step boundary, written atomically. Every train rank writes
-        (under fsdp2 the weights are gathered from all shards, the optimizer state stays sharded);
-        the driver adds its own state and each engine's sampling stream."""
-        tmp = self.checkpoints.begin(name)
-        saves = [t.save.remote(str(tmp)) for t in self.cluster.trainers]
-        streams = [r.rng_state.remote() for r in self.cluster.rollouts]
-        try:
-            for rank, ref in enumerate(saves):
-                try:
-                    self.timeline.add(ray.get(ref, timeout=self.cfg.run.timeout_s))
-                except ray.exceptions.RayActorError as e:
-                    raise self.died(f"train/{rank}", f"while saving {name}", e) from None
-            write_driver_state(tmp, {**self.state_dict(), "engine_rngs": self.engine_streams(streams)})
-            save_config(self.cfg, tmp / "config.yaml")
-            return self.checkpoints.commit(tmp, name)
-        except (ray.exceptions.RayTaskError, OSError) as e:  # e.g. a full disk
-            raise TandemError(
-                f"Writing checkpoint {name} failed; the previous one ({self.checkpoints.latest()}) is "
-                f"intact: {e}"
-            ) from None
-
-    def engine_streams(self, refs: list) -> list:
-        out = []
-        for ref in refs:
-            try:
-                out.append(ray.get(ref, timeout=self.cfg.run.timeout_s))
-            except ray.exceptions.RayActorError:  # a dead worker restarts with a fresh stream
-                out.append(None)
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        """What the driver must remember at a step boundary: counters, the data cursor, the buffer,
-        and every sample of the groups still in flight (queued, generating, finished but not yet
-        rewarded) as the driver last saw it: fresh, a partial response, or finished."""
-        in_flight = [s for _, samples, _ in self.work for s in samples if s.group_id >= 0]
-        for call in self.pending.values():
-            if call.kind in ("generate", "reward", "ref"):
-                in_flight += call.samples
-        in_flight += [s for group in self.groups.values() for s in group]
-        return {
-            "version": self.version,
-            "next_group": self.next_group,
-            "loader": self.data.train.state_dict(),
-            "buffer": self.buffer.state_dict(),
-            "in_flight": in_flight,
-            "val_metrics": self.val_metrics,
-            "rewards": self.rewards,
-            "lengths": self.lengths.getstate(),
-        }
+        return save_checkpoint(self, name)
 
     def resume(self, path: Path) -> None:
-        """Continue from the checkpoint at `path`: the trainers load their state, the engines get
-        its weights (before anything generates) and sampling streams, the groups that were in
-        flight go back into the queue."""
-        state = read_driver_state(path)
-        loads = [t.load.remote(str(path)) for t in self.cluster.trainers]
-        versions = ray.get(loads, timeout=self.cfg.run.timeout_s)
-        if set(versions) != {state["version"]}:
-            raise TandemError(f"{path}: the trainers hold versions {versions}, driver.pt {state['version']}.")
-        self.version = self.first_version = state["version"]
-        self.next_group, self.val_metrics = state["next_group"], state["val_metrics"]
-        self.rewards, self.lengths = state["rewards"], random.Random()
-        self.lengths.setstate(state["lengths"])
-        self.data.train.load_state_dict(state["loader"])
-        self.buffer.load_state_dict(state["buffer"])
-        streams = zip(self.cluster.rollouts, state["engine_rngs"], strict=True)
-        ray.get(
-            [r.set_rng_state.remote(s) for r, s in streams if s is not None], timeout=self.cfg.run.timeout_s
-        )
-        self.push_weights()  # synchronously: nothing may generate on the initial weights
-        ray.get(list(self.pending), timeout=self.cfg.run.timeout_s)
-        self.pending.clear()
-        self.receiving.clear()
-        self.published = self.version
-        self.requeue(state["in_flight"])
-
-    def requeue(self, saved: list[Sample]) -> None:
-        """The in-flight groups of a checkpoint: finished samples wait for their group (or go to the
-        reward when the group is whole), the others generate again from where they were."""
-        by_group: dict[int, dict[int, Sample]] = {g: {} for g in self.buffer.in_flight_ids}
-        for s in saved:
-            by_group[s.group_id][s.index] = s
-        for gid, samples in by_group.items():
-            if len(samples) < self.cfg.rollout.n:  # never when saved whole; a fresh group otherwise
-                prompt, ids = self.data.train.at(gid)
-                fresh = make_groups([prompt], [ids], self.cfg.rollout.n, first_group=gid)
-                samples = {s.index: samples.get(s.index, s) for s in fresh}
-            finished = [s for _, s in sorted(samples.items()) if s.status == Status.FINISHED]
-            rest = [s for _, s in sorted(samples.items()) if s.status != Status.FINISHED]
-            if rest:
-                self.groups[gid] = finished
-                self.work.append(("generate", rest, self.version))
-            else:
-                self.score(finished, self.version)
+        resume_from(self, path)
 
     def summary(self) -> dict[str, float]:
         wall = time.time() - self.started

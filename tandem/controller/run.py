@@ -17,6 +17,7 @@ from tandem.controller.loop import Loop, Stopped
 from tandem.controller.metrics import MetricsLogger
 from tandem.controller.roles import build_data
 from tandem.errors import TandemError
+from tandem.paths import check_writable
 from tandem.reward.user_fn import canonical_spec, load_reward_fn
 
 
@@ -39,7 +40,7 @@ def run_training(cfg: Config, on_step=None) -> dict[str, float]:
     after, throughput). `on_step(loop)` is called after each train step (tests use it).
     `run.resume` continues from a checkpoint; SIGINT / SIGTERM save one and raise `Stopped`."""
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
-    make_run_dir(run_dir)
+    check_writable(run_dir / "checkpoints", "run.out_dir")  # now, not at the first save
     cfg = with_absolute_paths(cfg)
     resume = find_resume(cfg, run_dir)
     if resume is not None:  # refused here, before anything starts
@@ -79,21 +80,6 @@ def run_training(cfg: Config, on_step=None) -> dict[str, float]:
             "reward/timeouts per step. Try the function on one sample by hand."
         )
     return summary
-
-
-def make_run_dir(run_dir: Path) -> None:
-    """The run directory, and a check that checkpoints can be written there: before training, not
-    after it."""
-    try:
-        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-        probe = run_dir / "checkpoints" / ".write-test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise TandemError(
-            f"Cannot write the run directory {run_dir} (run.out_dir={str(run_dir.parent)!r}, "
-            f"run.name={run_dir.name!r}): {e.strerror or e}. Point run.out_dir at a writable directory."
-        ) from None
 
 
 @contextmanager
