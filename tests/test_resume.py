@@ -12,6 +12,7 @@ import ray
 import torch
 import torch.multiprocessing as mp
 from helpers import random_samples, tiny_model
+from test_async import TINY
 
 from tandem.cli.main import main
 from tandem.config import AlgoConfig, TrainConfig, load_config, save_config
@@ -95,18 +96,7 @@ def test_fsdp2_shards_resume_bit_for_bit(tmp_path):
 
 # ---------------------------------------------------------------- whole runs on Ray
 
-RUN = [
-    "run.progress=false",
-    "run.steps=4",
-    "run.val_every=2",
-    "run.save_every=2",
-    "rollout.batch_size=4",
-    "rollout.n=4",
-    "data.val_size=16",
-    "data.train_size=200",
-    "reward.num_workers=1",
-    "run.timeout_s=120",
-]
+RUN = [*TINY, "run.save_every=2"]  # 4 steps of 4 groups of 4, validating every 2
 
 
 class Crash(Exception):
