@@ -338,3 +338,24 @@ def test_an_entry_taking_kwargs_is_refused_at_registration():
         @registry.register("loose")
         def loose(x, **_):
             return x
+
+
+def test_cispo_weights_the_logprob_gradient_by_the_clipped_detached_ratio():
+    """Hand-computed: ratios 2.0 (clipped to 1.28), 0.5 (clipped to 0.8) and 1.1 (kept); the loss
+    is -w·A·logp and its gradient -w·A, so the clipped tokens keep a gradient (ppo_clip's would be 0)."""
+    old = torch.log(torch.tensor([[0.25, 0.4, 0.5, 0.3]]))
+    logp = torch.log(torch.tensor([[0.5, 0.2, 0.55, 0.9]])).requires_grad_()
+    adv = torch.tensor([[1.0, -2.0, 0.5, 3.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    loss, diag = POLICY_LOSSES.get("cispo")(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    w = torch.tensor([1.28, 0.8, 1.1, 0.0])
+    expected = -w * adv[0] * torch.log(torch.tensor([0.5, 0.2, 0.55, 0.9])) * mask[0]
+    torch.testing.assert_close(loss[0], expected)
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad[0], -w * adv[0] * mask[0])
+    assert diag["pg_clipfrac"][0].tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert diag["pg_clipfrac_lower"][0].tolist() == [0.0, 1.0, 0.0, 0.0]
+    ppo, _ = POLICY_LOSSES.get("ppo_clip")(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    logp.grad = None
+    ppo.sum().backward()
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 1] == 0  # where ppo_clip drops the clipped tokens

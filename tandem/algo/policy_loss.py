@@ -135,3 +135,39 @@ def gspo_loss(
     token_part = torch.where(keep & unclamped, logp - logp.detach(), 0.0)  # 0 in value, ∇logp in gradient
     ratio = torch.exp(seq_log_ratio[:, None] + token_part)
     return _clipped_surrogate(ratio, logp, old_logp, advantages, mask, clip_low, clip_high, clip_c)
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """logp, old_logp, advantages, mask (B, T) -> loss (B, T), diagnostics {name: (B, T)}.
+
+    CISPO (MiniMax-M1, arXiv 2506.13585): the importance weight is clipped and detached, and the
+    gradient flows through the log-probability only:
+    r    = exp(logp - old_logp)
+    w    = sg[clip(r, 1 - clip_low, 1 + clip_high)]
+    loss = -w · A · logp                                   gradient -w · A · ∇logp
+    Unlike ppo_clip, a token whose ratio leaves the range keeps its gradient (at the clipped
+    weight) instead of losing it, so rare tokens that matter are not dropped from the update.
+    Diagnostics: "pg_clipfrac" 1 where the weight was clipped (either side), "pg_clipfrac_lower" 1
+    where it was clipped from below, "ppo_kl" = old_logp - logp.
+    """
+    _check_clip(clip_low, clip_high, None)
+    keep = mask.bool()
+    ratio = torch.exp((logp - old_logp).detach().clamp(-_LOG_CLAMP, _LOG_CLAMP))
+    weight = ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss = -weight * advantages * torch.where(keep, logp, 0.0)
+    metrics = {
+        "pg_clipfrac": (weight != ratio).to(loss.dtype),
+        "pg_clipfrac_lower": (ratio < 1 - clip_low).to(loss.dtype),
+        "ppo_kl": old_logp - logp,
+    }
+    metrics = {name: torch.where(keep, value, 0.0) for name, value in metrics.items()}
+    return torch.where(keep, loss, 0.0), metrics

@@ -39,7 +39,7 @@ VERL_KEYS: dict[str, tuple[str, str]] = {
     "actor_rollout_ref.actor.kl_loss_coef": ("algo.kl_coef", ""),
     "actor_rollout_ref.actor.kl_loss_type": ("algo.kl_estimator", "k1, k2, k3 or verl's kl, mse, low_var_kl"),
     "actor_rollout_ref.actor.entropy_coeff": ("algo.entropy_coef", ""),
-    "actor_rollout_ref.actor.policy_loss.loss_mode": ("algo.policy_loss", "ppo_clip or gspo"),
+    "actor_rollout_ref.actor.policy_loss.loss_mode": ("algo.policy_loss", "ppo_clip, gspo or cispo"),
     "actor_rollout_ref.actor.strategy": ("train.strategy", "ddp or fsdp2"),
     "actor_rollout_ref.actor.fsdp_config.param_offload": (
         "train.offload",
