@@ -252,7 +252,7 @@ def test_expected_names_registered():
         "reinforce_plus_plus_baseline",
         "rloo",
     ]
-    assert POLICY_LOSSES.names() == ["gspo", "ppo_clip"]
+    assert POLICY_LOSSES.names() == ["cispo", "gspo", "ppo_clip"]
     assert KL_ESTIMATORS.names() == ["k1", "k2", "k3", "kl", "low_var_kl", "mse"]
     assert LOSS_AGGS.names() == [
         "seq-mean-token-mean",
