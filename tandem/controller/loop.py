@@ -175,7 +175,7 @@ class Loop:
     def run(self, logger) -> dict[str, float]:
         """Train up to run.steps versions; `logger.log(step, metrics)` gets each step's and
         validation's metrics, `logger.log_batch(step, group_ids)` the groups each step trained."""
-        self.log, self.logger = logger.log, logger
+        self.logger = logger
         self.started = self.step_start = time.time()
         if self.version == 0 or self.validates(self.version):
             self.request_validation(self.version)
@@ -371,7 +371,7 @@ class Loop:
             "val/reward_errors": metrics.get("reward/errors", 0.0) + metrics.get("reward/timeouts", 0.0),
             "val/version": float(min(versions) if versions else call.version),
         }
-        self.log(call.version, self.val_metrics[call.version])
+        self.logger.log(call.version, self.val_metrics[call.version])
 
     # -- steps, failures, the end ------------------------------------------------------------------
     def log_step(self, batch: list[Sample], train: dict[str, float]) -> None:
@@ -393,7 +393,7 @@ class Loop:
         self.step_extra = dict(STEP_COUNTERS)
         self.step_start = now
         self.last_metrics = metrics
-        self.log(self.version, metrics)
+        self.logger.log(self.version, metrics)
         self.logger.log_batch(self.version, sorted({s.group_id for s in batch}))
 
     def on_worker_died(self, call: Call, error: Exception) -> None:

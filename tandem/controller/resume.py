@@ -109,8 +109,9 @@ def _requeue(loop: "Loop", saved: list[Sample]) -> None:
             prompt, ids = loop.data.train.at(gid)
             fresh = make_groups([prompt], [ids], loop.cfg.rollout.n, first_group=gid)
             samples = {s.index: samples.get(s.index, s) for s in fresh}
-        finished = [s for _, s in sorted(samples.items()) if s.status == Status.FINISHED]
-        rest = [s for _, s in sorted(samples.items()) if s.status != Status.FINISHED]
+        ordered = [s for _, s in sorted(samples.items())]
+        finished = [s for s in ordered if s.status == Status.FINISHED]
+        rest = [s for s in ordered if s.status != Status.FINISHED]
         if rest:
             loop.groups[gid] = finished
             loop.work.append(("generate", rest, loop.version))

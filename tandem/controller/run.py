@@ -57,9 +57,8 @@ def run_training(cfg: Config, on_step=None) -> dict[str, float]:
         loop.checkpoints.clear_partial()
         if resume is not None:
             loop.resume(resume)
-        log = MetricsLogger(
-            run_dir, cfg.run.steps, cfg.run.tensorboard, cfg.run.progress, resume and loop.version
-        )
+        resume_step = loop.version if resume is not None else None
+        log = MetricsLogger(run_dir, cfg.run.steps, cfg.run.tensorboard, cfg.run.progress, resume_step)
         if on_step is not None:
             loop.on_step = lambda version: on_step(loop)
         with stop_on_signals(loop):
