@@ -63,12 +63,18 @@ def test_admission_limit_is_p_plus_k_plus_one_batches(batch_size, k, whole, expe
         buf.start(99, 0)
 
 
-def test_whole_batches_admit_multiples_of_batch_size():
-    stream, whole = RolloutBuffer(3, 1), RolloutBuffer(3, 1, whole_batches=True)
-    for buf in (stream, whole):
-        start_all(buf, range(2), 0)  # a caller that left a batch open
-    assert stream.admissible(0) == 4
-    assert whole.admissible(0) == 3
+def test_dropped_groups_free_their_places_and_batches_stay_whole():
+    buf = RolloutBuffer(3, 0, whole_batches=True)
+    start_all(buf, range(3), 0)
+    assert buf.admissible(0) == 0
+    buf.drop(1)  # dynamic sampling: no signal in group 1
+    assert buf.admissible(0) == 1 and buf.started == 2
+    buf.start(3, 0)  # its replacement completes the batch
+    for g in (0, 2, 3):
+        buf.finish(g, group(g))
+    assert ids(buf.next_batch(0)) == [0, 2, 3]
+    with pytest.raises(TandemError, match="cannot be dropped"):
+        buf.drop(0)  # already trained
 
 
 def test_sync_is_strictly_on_policy():
@@ -246,6 +252,7 @@ class Run:
     trained: list[tuple[int, list[list[Sample]]]] = field(default_factory=list)  # (version, batch)
     start_versions: dict[int, int] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
+    dropped: set[int] = field(default_factory=set)
 
 
 def simulate(
@@ -258,10 +265,12 @@ def simulate(
     publish_time: Callable[[int], int],
     continue_updates: bool = False,
     max_running: int | None = None,
+    drops: Callable[[int], bool] = lambda gid: False,
 ) -> Run:
     """Discrete-event controller: admit while allowed, train when a batch is ready, publish later.
 
     With `continue_updates`, a running group's later tokens take the version published by then.
+    A group for which `drops(gid)` is true is dropped when it finishes (DAPO's dynamic sampling).
     """
     run, t, version, published = Run(), 0, 0, 0
     history = [(0, 0)]  # (time, published version)
@@ -269,12 +278,13 @@ def simulate(
     order = itertools.count()
     training = False
     started_at: dict[int, int] = {}
+    gids = itertools.count()
     for _ in range(100_000):
         running = buf.started - len(run.finished)
         free = buf.admissible(published)
         if max_running is not None:
             free = min(free, max_running - running)
-        for gid in range(buf.started, buf.started + free):
+        for gid in itertools.islice(gids, free):
             buf.start(gid, published)
             run.start_versions[gid], started_at[gid] = published, t
             heapq.heappush(events, (t + max(1, gen_time(gid)), next(order), "finish", gid))
@@ -291,7 +301,10 @@ def simulate(
             return run
         assert events, f"deadlock at t={t}, version {version}, published {published}"
         t, _, kind, arg = heapq.heappop(events)
-        if kind == "finish":
+        if kind == "finish" and drops(arg):
+            buf.drop(arg)
+            run.dropped.add(arg)
+        elif kind == "finish":
             start = (run.start_versions[arg], started_at[arg])
             buf.finish(arg, make_group(arg, n, start, t, history, continue_updates))
             run.finished.add(arg)
@@ -340,18 +353,20 @@ def check_run(buf: RolloutBuffer, run: Run, n: int, steps: int) -> None:
     assert len(trained_ids) == len(set(trained_ids))  # nothing trained twice
     trained_at = {gid: version for version, batch in run.trained for gid in ids(batch)}
     for gid, start in run.start_versions.items():
-        if start + buf.max_staleness < steps:  # due by now: trained, and in time
+        if start + buf.max_staleness < steps and gid not in run.dropped:  # due by now: trained, and in time
             assert trained_at.get(gid, steps) <= start + buf.max_staleness
-    if buf.whole_batches:  # batch v is the v-th admitted batch
+    if buf.whole_batches and not run.dropped:  # batch v is the v-th admitted batch
         b = buf.batch_size
         assert [sorted(ids(batch)) for _, batch in run.trained] == [
             list(range(v * b, (v + 1) * b)) for v in range(steps)
         ]
-    in_flight = set(run.start_versions) - run.finished
+    in_flight = set(run.start_versions) - run.finished - run.dropped
     ready = run.finished - set(trained_ids)
     assert set(buf.in_flight_ids) == in_flight
-    assert set(trained_ids) | in_flight | ready == set(run.start_versions)  # nothing lost
-    assert (buf.started, buf.consumed) == (len(run.start_versions), len(trained_ids))
+    assert set(trained_ids) | in_flight | ready | run.dropped == set(run.start_versions)  # nothing lost
+    assert not run.dropped & set(trained_ids)
+    started = len(run.start_versions) - len(run.dropped)
+    assert (buf.started, buf.consumed) == (started, len(trained_ids))
     assert (buf.in_flight, buf.ready) == (len(in_flight), len(ready))
 
 
@@ -368,10 +383,11 @@ GEN_TIMES = [1, 1, 1, 2, 2, 3, 5, 8, 40]  # heavy tail: now and then a very slow
     speeds=st.lists(st.integers(1, 3), min_size=1, max_size=3),
     continue_updates=st.booleans(),
     cap=st.none() | st.integers(1, 8),
+    drop_every=st.sampled_from([0, 2, 3]),
     data=st.data(),
 )
 def test_simulated_controller_keeps_the_bound(
-    batch_size, n, k, whole, steps, speeds, continue_updates, cap, data
+    batch_size, n, k, whole, steps, speeds, continue_updates, cap, drop_every, data
 ):
     buf = RolloutBuffer(batch_size, k, whole_batches=whole)
     base = data.draw(st.lists(st.sampled_from(GEN_TIMES), min_size=1, max_size=40), label="gen times")
@@ -386,6 +402,7 @@ def test_simulated_controller_keeps_the_bound(
         publish_time=lambda v: publish[v % len(publish)],
         continue_updates=continue_updates,
         max_running=None if whole else cap,
+        drops=lambda gid: bool(drop_every) and gid % drop_every == 1,
     )
     check_run(buf, run, n, steps)
 

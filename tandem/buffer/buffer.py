@@ -84,11 +84,11 @@ class RolloutBuffer:
     def admissible(self, published_version: int) -> int:
         """How many more groups may start now: (P + k + 1) * B - started, floored at 0.
 
-        With `whole_batches` the count is rounded down to a multiple of `batch_size`.
+        With `whole_batches` the limit is a whole number of batches, so this completes the last
+        batch started (after a `drop`, the dropped groups' places) or starts whole new ones.
         """
         _check_version("published_version", published_version)
-        free = max(0, self._limit(published_version) - self._started)
-        return free - free % self.batch_size if self.whole_batches else free
+        return max(0, self._limit(published_version) - self._started)
 
     def start(self, group_id: int, version: int) -> None:
         """Record that group `group_id` started at published version `version` (its start version)."""
@@ -119,6 +119,17 @@ class RolloutBuffer:
         group.samples = list(samples)
         group.finish_index = self._finished
         self._finished += 1
+
+    def drop(self, group_id: int) -> None:
+        """Forget a started group that will not be trained (DAPO's dynamic sampling drops a group
+        whose rewards are all equal): it no longer counts as started, so a new group may start in
+        its place. The staleness argument above holds unchanged: it counts the groups that are
+        trained, and a dropped group is as if it had never started."""
+        group = self._groups.get(group_id)
+        if group is None or group.samples is not None:
+            raise TandemError(f"Group {group_id} cannot be dropped: it is not generating in the buffer.")
+        del self._groups[group_id]
+        self._started -= 1
 
     def next_batch(self, version: int) -> list[list[Sample]] | None:
         """The `batch_size` groups that train version `version`, or None while the fence waits.

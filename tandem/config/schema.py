@@ -104,6 +104,10 @@ class RewardConfig:
     fn: str = "auto"  # "auto" (by data_source), a verifier name, or "pkg.module:function"
     num_workers: int = 2
     timeout_s: float = 10.0
+    # DAPO's overlong shaping of training rewards (not validation's): the last `overlong_buffer`
+    # tokens before rollout.max_new_tokens cost up to `overlong_penalty`, linearly. 0 = off.
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
 
 @dataclass
@@ -126,6 +130,11 @@ class AlgoConfig:
     mis_high: float = 2.0
     opsm_delta: float = 1e-4  # opsm drops A < 0 sequences with mean log(π_old/π_θ) above this
     prox_logprob: str = "recompute"  # decoupled's π_prox: recompute | interpolate (no forward pass)
+    # DAPO's dynamic sampling: a group whose rewards are all equal (no signal) is dropped after
+    # scoring and a new prompt takes its place, up to max_filter_rounds batches of prompts per
+    # train step; past that the run stops with an error rather than loop forever.
+    filter_groups: bool = False
+    max_filter_rounds: int = 10
 
 
 @dataclass

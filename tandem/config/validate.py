@@ -79,6 +79,13 @@ def validate(cfg: Config) -> None:
         _one_of(cfg.data.task, TASKS.names(), "data.task", "task")
     _check(cfg.reward.num_workers >= 1, "reward.num_workers", "must be >= 1.")
     _check(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0 seconds.")
+    _check(
+        0 <= cfg.reward.overlong_buffer < cfg.rollout.max_new_tokens,
+        "reward.overlong_buffer",
+        f"must be in [0, rollout.max_new_tokens={cfg.rollout.max_new_tokens}) (0 = off), got "
+        f"{cfg.reward.overlong_buffer}.",
+    )
+    _check(cfg.reward.overlong_penalty >= 0, "reward.overlong_penalty", "must be >= 0.")
     _one_of(cfg.algo.adv_estimator, ADV_ESTIMATORS.names(), "algo.adv_estimator", "advantage estimator")
     _one_of(cfg.algo.policy_loss, POLICY_LOSSES.names(), "algo.policy_loss", "policy loss")
     _one_of(cfg.algo.kl_estimator, KL_ESTIMATORS.names(), "algo.kl_estimator", "KL estimator")
@@ -87,6 +94,12 @@ def validate(cfg: Config) -> None:
     _check(cfg.algo.clip_high >= 0, "algo.clip_high", f"must be >= 0, got {cfg.algo.clip_high}.")
     _check(cfg.algo.clip_c is None or cfg.algo.clip_c > 1, "algo.clip_c", "must be > 1 (or null to disable).")
     _check_corrections(cfg)
+    _check(cfg.algo.max_filter_rounds >= 1, "algo.max_filter_rounds", "must be >= 1.")
+    _check(
+        not cfg.algo.filter_groups or cfg.rollout.n >= 2,
+        "algo.filter_groups",
+        "needs rollout.n >= 2: a group of one always has equal rewards and would always be dropped.",
+    )
     _check(cfg.train.lr > 0, "train.lr", "must be > 0.")
     _one_of(cfg.train.schedule, SCHEDULES, "train.schedule", "LR schedule")
     _check(len(cfg.train.betas) == 2, "train.betas", "must be two numbers, e.g. [0.9, 0.999].")

@@ -23,6 +23,7 @@ from tandem.controller.roles import (
 from tandem.controller.timeline import Span
 from tandem.devices import DTYPES
 from tandem.reward import RewardPool
+from tandem.reward.shaping import overlong_penalty
 from tandem.rollout import SamplingParams
 from tandem.sample import Sample
 from tandem.sync import TRANSPORTS, BucketPlan, StagingBuffer, init_world, new_group
@@ -199,10 +200,19 @@ class RewardActor(_Timed):
     def __init__(self, cfg: Config):
         self.name = "reward/0"
         self.pool = RewardPool(cfg.reward.fn, cfg.reward.num_workers, cfg.reward.timeout_s)
+        self.max_length, self.reward = cfg.rollout.max_new_tokens, cfg.reward
 
     def score(self, samples: list[Sample], kind: str = "reward"):
+        """Verifier rewards; training samples ("reward") then take the overlong shaping, held-out
+        ones ("val_reward") stay as verified, so accuracy means accuracy."""
         start = time.time()
         metrics = self.pool.score(samples)
+        if kind == "reward" and self.reward.overlong_buffer:
+            buffer, factor = self.reward.overlong_buffer, self.reward.overlong_penalty
+            for s in samples:
+                penalty = overlong_penalty(len(s.response_ids), self.max_length, buffer, factor)
+                s.reward += penalty
+                s.reward_parts["overlong_penalty"] = penalty  # logged as reward/overlong_penalty/mean
         return samples, metrics, self._span(kind, start)
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ from tandem.buffer import RolloutBuffer
 from tandem.config import Config
 from tandem.controller.checkpoint import Checkpoints
 from tandem.controller.cluster import Cluster
+from tandem.controller.dynamic_sampling import DynamicSampling
 from tandem.controller.resume import resume_from, save_checkpoint
 from tandem.controller.roles import Data, sampling_params
 from tandem.controller.stats import rollout_stats
@@ -92,7 +93,10 @@ class Loop:
         self.val_left: dict[int, int] = {}
         self.val_metrics: dict[int, dict[str, float]] = {}  # by the version validated
         self.last_metrics: dict[str, float] = {}
-        self.step_extra = dict(STEP_COUNTERS)
+        self.sampling = None  # DAPO's dynamic sampling (algo.filter_groups)
+        if cfg.algo.filter_groups:
+            self.sampling = DynamicSampling(cfg.rollout.batch_size, cfg.algo.max_filter_rounds)
+        self.step_extra = self.counters()
         self.rewards = {"scored": 0.0, "failed": 0.0}  # training samples, over the run
         self.timeline = Timeline(cluster.names)
         self.on_step = None  # a callback(version) after each train step (tests use it)
@@ -116,6 +120,8 @@ class Loop:
                 self.buffer.start(self.next_group + g, self.published)
             self.next_group += len(prompts)
             room -= len(prompts)
+            if self.sampling:
+                self.step_extra["filter/extra_prompts"] += self.sampling.refilled(len(prompts))
             self.work.append(("generate", samples, self.published))
 
     def heavy_tailed_length(self) -> int:
@@ -245,6 +251,11 @@ class Loop:
             self.step_extra[k] = self.step_extra.get(k, 0.0) + v
         self.rewards["scored"] += len(samples)
         self.rewards["failed"] += metrics.get("reward/errors", 0.0) + metrics.get("reward/timeouts", 0.0)
+        if self.sampling:
+            samples, dropped = self.sampling.keep(samples, self.buffer, self.version)
+            self.step_extra["filter/dropped_groups"] += dropped
+            if not samples:
+                return
         if self.cluster.ref is not None:
             self.pending[self.cluster.ref.score.remote(samples)] = Call("ref", "ref/0", samples, call.version)
         else:
@@ -270,6 +281,8 @@ class Loop:
         if self.training:
             return
         self.version += 1
+        if self.sampling:
+            self.sampling.since_step = 0
         self.log_step(call.samples, self.train_results[0])
         self.push_weights()
         if self.validates(self.version):
@@ -390,11 +403,16 @@ class Loop:
             "perf/throughput_tokens_per_s": tokens / wall,
             "version": float(self.version),
         }
-        self.step_extra = dict(STEP_COUNTERS)
+        self.step_extra = self.counters()
         self.step_start = now
         self.last_metrics = metrics
         self.logger.log(self.version, metrics)
         self.logger.log_batch(self.version, sorted({s.group_id for s in batch}))
+
+    def counters(self) -> dict[str, float]:
+        """The per-step counters, zeroed."""
+        extra = {"filter/dropped_groups": 0.0, "filter/extra_prompts": 0.0} if self.sampling else {}
+        return {**STEP_COUNTERS, **extra}
 
     def on_worker_died(self, call: Call, error: Exception) -> None:
         """A dead rollout worker is restarted by Ray: re-sync its weights, re-submit its prompts."""

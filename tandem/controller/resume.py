@@ -70,6 +70,7 @@ def driver_state(loop: "Loop") -> dict[str, Any]:
         "val_metrics": loop.val_metrics,
         "rewards": loop.rewards,
         "lengths": loop.lengths.getstate(),
+        "filter": loop.sampling.state_dict() if loop.sampling else None,
     }
 
 
@@ -86,6 +87,8 @@ def resume_from(loop: "Loop", path: Path) -> None:
     loop.next_group, loop.val_metrics = state["next_group"], state["val_metrics"]
     loop.rewards = state["rewards"]
     loop.lengths.setstate(state["lengths"])
+    if loop.sampling and state.get("filter"):
+        loop.sampling.load_state_dict(state["filter"])
     loop.data.train.load_state_dict(state["loader"])
     loop.buffer.load_state_dict(state["buffer"])
     streams = zip(loop.cluster.rollouts, state["engine_rngs"], strict=True)
