@@ -123,7 +123,7 @@ def test_verifier_and_auto_specs():
     assert load_reward_fn("addition")(sample("7").prompt, "7") == (1.0, {})
     auto = load_reward_fn("auto")
     assert auto(sample("x", "olleh", data_source="reverse").prompt, "olleh") == (1.0, {})
-    with pytest.raises(TandemError, match="'gsm8k'.*addition, countdown"):
+    with pytest.raises(TandemError, match="'gsm8k'.*addition, code, countdown"):
         auto(sample("x", data_source="gsm8k").prompt, "7")
 
 
@@ -155,7 +155,7 @@ def test_file_path_spec():
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("nope", "Unknown reward function 'nope'.*auto.*addition, countdown"),
+        ("nope", "Unknown reward function 'nope'.*auto.*addition, code, countdown"),
         ("no_such_module_xyz:f", "Cannot import module 'no_such_module_xyz'"),
         ("reward_fns_example:missing", "no attribute 'missing'.*verl_score"),
         ("reward_fns_example:NOT_CALLABLE", "not callable"),

@@ -3,6 +3,13 @@
 A reward function that raises, hangs or kills its process costs only the sample it was scoring:
 that sample gets reward 0.0 and is counted in `reward/errors` or `reward/timeouts`; `score` itself
 neither raises nor hangs because of it.
+
+The code verifier starts a sandboxed subprocess per test from inside a worker, so one sample's
+tests share the worker's per-sample `timeout_s`: they get a budget of `timeout_s` - 1 s (half of
+`timeout_s` when that is under 2 s), each test at most `sandbox_timeout_s` of it, and the tests
+left when the budget is spent count as timed out. So the verifier returns its partial score in
+time rather than lose the whole sample to the pool's kill (were the worker killed, its sandbox
+child would die with it: see `tandem.sandbox`). Set `timeout_s` >= tests x time per test + 1 s.
 """
 
 import logging
@@ -15,6 +22,7 @@ from functools import cache
 
 from pebble import ProcessExpired, ProcessFuture, ProcessPool
 
+from tandem.reward.code import CodeLimits
 from tandem.reward.user_fn import AutoReward, RewardFn, canonical_spec, load_reward_fn
 from tandem.sample import Prompt, Sample
 
@@ -24,6 +32,9 @@ _MAX_LOGGED = 8  # failures logged one by one per `score` call; the rest in one 
 # Headroom per wave of tasks for the backstop deadline: a worker that ignores SIGTERM gets 3 s
 # before pebble SIGKILLs it, and its replacement has to start.
 _WAVE_SLACK_S = 5.0
+# A sample's time the code verifier leaves unspent: the worker's own overhead and the last test's
+# sandbox teardown.
+_CODE_SLACK_S = 1.0
 
 
 class RewardPool:
@@ -31,15 +42,29 @@ class RewardPool:
 
     `fn` is a reward spec (see `load_reward_fn`): resolved here, so a bad name fails at startup,
     and again by name in each worker. Workers live across `score` calls; a killed one is replaced.
+    `sandbox_timeout_s` and `sandbox_memory_mb` limit each test the code verifier runs.
     """
 
-    def __init__(self, fn: str = "auto", num_workers: int = 2, timeout_s: float = 10.0):
+    def __init__(
+        self,
+        fn: str = "auto",
+        num_workers: int = 2,
+        timeout_s: float = 10.0,
+        sandbox_timeout_s: float = 5.0,
+        sandbox_memory_mb: int = 512,
+    ):
         if num_workers < 1:
             raise ValueError(f"reward num_workers must be >= 1, got {num_workers}")
         if not timeout_s > 0:
             raise ValueError(f"reward timeout_s must be > 0, got {timeout_s}")
+        if not sandbox_timeout_s > 0:
+            raise ValueError(f"reward sandbox_timeout_s must be > 0, got {sandbox_timeout_s}")
+        if sandbox_memory_mb < 1:
+            raise ValueError(f"reward sandbox_memory_mb must be >= 1, got {sandbox_memory_mb}")
         self.spec = canonical_spec(fn)
-        self.fn: RewardFn = load_reward_fn(self.spec)
+        budget_s = max(timeout_s - _CODE_SLACK_S, timeout_s / 2)
+        self.code_limits = CodeLimits(sandbox_timeout_s, sandbox_memory_mb, budget_s)
+        self.fn: RewardFn = load_reward_fn(self.spec, self.code_limits)
         self.num_workers, self.timeout_s = num_workers, timeout_s
         self._pool = self._start()
         self._closed = False
@@ -54,7 +79,7 @@ class RewardPool:
         pool = ProcessPool(
             max_workers=self.num_workers,
             initializer=_warm_worker,
-            initargs=(self.spec,),
+            initargs=(self.spec, self.code_limits),
             context=multiprocessing.get_context(method),
         )
         # pebble starts its workers on the first task; start them now, so that the fork server's
@@ -78,7 +103,9 @@ class RewardPool:
             self._pool = self._start()
         futures = [
             self._pool.schedule(
-                _score_in_worker, args=(self.spec, s.prompt, s.response_text), timeout=self.timeout_s
+                _score_in_worker,
+                args=(self.spec, self.code_limits, s.prompt, s.response_text),
+                timeout=self.timeout_s,
             )
             for s in samples
         ]
@@ -148,28 +175,30 @@ def _ping() -> None:
 
 
 @cache
-def _worker_fn(spec: str) -> RewardFn:
-    return load_reward_fn(spec)
+def _worker_fn(spec: str, code_limits: CodeLimits) -> RewardFn:
+    return load_reward_fn(spec, code_limits)
 
 
-def _warm_worker(spec: str) -> None:
+def _warm_worker(spec: str, code_limits: CodeLimits) -> None:
     """Resolve the reward function when the worker starts, not inside a timed call."""
     try:
-        _worker_fn(spec)
+        _worker_fn(spec, code_limits)
         if spec in ("auto", "math"):
             import math_verify  # noqa: F401  # imports sympy (~0.7 s), which would eat a call's timeout
     except Exception:
         pass  # the call itself will raise it again and report it for its sample
 
 
-def _score_in_worker(spec: str, prompt: Prompt, response: str) -> tuple[float, dict[str, float], str | None]:
+def _score_in_worker(
+    spec: str, code_limits: CodeLimits, prompt: Prompt, response: str
+) -> tuple[float, dict[str, float], str | None]:
     """Runs in a worker: (score, parts, None), or (0.0, {}, error text) when the function raised.
 
     Errors come back as text, not as exceptions, so a user's exception class need not unpickle
     in the parent and a timeout or a dead worker is the only thing the future itself raises.
     """
     try:
-        score, parts = _worker_fn(spec)(prompt, response)
+        score, parts = _worker_fn(spec, code_limits)(prompt, response)
         return float(score), {k: float(v) for k, v in parts.items()}, None
     except BaseException as e:  # noqa: B036  # even SystemExit costs only this sample
         frame = traceback.extract_tb(e.__traceback__)[-1]

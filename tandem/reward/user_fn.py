@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from tandem.errors import TandemError
+from tandem.reward.code import CodeLimits
 from tandem.reward.verifiers import VERIFIERS, Verifier
 from tandem.sample import Prompt
 
@@ -35,23 +36,42 @@ def _spec_forms() -> str:
     )
 
 
+def _verify(
+    verifier: Verifier, prompt: Prompt, response: str, code_limits: CodeLimits | None
+) -> tuple[float, dict[str, float]]:
+    """Call a verifier on a prompt's columns; a bare float result has no parts."""
+    result = verifier(
+        response,
+        prompt.ground_truth,
+        prompt.extra_info,
+        data_source=prompt.data_source,
+        code_limits=code_limits,
+    )
+    if isinstance(result, tuple):
+        score, parts = result
+        return float(score), dict(parts)
+    return float(result), {}
+
+
 class VerifierReward:
     """A registered verifier, called with the prompt's ground truth and extra info."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, code_limits: CodeLimits | None = None):
+        self.name, self.code_limits = name, code_limits
         self.verifier = VERIFIERS.get(name)
 
     def __call__(self, prompt: Prompt, response: str) -> tuple[float, dict[str, float]]:
-        return float(self.verifier(response, prompt.ground_truth, prompt.extra_info)), {}
+        return _verify(self.verifier, prompt, response, self.code_limits)
 
 
 class AutoReward:
     """The verifier named by each prompt's `data_source` (like verl's default_compute_score)."""
 
+    def __init__(self, code_limits: CodeLimits | None = None):
+        self.code_limits = code_limits
+
     def __call__(self, prompt: Prompt, response: str) -> tuple[float, dict[str, float]]:
-        verifier = self.verifier_for(prompt.data_source)
-        return float(verifier(response, prompt.ground_truth, prompt.extra_info)), {}
+        return _verify(self.verifier_for(prompt.data_source), prompt, response, self.code_limits)
 
     def verifier_for(self, data_source: str) -> Verifier:
         if data_source not in VERIFIERS:
@@ -137,16 +157,17 @@ class TrlReward(_UserReward):
         return (0.0 if scores[0] is None else float(scores[0])), {}
 
 
-def load_reward_fn(spec: str) -> RewardFn:
+def load_reward_fn(spec: str, code_limits: CodeLimits | None = None) -> RewardFn:
     """Resolve a spec ("auto" | verifier name | "pkg.module:function" | "path/to/file.py:function").
 
-    A user function's convention (verl or TRL) is told by its parameter names. Raises TandemError
-    naming the spec and the valid forms when it cannot be resolved.
+    A user function's convention (verl or TRL) is told by its parameter names. `code_limits` goes
+    to the verifiers that run code (None = their defaults). Raises TandemError naming the spec and
+    the valid forms when it cannot be resolved.
     """
     if spec == "auto":
-        return AutoReward()
+        return AutoReward(code_limits)
     if spec in VERIFIERS:
-        return VerifierReward(spec)
+        return VerifierReward(spec, code_limits)
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
         raise TandemError(f"Unknown reward function {spec!r}. {_spec_forms()}")

@@ -1,6 +1,9 @@
 """Rule-based verifiers: `fn(solution_str, ground_truth, extra_info) -> float` in [0, 1].
 
 Each is registered in `VERIFIERS` under the `data_source` name that the "auto" reward dispatches on.
+A verifier may also return (score, parts), parts being metrics to log, and may declare the
+keyword arguments `data_source` (the row's) and `code_limits` (the sandbox's `CodeLimits`), which
+every call passes and the registry drops for a verifier that does not declare them.
 """
 
 import ast
@@ -10,10 +13,11 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
-from tandem.registry import Registry
+from tandem.registry import OptionRegistry
+from tandem.reward.code import CodeLimits, extract_program, parse_tests, run_tests
 
-Verifier = Callable[[str, Any, dict], float]
-VERIFIERS: Registry[Verifier] = Registry("verifier")
+Verifier = Callable[..., float | tuple[float, dict[str, float]]]
+VERIFIERS: OptionRegistry[Verifier] = OptionRegistry("verifier", context=["data_source", "code_limits"])
 
 _INT = re.compile(r"-?\d+")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -105,6 +109,26 @@ def _evaluate(node: ast.AST) -> Fraction:
         if isinstance(node.op, ast.Div):
             return left / right  # Fraction raises ZeroDivisionError on 0
     raise ValueError(f"not allowed in a countdown expression: {type(node).__name__}")
+
+
+@VERIFIERS.register("code")
+def code(
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict,
+    *,
+    data_source: str = "code",
+    code_limits: CodeLimits | None = None,
+) -> tuple[float, dict[str, float]]:
+    """passed / len(tests): the response's program (its last ```python or bare ``` block, else the
+    whole response) run against each test of `ground_truth` in the sandbox (`tandem.reward.code`).
+
+    Parts: `code/passed` (the same fraction) and `code/timeouts` (tests out of time). A row without
+    usable tests raises TandemError naming its data source and the formats expected. `code_limits`
+    None = `CodeLimits()`: 5 s and 512 MB per test, no overall budget.
+    """
+    tests = parse_tests(ground_truth, data_source)
+    return run_tests(extract_program(solution_str), tests, code_limits or CodeLimits())
 
 
 @VERIFIERS.register("math")
