@@ -1,16 +1,10 @@
-"""Engine: the one generate skeleton every engine runs, and sleep / wake.
+"""Engine: the one generate skeleton every engine runs, and sleep / wake (docs/rollout.md, "One
+generate skeleton", "Sleep and wake").
 
-`generate` checks the request (`GenerateCall`), enters the gate, applies the pending update (waking
-a sleeping engine first), finishes the samples that need no new token, then steps the engine's own
-`Generation` until it is done. Between two steps, in this order: the `on_step` test hook, a stop of
-the whole call (`abort()`, or an update under "abort"), the samples `abort(samples)` named, and under
-"continue" the weight swap. At the end every sample is written back, ABORTED when it has not ended.
-An engine supplies only `_begin` (its `Generation`), `named_weights` and what sleeping frees.
-
-Sleep (`rollout.free_memory_during_train`, docs/rollout.md "Sleep and wake"): a colocated engine
-frees its weights and KV cache while the trainer uses the device. Nothing is copied back on wake:
-the memory comes back with undefined contents, and the next weight push, which writes every tensor
-of `named_weights()`, refills it; generating before that push is an error, never garbage tokens.
+An engine supplies only `_begin` (its `Generation`), `named_weights`, `device` and what sleeping
+frees (`memory`). Sleep frees the weights and KV cache while the trainer uses the device; nothing
+is copied back on wake, so generating before a weight push has refilled them is an error, never
+garbage tokens.
 """
 
 import time
@@ -64,11 +58,7 @@ class Engine(UpdateGate):
     detokenizes = False
 
     def __init__(
-        self,
-        eos_token_ids: list[int],
-        version: int,
-        on_update: str,
-        on_step: Callable[[int], None] | None,
+        self, eos_token_ids: list[int], version: int, on_update: str, on_step: Callable[[int], None] | None
     ):
         super().__init__(version, on_update, on_step)
         self.eos_token_ids = list(eos_token_ids)
@@ -80,7 +70,6 @@ class Engine(UpdateGate):
     def generate(
         self, samples: list[Sample], params: SamplingParams, stop_check: StopCheck | None = None
     ) -> list[Sample]:
-        """`RolloutEngine.generate`: extend each sample's response (empty or partial) to its end."""
         call = GenerateCall.check(samples, params, stop_check, self.eos_token_ids, self.detokenizes)
         self._check_params(params)
         self._enter()
@@ -121,18 +110,19 @@ class Engine(UpdateGate):
     def _begin(self, samples: list[Sample], call: GenerateCall) -> Generation:
         raise NotImplementedError
 
-    # -- the sampling stream, for checkpoints --------------------------------------------------------
-    def rng_state(self) -> Tensor | None:
-        """The shared sampling generator's state (requests without a `Sample.seed` draw from it),
-        or None when the engine cannot restore it."""
-        generator = getattr(self, "generator", None)
-        return None if generator is None else generator.get_state()
-
-    def set_rng_state(self, state: Tensor) -> None:
-        self.generator.set_state(state)
-
     def _check_params(self, params: SamplingParams) -> None:
         """ValueError for sampling this engine cannot do (every engine does all of it but vLLM)."""
+
+    def rng_state(self) -> Tensor | None:
+        return None  # this engine cannot restore the stream unseeded requests draw from
+
+    def set_rng_state(self, state: Tensor) -> None:
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        """Where the engine's weights live (sleep hands CUDA memory back to the driver)."""
+        raise NotImplementedError
 
     # -- sleep and wake ------------------------------------------------------------------------------
     def sleep(self) -> dict[str, float]:
@@ -146,9 +136,8 @@ class Engine(UpdateGate):
             return {"memory/engine_bytes": 0.0, "perf/sleep_s": 0.0, "perf/wake_s": 0.0}
         start = time.perf_counter()
         freed = self._release()
-        device = self.device
-        if device.type == "cuda":  # hand the memory back to the driver, for another process
-            torch.cuda.synchronize(device)
+        if self.device.type == "cuda":  # hand the memory back to the driver, for another process
+            torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
         self.asleep = True
         seconds = time.perf_counter() - start
@@ -163,17 +152,12 @@ class Engine(UpdateGate):
         self.asleep, self._needs_push = False, True
         self.last_wake_s = time.perf_counter() - start
 
-    @property
-    def device(self) -> torch.device:
-        """Where the engine's weights live (sleep hands CUDA memory back to the driver)."""
-        raise NotImplementedError
-
     def engine_bytes(self) -> int:
         """Bytes of the weights and KV cache this engine holds now (0 asleep)."""
         return self.memory.nbytes
 
     def _release(self) -> int:
-        """Free the weights and KV cache (`self.memory`, set by the engine) -> bytes freed."""
+        """Free the weights and KV cache -> bytes freed."""
         return self.memory.free()
 
     def _restore(self) -> None:
@@ -206,7 +190,6 @@ class Storages:
         return sum(s.nbytes() for s in self.storages)
 
     def free(self) -> int:
-        """-> bytes freed."""
         held = self.nbytes
         for s in self.storages:
             s.resize_(0)

@@ -1,35 +1,29 @@
 """PagedEngine: the built-in engine with continuous batching over a paged KV cache.
 
-Same `RolloutEngine` contract and semantics as `BuiltinEngine` (docs/rollout.md): the same
-`generate`, per-token versions, `on_update` policies, abort and partial continuation. What differs
-is inside: sequences join and leave the batch at every step (`Scheduler`), their keys live in
-fixed-size blocks (`BlockManager`, `PagedKVCache`) shared by the samples of a group and, through
-the prefix cache, by requests with the same leading tokens, and a sequence that finds no memory is
-preempted and recomputed later instead of failing.
-
-The generate call and what happens between steps are `Engine`'s skeleton, as for every engine;
-every applied update also resets the prefix cache, so keys computed on old weights are never handed
-to a new sequence.
+Same contract and semantics as `BuiltinEngine` (docs/rollout.md); what differs is inside:
+sequences join and leave the batch at every step (`Scheduler`), their keys live in fixed-size
+blocks (`BlockManager`, `PagedKVCache`) shared by the samples of a group and, through the prefix
+cache, by requests with the same leading tokens, and a sequence that finds no memory is preempted
+and recomputed later instead of failing. Every applied update resets the prefix cache, so keys
+computed on old weights are never handed to a new sequence.
 """
 
 import itertools
 from collections.abc import Callable
 
-import torch
-
 from tandem.model import CausalLM
 from tandem.model.paged_kv import PagedKVCache
-from tandem.rollout.base import Engine, Storages
+from tandem.rollout.base import Storages
 from tandem.rollout.block_manager import BlockManager
 from tandem.rollout.call import GenerateCall
-from tandem.rollout.inference_model import inference_model, model_tensors
+from tandem.rollout.decoder_engine import DecoderEngine, model_tensors
 from tandem.rollout.model_runner import ModelRunner
 from tandem.rollout.scheduler import Scheduler
 from tandem.rollout.sequence import Sequence
 from tandem.sample import Sample
 
 
-class PagedEngine(Engine):
+class PagedEngine(DecoderEngine):
     """Continuous batching on `model` over `num_kv_blocks` blocks of `block_size` tokens.
 
     kv_budget_mb: size the blocks from a memory budget instead (overrides num_kv_blocks).
@@ -62,19 +56,14 @@ class PagedEngine(Engine):
         compile: bool = False,
         cuda_graphs: bool = False,
     ):
-        super().__init__(eos_token_ids, version, on_update, on_step)
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={max_num_batched_tokens}")
-        self.model = inference_model(model, compile)
-        self.pad_token_id = pad_token_id
+        super().__init__(model, eos_token_ids, pad_token_id, seed, version, on_update, on_step, compile)
         if kv_budget_mb is not None:
-            dtype = self.model.lm_head.weight.dtype
-            num_kv_blocks = int(kv_budget_mb * 2**20) // PagedKVCache.block_bytes(
-                model.cfg, block_size, dtype
-            )
+            block_bytes = PagedKVCache.block_bytes(model.cfg, block_size, self.model.lm_head.weight.dtype)
+            num_kv_blocks = int(kv_budget_mb * 2**20) // block_bytes
             if num_kv_blocks < 1:
                 raise ValueError(f"kv_budget_mb={kv_budget_mb} holds no block of {block_size} tokens")
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.block_manager = BlockManager(num_kv_blocks, block_size, prefix_caching)
         self.runner = ModelRunner(self.model, self.block_manager, cuda_graphs, max_num_seqs)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -82,14 +71,6 @@ class PagedEngine(Engine):
         self.num_preemptions = 0
         self._ids = itertools.count()
         self.memory = Storages([*model_tensors(self.model), *self.runner.cache.k, *self.runner.cache.v])
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.lm_head.weight.device
-
-    def named_weights(self) -> dict[str, torch.Tensor]:
-        """The tensors (Hugging Face names) a weight update writes into: the live parameters."""
-        return dict(self.model.named_parameters())
 
     def _release(self) -> int:
         self.block_manager.reset_prefix_cache()  # the cached keys are gone with the pools

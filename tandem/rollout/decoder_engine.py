@@ -1,14 +1,52 @@
-"""The built-in engines' copy of tandem's decoder: fused for inference, optionally compiled, and
-the tensors sleeping frees."""
+"""What the built-in engines share: their copy of tandem's decoder (fused for inference, optionally
+compiled), its sampling generator, and the tensors sleeping frees."""
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+import torch
 from torch import Tensor
 
 from tandem.errors import TandemError
 from tandem.model import CausalLM, fuse_projections
+from tandem.rollout.base import Engine, Storages
+
+
+class DecoderEngine(Engine):
+    """An engine on `model`; `named_weights()` are its live parameters. `seed` seeds the generator
+    that requests without a `Sample.seed` draw from; `compile`: see `inference_model`."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        seed: int,
+        version: int,
+        on_update: str,
+        on_step: Callable[[int], None] | None,
+        compile: bool,
+    ):
+        super().__init__(eos_token_ids, version, on_update, on_step)
+        self.model = inference_model(model, compile)
+        self.pad_token_id = pad_token_id
+        # On the model's device: a sampling draw must come from a generator of the noise's device.
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.memory = Storages(model_tensors(self.model))
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.lm_head.weight.device
+
+    def named_weights(self) -> dict[str, Tensor]:
+        return dict(self.model.named_parameters())
+
+    def rng_state(self) -> Tensor:
+        return self.generator.get_state()
+
+    def set_rng_state(self, state: Tensor) -> None:
+        self.generator.set_state(state)
 
 
 def inference_model(model: CausalLM, compile: bool = False) -> CausalLM:
