@@ -1,23 +1,12 @@
-"""VLLMEngine: the `RolloutEngine` contract (docs/rollout.md) on vLLM, for machines with a GPU.
+"""VLLMEngine: the `RolloutEngine` contract on vLLM, for machines with a GPU (docs/rollout.md,
+"vLLM backend", says what maps to what).
 
-How it drives vLLM, and why:
-
-- vLLM's `LLMEngine` runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and `generate` steps it
-  itself, one `step()` at a time, on the calling thread. Between two steps it honours what other
-  threads asked for — `abort()`, a pending update under `on_update` — exactly where the built-in
-  engines check between decode steps, so it needs no event loop and no second thread. `AsyncLLM` was
-  the other choice; it always runs vLLM's engine core in a child process, so every weight update
-  would have to cross a process boundary (CUDA IPC handles or NCCL), and its steps are not ours to
-  count. In-process, an update reaches the model as a plain call (`apply_model`).
-- vLLM fuses q/k/v and gate/up into single parameters, so the trainer's tensors cannot be written
-  into its model by Hugging Face name. `named_weights()` returns buffers with the trainer's names,
-  shapes and dtypes on the GPU; applying an update runs `apply()` (which fills them), pushes them
-  through the model's own `load_weights`, and empties vLLM's prefix cache so that no key computed
-  on the old weights is handed to a later request.
-- "continue": vLLM cannot swap weights under running requests, so at the swap the engine aborts
-  them, applies the update, and resubmits each as prompt + its tokens so far. Versions switch at
-  the same token as in the built-in engines, but the prefix is prefilled again on the new weights
-  (the built-in engines keep the cached keys of the old ones).
+vLLM's `LLMEngine` runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and `generate` steps it,
+one `step()` at a time, on the calling thread: between two steps it honours `abort()` and a pending
+update exactly where the built-in engines do, with no event loop and no second thread. `AsyncLLM`
+always runs vLLM's engine core in a child process, so every weight update would have to cross a
+process boundary (CUDA IPC handles or NCCL), and its steps are not ours to count; in-process, an
+update reaches the model as a plain call (`apply_model`).
 """
 
 import itertools
@@ -55,19 +44,17 @@ def require_vllm() -> None:
 
 
 class VLLMEngine(Engine):
-    """Generates on vLLM from the checkpoint at `model_path`; thread-safe `abort`, `set_pending_update`.
+    """Generates on vLLM from the checkpoint at `model_path`, on one GPU.
 
-    eos_token_ids, pad_token_id, seed, version, on_update: as `BuiltinEngine` (`seed` seeds the
-        requests without a `Sample.seed`).
+    seed, version, on_update, on_step: as `BuiltinEngine`'s (`seed` seeds vLLM's own stream, which
+        `rng_state` cannot reach: a resumed run's unseeded requests draw afresh, docs/resume.md).
     dtype: of vLLM's model and of the update buffers — the trainer's dtype.
-    logprobs_mode: vLLM's, fixed for the engine's life (see `choose_logprobs_mode`); a call whose
+    logprobs_mode: vLLM's, fixed for the engine's life (`choose_logprobs_mode`); a call whose
         logprobs it cannot record raises ValueError.
     gpu_memory_utilization: the share of the GPU vLLM takes for its weights and KV cache; the
         update buffers (one more copy of the weights) come on top of it.
     max_num_seqs, enable_prefix_caching, enforce_eager: vLLM's engine arguments; engine_args: any
-        other `vllm.EngineArgs` field. One GPU: no tensor parallelism.
-    on_step: a test hook, as BuiltinEngine's: called between steps with the number of engine steps
-        of this call that produced tokens, just before the engine checks for an abort or an update.
+        other `vllm.EngineArgs` field.
     sleep_mode: vLLM's enable_sleep_mode, needed by `sleep()` (rollout.free_memory_during_train).
     """
 
@@ -119,13 +106,9 @@ class VLLMEngine(Engine):
         self.memory = Storages(self._weights.values())
         self._ids = itertools.count()
 
-    def rng_state(self) -> None:
-        """vLLM keeps its sampling generators inside its workers, out of reach: a resumed run's
-        requests without a `Sample.seed` draw from a fresh stream (docs/resume.md)."""
-        return None
-
     def named_weights(self) -> dict[str, Tensor]:
-        """The update buffers (Hugging Face names, the trainer's shapes and dtypes, on the GPU)."""
+        """Update buffers with the trainer's names, shapes and dtypes: vLLM fuses q/k/v and gate/up,
+        so its own parameters cannot take the trainer's tensors by name."""
         return self._weights
 
     @property
@@ -195,9 +178,7 @@ class _Requests:
         return produced
 
     def stop(self, keys: set[tuple[int, int]]) -> None:
-        picked = {i: r for i, r in self.live.items() if r.sample.key in keys}
-        for request in self._drop(picked):
-            request.write_back("abort")
+        self._drop({i: r for i, r in self.live.items() if r.sample.key in keys}, "abort")
 
     def swap(self, apply: Callable[[], int | None]) -> None:
         """vLLM cannot swap weights under running requests: abort them (their tokens so far keep
@@ -207,8 +188,7 @@ class _Requests:
         self._submit([r.sample for r in requests])
 
     def close(self) -> None:
-        for request in self._drop(dict(self.live)):  # stopped by abort(), an update under "abort", an error
-            request.write_back("abort")
+        self._drop(dict(self.live), "abort")  # stopped by abort(), an update under "abort", an error
 
     def _submit(self, samples: list[Sample]) -> None:
         """One vLLM request per sample: its prompt + partial response, the rest of its cap to go.
@@ -221,13 +201,14 @@ class _Requests:
             self.engine.llm.add_request(request_id, prompt, _vllm_params(s, self.call))
             self.live[request_id] = _Request(s, self.engine.version)
 
-    def _drop(self, requests: "dict[str, _Request]") -> "list[_Request]":
-        """Abort these live requests in vLLM (freeing their KV blocks now) and write their tokens back."""
+    def _drop(self, requests: "dict[str, _Request]", reason: str | None = None) -> "list[_Request]":
+        """Abort these live requests in vLLM (freeing their KV blocks now) and write their tokens
+        back; with `reason`, their samples end."""
         if requests:
             self.engine.llm.abort_request(list(requests))
         for request_id, request in requests.items():
             del self.live[request_id]
-            request.write_back()
+            request.write_back(reason)
         return list(requests.values())
 
 
@@ -283,9 +264,7 @@ def _vllm_params(s: Sample, call: GenerateCall) -> Any:
         repetition_penalty=params.repetition_penalty,
         max_tokens=call.cap(s) - len(s.response_ids),
         stop=stop,
-        stop_token_ids=list(
-            call.stop_ids
-        ),  # EOS included: tandem's EOS ids decide, as in the built-in engines
+        stop_token_ids=list(call.stop_ids),  # EOS included: tandem's EOS ids decide, as in our engines
         include_stop_str_in_output=params.include_stop_str_in_output,
         ignore_eos=past_eos,
         seed=seed,
