@@ -1,15 +1,14 @@
 """BlockManager: hands out fixed-size KV-cache blocks by id, shares them, and caches full blocks.
 
-Pure bookkeeping, no tensors: the engine's model runner owns the memory (`PagedKVCache`) and does
-what this module asks (write the slots it names, copy the blocks `append` returns).
+Pure bookkeeping, no tensors: the model runner owns the memory (`PagedKVCache`) and does what this
+module asks (write the slots it names, copy the blocks `append` returns). A sequence's token at
+position p lives in block `table[p // block_size]`, at offset `p % block_size`.
 
-A sequence's token at position p lives in block `table[p // block_size]`, at offset
-`p % block_size`. Blocks are shared two ways: `fork` gives a child every block of its parent (a GRPO
-group prefills its prompt once), and the prefix cache gives a new sequence the full blocks an earlier
-sequence already computed for the same leading tokens. A full block is named by a hash of (its
-parent block's hash, its own token ids), so a name stands for the whole prefix up to that block's
-end. The root of every chain is salted with an epoch that `reset_prefix_cache` bumps: after a weight
-update, KV computed on old weights is never handed to a new sequence.
+Blocks are shared two ways: `fork` gives a child every block of its parent (a GRPO group prefills
+its prompt once), and the prefix cache gives a new sequence the full blocks an earlier one computed
+for the same leading tokens. A full block is named by a hash of (its parent block's hash, its own
+token ids), so a name stands for the whole prefix up to its end; the root of every chain is salted
+with an epoch that `reset_prefix_cache` bumps, so KV of old weights never reaches a new sequence.
 
 Invariants (tests/test_block_manager.py checks them under random operation sequences):
 - Every block is in exactly one state: free (ref 0, no hash), used (ref > 0), or cached (ref 0,
@@ -34,8 +33,7 @@ from typing import NamedTuple
 
 
 class OutOfBlocks(RuntimeError):
-    """No free or evictable block is left. The scheduler asks `can_allocate` / `can_append` first
-    and, when the answer is no, preempts a sequence (frees it, recomputes it later)."""
+    """No free or evictable block is left (the scheduler asks `can_allocate` / `can_append` first)."""
 
 
 class UnknownSequence(LookupError):
@@ -50,11 +48,8 @@ class BlockCopy(NamedTuple):
 
 
 def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
-    """The 16-byte BLAKE2b of (parent block's hash, this block's token ids).
-
-    128 bits make an accidental collision (which would hand a sequence another prompt's keys)
-    vanishingly unlikely, so blocks keep no copy of their tokens to compare.
-    """
+    """The 16-byte BLAKE2b of (parent block's hash, this block's token ids). 128 bits make a
+    collision (another prompt's keys) vanishingly unlikely: blocks keep no tokens to compare."""
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
 
 
@@ -93,16 +88,13 @@ class BlockManager:
         self.hit_blocks = 0
         self.queried_blocks = 0
 
-    # ------------------------------------------------------------------ counts
-
     @property
     def num_free_blocks(self) -> int:
-        """Blocks that hold nothing. `num_available_blocks` adds the evictable cached ones."""
         return len(self._free)
 
     @property
     def num_cached_blocks(self) -> int:
-        """Blocks no sequence holds that keep computed keys for the prefix cache."""
+        """Blocks no sequence holds that keep computed keys for the prefix cache (evictable)."""
         return len(self._evictable)
 
     @property
@@ -120,10 +112,7 @@ class BlockManager:
         return self.num_used_blocks / self.num_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
-        """ceil(num_tokens / block_size)."""
-        return -(-num_tokens // self.block_size)
-
-    # ------------------------------------------------------------------ per sequence
+        return -(-num_tokens // self.block_size)  # ceil
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
@@ -148,8 +137,6 @@ class BlockManager:
         if not 0 <= start <= end <= len(seq.token_ids):
             raise ValueError(f"positions {start}..{end} outside the sequence's {len(seq.token_ids)} tokens")
         return [seq.table[p // bs] * bs + p % bs for p in range(start, end)]
-
-    # ------------------------------------------------------------------ operations
 
     def can_allocate(self, num_tokens: int) -> bool:
         """Whether `allocate` of `num_tokens` tokens surely fits. Prefix-cache hits are not counted,
@@ -185,13 +172,13 @@ class BlockManager:
     def can_append(self, seq_id: Hashable) -> bool:
         """Whether `append` finds a block: it takes one when the last block is full (or there is
         none), or shared and partly filled (copy-on-write). Ask before each append of a step."""
-        return self._blocks_to_append(self._seq(seq_id)) <= self.num_available_blocks
+        seq = self._seq(seq_id)
+        takes = len(seq.token_ids) % self.block_size == 0 or self._ref[seq.table[-1]] > 1
+        return int(takes) <= self.num_available_blocks
 
     def append(self, seq_id: Hashable, token_id: int) -> BlockCopy | None:
-        """Reserve the slot of one more token -> the block copy to make first, if any.
-
-        The new token's keys go to slot `slots(seq_id, n - 1)[0]` with n the new length.
-        """
+        """Reserve the slot of one more token (`slots(seq_id, n - 1)`, n the new length) -> the
+        block copy to make first, if any."""
         seq = self._seq(seq_id)
         copy = None
         if len(seq.token_ids) % self.block_size == 0:
@@ -256,8 +243,6 @@ class BlockManager:
         self._block_of.clear()
         self._hash_of.clear()
 
-    # ------------------------------------------------------------------ internals
-
     def _seq(self, seq_id: Hashable) -> _Seq:
         try:
             return self._seqs[seq_id]
@@ -281,11 +266,6 @@ class BlockManager:
             hits.append(self._block_of[parent])
             hashes.append(parent)
         return hits, hashes
-
-    def _blocks_to_append(self, seq: _Seq) -> int:
-        if len(seq.token_ids) % self.block_size == 0:
-            return 1
-        return int(self._ref[seq.table[-1]] > 1)
 
     def _take(self) -> int:
         """A block for new keys, ref count 1: a free one, else the least recently released cached one."""

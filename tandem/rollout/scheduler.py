@@ -1,32 +1,27 @@
 """Scheduler: continuous batching over a waiting and a running queue, within three budgets.
 
-Each step is a prefill or a decode (nano-vllm's split). A prefill admits waiting sequences while
-the sequence budget (`max_num_seqs`), the token budget (`max_num_batched_tokens`) and the KV budget
-(`BlockManager.can_allocate`) allow; otherwise every running sequence decodes one token.
+Each step is a prefill or a decode (nano-vllm's split; the runner pads a step's rows to its longest,
+so a decode row in a prefill step would cost a whole chunk). A prefill admits waiting sequences
+while the sequence budget (`max_num_seqs`), the token budget (`max_num_batched_tokens`) and the KV
+budget (`BlockManager.can_allocate`) allow; otherwise every running sequence decodes one token.
 
-Chunked prefill: a prompt that does not fit in what is left of a step's token budget is computed
-in chunks, one per prefill step, each after the keys of the chunks before it are in the cache. Its
-group waits in `partial` (holding its blocks, not decoding) and takes turns with the decode steps
-of the running sequences, so a long prompt neither breaks the budget nor stalls them; it joins
-`running` once its last chunk gives it logits. No step mixes prefill and decode rows: the runner
-pads a step's rows to its longest, so a decode row in a prefill step would cost a whole chunk.
-
-When a
-decode finds no free block, the most recently admitted running sequence is preempted: its blocks
-are freed and it goes back to the front of the waiting queue, to be recomputed from its prompt and
-the tokens it has so far (never an out-of-memory error). A sequence leaves as soon as it ends.
-
-Waiting sequences with the same tokens next to each other in the queue (the samples of one GRPO
-group, as `make_groups` lays them out) are admitted together: the first is allocated and
-prefilled, the others `fork` its blocks, so the prompt is prefilled once for the group
-(`group_sharing=False` turns this off, for benchmarks: each sample then prefills its own copy).
+- Chunked prefill: a prompt that does not fit in what is left of a step's token budget is computed
+  in chunks, one per prefill step. Its group waits in `partial` (holding its blocks) and takes turns
+  with the decode steps of the running sequences; it joins `running` once its last chunk gives it
+  logits.
+- Preemption: when a decode finds no free block, the most recently admitted running sequence is
+  freed and goes back to the front of the waiting queue, to be recomputed from its prompt and its
+  tokens so far (never an out-of-memory error).
+- Group sharing: waiting sequences with the same tokens next to each other in the queue (a GRPO
+  group, as `make_groups` lays them out) are admitted together: the first is prefilled, the others
+  `fork` its blocks (`group_sharing=False` turns this off, for benchmarks).
 """
 
 from collections import deque
 from dataclasses import dataclass, field
 
 from tandem.rollout.block_manager import BlockCopy, BlockManager
-from tandem.rollout.sequence import SeqState, Sequence
+from tandem.rollout.sequence import Sequence
 
 
 @dataclass
@@ -58,11 +53,7 @@ class Scheduler:
     """Decides each step's sequences; the `BlockManager` (which outlives it) holds their blocks."""
 
     def __init__(
-        self,
-        block_manager: BlockManager,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        group_sharing: bool = True,
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, group_sharing: bool
     ):
         self.bm = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -125,15 +116,14 @@ class Scheduler:
             self.bm.mark_computed(seq.seq_id, self.bm.num_tokens(seq.seq_id))
 
     def finish(self, seq: Sequence) -> None:
-        """The sequence ended: free its blocks now."""
+        """The sequence ended: its blocks are freed now."""
         self.bm.free(seq.seq_id)
         self.running.remove(seq)
-        seq.state = SeqState.FINISHED
 
     def abort(self, keys: set[tuple[int, int]]) -> None:
-        """Drop the running and waiting sequences whose sample's `key` is in `keys` (their blocks are freed
-        now; they are written back ABORTED with what they have). A group still being prefilled in
-        chunks is left to finish its prefill: the engine asks again every step."""
+        """Drop the running and waiting sequences whose sample's `key` is in `keys`, freeing their
+        blocks. A group still being prefilled in chunks is left to finish its prefill: the engine
+        asks again every step."""
         for seq in [s for s in self.running if s.sample.key in keys]:
             self.finish(seq)
         self.waiting = deque(s for s in self.waiting if s.sample.key not in keys)
@@ -143,9 +133,7 @@ class Scheduler:
         waiting ones."""
         for seq in self.running + (self.partial or []):
             self.bm.free(seq.seq_id)
-        self.running.clear()
-        self.partial = None
-        self.waiting.clear()
+        self.running, self.partial, self.waiting = [], None, deque()
 
     def _admit(self) -> Step | None:
         """Admit waiting groups into one prefill step while the budgets allow; the last may get only
@@ -168,8 +156,6 @@ class Scheduler:
                 member = self.waiting.popleft()
                 self.bm.fork(head.seq_id, member.seq_id)
                 group.append(member)
-            for seq in group:
-                seq.state = SeqState.RUNNING
             end = min(len(head), head.num_computed + self.max_num_batched_tokens - tokens)
             step.prefill.append(group)
             step.spans.append((head.num_computed, end))
@@ -201,6 +187,5 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free(seq.seq_id)
-        seq.state = SeqState.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

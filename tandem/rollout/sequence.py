@@ -1,20 +1,13 @@
 """Sequence: one `Sample` while the paged engine generates it.
 
 Thin on purpose: the `Sample` stays the record. A sequence holds what the scheduler and the model
-runner need while it runs — every token so far, the new tokens' logprobs and versions, its state —
-and `write_back` appends the new tokens to the sample when the call ends.
+runner need while it runs (every token so far, the new tokens' logprobs and versions), and
+`write_back` appends the new tokens to the sample when the call ends.
 """
 
 from dataclasses import dataclass, field
-from enum import Enum
 
 from tandem.sample import Sample
-
-
-class SeqState(str, Enum):
-    WAITING = "waiting"  # not admitted yet, or preempted: its KV will be (re)computed by a prefill
-    RUNNING = "running"  # holds blocks; decodes one token a step
-    FINISHED = "finished"  # ended on a stop token / string or its length cap
 
 
 @dataclass
@@ -31,7 +24,6 @@ class Sequence:
     max_tokens: int  # the most tokens token_ids may reach: prompt + the response cap
     new_logprobs: list[float] = field(default_factory=list)
     new_versions: list[int] = field(default_factory=list)
-    state: SeqState = SeqState.WAITING
     stopped: bool = False  # ended on a stop token or stop string
     num_computed: int = 0  # leading tokens whose keys are in the cache, while its prompt is prefilled
 
@@ -50,8 +42,8 @@ class Sequence:
         return self.token_ids[len(self.sample.prompt_ids) :]
 
     @property
-    def num_new(self) -> int:
-        return len(self.new_logprobs)
+    def at_cap(self) -> bool:
+        return len(self.token_ids) >= self.max_tokens
 
     def record(self, token: int, logprob: float, version: int) -> None:
         """One sampled token, from logits the weights of `version` computed."""
@@ -59,12 +51,8 @@ class Sequence:
         self.new_logprobs.append(logprob)
         self.new_versions.append(version)
 
-    @property
-    def at_cap(self) -> bool:
-        return len(self.token_ids) >= self.max_tokens
-
     def write_back(self) -> None:
         """Append the new tokens to the sample; one that has not ended (the call stopped) is ABORTED."""
-        n = self.num_new
-        self.sample.extend(self.token_ids[len(self.token_ids) - n :], self.new_logprobs, self.new_versions)
+        new = self.token_ids[len(self.token_ids) - len(self.new_logprobs) :]
+        self.sample.extend(new, self.new_logprobs, self.new_versions)
         self.sample.end("stop" if self.stopped else "length" if self.at_cap else "abort")
