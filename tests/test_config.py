@@ -67,6 +67,8 @@ def test_resolved_config_round_trips(tmp_path):
         (["train.strategy=fsdp"], r"not a known training strategy. Valid names: ddp, fsdp2"),
         (["train.offload=optimizer"], r"FSDP2's CPU offload: set train.strategy=fsdp2"),
         (["run.device=gpu"], r"'run.device' is 'gpu'.*auto, cpu, cuda"),
+        (["reward.sandbox_timeout_s=0"], r"'reward.sandbox_timeout_s' must be > 0 seconds"),
+        (["reward.sandbox_memory_mb=16"], r"'reward.sandbox_memory_mb' must be >= 32 \(MiB.*got 16"),
     ],
 )
 def test_bad_config_gives_a_clear_error(overrides, expected):

@@ -108,6 +108,11 @@ class RewardConfig:
     # tokens before rollout.max_new_tokens cost up to `overlong_penalty`, linearly. 0 = off.
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
+    # The code verifier (reward.fn=code, or data_source "code" under auto) runs each test in a
+    # sandboxed subprocess with this wall time and address space; all tests of one response share
+    # timeout_s, less 1 s (docs/rewards.md).
+    sandbox_timeout_s: float = 5.0
+    sandbox_memory_mb: int = 512
 
 
 @dataclass

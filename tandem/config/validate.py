@@ -86,6 +86,12 @@ def validate(cfg: Config) -> None:
         f"{cfg.reward.overlong_buffer}.",
     )
     _check(cfg.reward.overlong_penalty >= 0, "reward.overlong_penalty", "must be >= 0.")
+    _check(cfg.reward.sandbox_timeout_s > 0, "reward.sandbox_timeout_s", "must be > 0 seconds.")
+    _check(
+        cfg.reward.sandbox_memory_mb >= 32,
+        "reward.sandbox_memory_mb",
+        f"must be >= 32 (MiB of address space per test), got {cfg.reward.sandbox_memory_mb}.",
+    )
     _one_of(cfg.algo.adv_estimator, ADV_ESTIMATORS.names(), "algo.adv_estimator", "advantage estimator")
     _one_of(cfg.algo.policy_loss, POLICY_LOSSES.names(), "algo.policy_loss", "policy loss")
     _one_of(cfg.algo.kl_estimator, KL_ESTIMATORS.names(), "algo.kl_estimator", "KL estimator")

@@ -199,7 +199,7 @@ class RefActor(_Timed):
 class RewardActor(_Timed):
     def __init__(self, cfg: Config):
         self.name = "reward/0"
-        self.pool = RewardPool(cfg.reward.fn, cfg.reward.num_workers, cfg.reward.timeout_s)
+        self.pool = RewardPool.from_config(cfg.reward)
         self.max_length, self.reward = cfg.rollout.max_new_tokens, cfg.reward
 
     def score(self, samples: list[Sample], kind: str = "reward"):

@@ -15,7 +15,7 @@ def evaluate_checkpoint(cfg: Config, show: int = 0) -> dict[str, float]:
     rollout, limit = build_rollout(devices.resolve(cfg, torch.cuda.device_count()))
     prompts, source = load_split(cfg, cfg.data.val_files, "test", cfg.data.val_size, cfg.run.seed + 1)
     ids = limit.encode(rollout.tokenizer, prompts, source)
-    with RewardPool(cfg.reward.fn, cfg.reward.num_workers, cfg.reward.timeout_s) as reward:
+    with RewardPool.from_config(cfg.reward) as reward:
         params = sampling_params(cfg, cfg.rollout.val_temperature)
         metrics, samples = evaluate(rollout, reward, prompts, ids, params)
     for s in samples[:show]:

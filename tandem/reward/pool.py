@@ -19,12 +19,16 @@ import time
 import traceback
 from concurrent.futures import TimeoutError
 from functools import cache
+from typing import TYPE_CHECKING
 
 from pebble import ProcessExpired, ProcessFuture, ProcessPool
 
 from tandem.reward.code import CodeLimits
 from tandem.reward.user_fn import AutoReward, RewardFn, canonical_spec, load_reward_fn
 from tandem.sample import Prompt, Sample
+
+if TYPE_CHECKING:
+    from tandem.config.schema import RewardConfig
 
 log = logging.getLogger("tandem.reward")
 
@@ -68,6 +72,11 @@ class RewardPool:
         self.num_workers, self.timeout_s = num_workers, timeout_s
         self._pool = self._start()
         self._closed = False
+
+    @classmethod
+    def from_config(cls, cfg: "RewardConfig") -> "RewardPool":
+        """The pool of a config's reward section."""
+        return cls(cfg.fn, cfg.num_workers, cfg.timeout_s, cfg.sandbox_timeout_s, cfg.sandbox_memory_mb)
 
     def _start(self) -> ProcessPool:
         # "forkserver": the parent has torch imported and runs threads, and forking such a process
