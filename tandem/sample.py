@@ -54,9 +54,14 @@ class Sample:
     reward: float = 0.0
     reward_parts: dict[str, float] = field(default_factory=dict)
     advantage: float = 0.0
+    token_advantages: list[float] = field(default_factory=list)  # a critic's, per token (GAE); else empty
     status: Status = Status.RUNNING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     timings: dict[str, float] = field(default_factory=dict)
+    # What the agent loop did in this episode (turns, tool calls, ...): `agent/<name>/mean` metrics.
+    # Empty under rollout.agent=single_turn. It travels with the sample, so a re-submitted partial
+    # episode keeps counting where it stopped.
+    agent_stats: dict[str, float] = field(default_factory=dict)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -70,6 +75,22 @@ class Sample:
         self.logprobs = self.logprobs + list(logprobs)
         self.versions = self.versions + list(versions)
         self.loss_mask = self.loss_mask + [1] * len(ids)
+
+    def extend_context(self, ids: list[int], version: int | None = None) -> None:
+        """Append tokens the policy did not sample — a tool's output in a multi-turn episode: they
+        condition the tokens after them but are never trained on (loss mask 0, logprob 0.0).
+
+        Their version is `version`, by default that of the newest response token (a ValueError
+        when there is none): the context arrives after that token, and taking its version keeps
+        `version_span`, hence staleness, exactly what the generated tokens make it."""
+        if version is None:
+            if not self.versions:
+                raise ValueError("extend_context on an empty response needs a version")
+            version = self.versions[-1]
+        self.response_ids = self.response_ids + list(ids)
+        self.logprobs = self.logprobs + [0.0] * len(ids)
+        self.versions = self.versions + [version] * len(ids)
+        self.loss_mask = self.loss_mask + [0] * len(ids)
 
     def end(self, reason: str) -> None:
         """The engine is done with it: "stop" / "length" finish it, "abort" returns it as a partial

@@ -112,7 +112,7 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["train", "trainer.nnodes=2"],
         r"'trainer.nnodes' is verl's; tandem has no equivalent",
     ),
-    "verl critic": (["train", "critic.model.path=x"], r"'critic.model.path' is a verl key.*no critic"),
+    "verl critic": (["train", "critic.model.path=x"], r"'critic.model.path' is verl's.*'critic.path'"),
     "verl recipe": (["train", "{r}/verl.yaml"], r"'algorithm.adv_estimator' is verl's.*'algo.adv_estimator'"),
     # data files
     "missing data file": (

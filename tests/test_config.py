@@ -115,8 +115,10 @@ def test_verl_keys_in_a_recipe_and_under_verl_sections(tmp_path):
     (tmp_path / "verl.yaml").write_text("actor_rollout_ref:\n  actor:\n    optim:\n      lr: 1.0e-6\n")
     with pytest.raises(TandemError, match="'actor_rollout_ref.actor.optim.lr' is verl's.*'train.lr'"):
         load_config(tmp_path / "verl.yaml")
-    with pytest.raises(TandemError, match=r"'critic.model.path' is a verl key.*no critic"):
+    with pytest.raises(TandemError, match=r"'critic.model.path' is verl's.*'critic.path'"):
         load_config(None, ["critic.model.path=x"])
+    with pytest.raises(TandemError, match=r"'reward_model.enable' is a verl key.*reward.fn"):
+        load_config(None, ["reward_model.enable=true"])
     with pytest.raises(
         TandemError, match=r"'\+trainer.val_before_train' is verl's; tandem has no equivalent"
     ):

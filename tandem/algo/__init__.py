@@ -7,6 +7,8 @@ raises TandemError listing the valid names. Shapes and formulas are in each func
 from tandem.algo.advantages import (
     ADV_ESTIMATORS,
     drgrpo_advantages,
+    gae,
+    gae_advantages,
     group_stats,
     grpo_advantages,
     reinforce_plus_plus_advantages,
@@ -45,6 +47,8 @@ __all__ = [
     "apply_corrections",
     "drgrpo_advantages",
     "entropy_from_logits",
+    "gae",
+    "gae_advantages",
     "group_stats",
     "grpo_advantages",
     "gspo_loss",

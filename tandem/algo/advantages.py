@@ -120,3 +120,52 @@ def reinforce_plus_plus_baseline_advantages(
     r = _float_rewards(rewards, group_ids, mask)
     mean, _std, _n = group_stats(r, group_ids)
     return masked_whiten(_to_tokens(r - mean, mask), mask, eps)
+
+
+def gae(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """rewards (B,), values (B, T), mask (B, T) over each response's tokens -> advantages, returns (B, T).
+
+    The sequence reward is the last response token's reward (r_t = 0 before it), and the value
+    past the last token is 0:
+
+        δ_t = r_t + γ V_{t+1} - V_t,    A_t = δ_t + γ λ A_{t+1},    G_t = A_t + V_t
+
+    (Schulman et al. 2016). γ = λ = 1 gives A_t = r - V_t, the reward to go against the critic's
+    baseline. Both results are 0 where mask == 0.
+    """
+    r = rewards.float()
+    m = mask.float()
+    last = (m.cumsum(-1) == m.sum(-1, keepdim=True)) & (m > 0)  # (B, T) the final token
+    token_rewards = torch.where(last, r[:, None], 0.0)
+    v = values.float() * m
+    adv = torch.zeros_like(v)
+    next_adv = next_value = torch.zeros_like(r)
+    for t in reversed(range(v.shape[1])):
+        delta = token_rewards[:, t] + gamma * next_value - v[:, t]
+        a = delta + gamma * lam * next_adv
+        adv[:, t] = a * m[:, t]
+        next_adv, next_value = adv[:, t], v[:, t]
+    return adv, (adv + v) * m
+
+
+@ADV_ESTIMATORS.register("gae")
+def gae_advantages(
+    rewards: Tensor,
+    group_ids: Tensor,
+    mask: Tensor,
+    *,
+    values: Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    eps: float = 1e-6,
+) -> Tensor:
+    """rewards (B,), group_ids (B,), mask (B, T), values (B, T) from a critic -> (B, T).
+
+    PPO's advantage: A = whiten(GAE(γ, λ)) over the masked tokens of the batch (see `gae`).
+    group_ids and norm_by_std are unused. The critic computes it (the values live there) and hands
+    the result to the policy's trainers in `Sample.token_advantages`.
+    """
+    r = _float_rewards(rewards, group_ids, mask)
+    return masked_whiten(gae(r, values, mask, gamma, lam)[0], mask, eps)

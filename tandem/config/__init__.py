@@ -4,6 +4,7 @@ from tandem.config.loader import load_config, save_config
 from tandem.config.schema import (
     AlgoConfig,
     Config,
+    CriticConfig,
     DataConfig,
     ModelSection,
     RewardConfig,
@@ -16,6 +17,7 @@ from tandem.config.schema import (
 __all__ = [
     "AlgoConfig",
     "Config",
+    "CriticConfig",
     "DataConfig",
     "ModelSection",
     "RewardConfig",

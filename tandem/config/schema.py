@@ -97,6 +97,12 @@ class RolloutConfig:
     # lengths; tokens past the first EOS are neither scored nor trained on.
     length_tail_alpha: float = 0.0
     val_temperature: float = 0.0  # 0 = greedy
+    # The agent loop above the engine (docs/agents.md): single_turn (one generation per response) |
+    # tools (multi-turn tool calls) | pkg.module:Class (your own tandem.agent.AgentLoop).
+    agent: str = "single_turn"
+    max_turns: int = 4  # tool calls per episode; one more ends it (finish_reason "length")
+    # The tools agent's tools: calculator (<calc>37*48</calc>) | python (<python>print(2)</python>)
+    tools: list[str] = field(default_factory=lambda: ["calculator"])
 
 
 @dataclass
@@ -140,6 +146,19 @@ class AlgoConfig:
     # train step; past that the run stops with an error rather than loop forever.
     filter_groups: bool = False
     max_filter_rounds: int = 10
+    gamma: float = 1.0  # gae's discount
+    lam: float = 1.0  # gae's λ
+
+
+@dataclass
+class CriticConfig:
+    """The value model of algo.adv_estimator=gae (PPO): its own worker (placement task `critic`)
+    and optimizer; the rest of its training (dtype, device, micro-batches, betas, grad_clip,
+    epochs, mini_batch_size) follows `train`."""
+
+    path: str = ""  # the checkpoint its decoder starts from; "" = the policy's (model.path)
+    lr: float = 1e-3  # 10x the policy's, as verl's PPO examples
+    vf_clip: float = 0.5  # values move at most this far from their old ones in the loss
 
 
 @dataclass
@@ -219,6 +238,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)

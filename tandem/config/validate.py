@@ -6,7 +6,7 @@ from tandem.errors import TandemError
 MODES = ("sync", "one_step_off", "async")
 ON_UPDATE = ("drain", "abort", "continue")
 TRANSPORTS = ("object_store", "broadcast")
-TASKS = ("generate", "actor_train", "logp", "ref_logp")
+TASKS = ("generate", "actor_train", "logp", "ref_logp", "critic")
 ENGINES = ("builtin", "paged", "vllm")
 SCHEDULES = ("constant", "linear", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
@@ -63,6 +63,7 @@ def validate(cfg: Config) -> None:
     _check(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1.")
     _check(cfg.rollout.max_batch_size >= 1, "rollout.max_batch_size", "must be >= 1.")
     _check(cfg.rollout.max_num_batched_tokens >= 1, "rollout.max_num_batched_tokens", "must be >= 1.")
+    _check_agent(cfg)
     if cfg.rollout.engine == "vllm":
         _check_vllm(cfg)
     _check(
@@ -101,6 +102,10 @@ def validate(cfg: Config) -> None:
     _check(cfg.algo.clip_c is None or cfg.algo.clip_c > 1, "algo.clip_c", "must be > 1 (or null to disable).")
     _check_corrections(cfg)
     _check(cfg.algo.max_filter_rounds >= 1, "algo.max_filter_rounds", "must be >= 1.")
+    _check(0 <= cfg.algo.gamma <= 1, "algo.gamma", f"must be in [0, 1], got {cfg.algo.gamma}.")
+    _check(0 <= cfg.algo.lam <= 1, "algo.lam", f"must be in [0, 1], got {cfg.algo.lam}.")
+    _check(cfg.critic.lr > 0, "critic.lr", "must be > 0.")
+    _check(cfg.critic.vf_clip > 0, "critic.vf_clip", "must be > 0.")
     _check(
         not cfg.algo.filter_groups or cfg.rollout.n >= 2,
         "algo.filter_groups",
@@ -248,3 +253,24 @@ def _check_placement(cfg: Config) -> None:
     )
     _check(all(r > 0 for r in p.ratios), "placement.ratios", f"must all be > 0, got {p.ratios}.")
     _check(abs(sum(p.ratios) - 1) < 1e-6, "placement.ratios", f"must add up to 1, got {sum(p.ratios)}.")
+
+
+def _check_agent(cfg: Config) -> None:
+    """rollout.agent names a registered agent or a loadable pkg.module:Class; its tools exist."""
+    from tandem.agent import TOOLS, agent_class
+
+    r = cfg.rollout
+    try:
+        agent_class(r.agent)
+    except TandemError as e:
+        raise TandemError(f"Config 'rollout.agent': {e}") from None
+    _check(r.max_turns >= 1, "rollout.max_turns", f"must be >= 1 (calls per episode), got {r.max_turns}.")
+    for name in r.tools:
+        _one_of(name, TOOLS.names(), "rollout.tools", "tool")
+    _check(len(set(r.tools)) == len(r.tools), "rollout.tools", f"names a tool twice: {r.tools}.")
+    _check(
+        r.agent == "single_turn" or r.length_tail_alpha == 0,
+        "rollout.length_tail_alpha",
+        f"needs rollout.agent=single_turn (it is {r.agent!r}): decoding past EOS turns stop strings "
+        "off, so no tool call would ever end a turn.",
+    )

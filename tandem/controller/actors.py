@@ -14,6 +14,7 @@ import torch
 
 from tandem.config import Config
 from tandem.controller.roles import (
+    build_critic,
     build_rollout,
     build_trainer,
     load_checked_tokenizer,
@@ -28,7 +29,7 @@ from tandem.rollout import SamplingParams
 from tandem.sample import Sample
 from tandem.sync import TRANSPORTS, BucketPlan, StagingBuffer, init_world, new_group
 from tandem.train.ref import RefWorker
-from tandem.train.state import load_state, save_state
+from tandem.train.state import CRITIC, load_state, save_state
 
 
 def _plan(cfg: Config, named) -> BucketPlan:
@@ -193,6 +194,36 @@ class RefActor(_Timed):
     def score(self, samples: list[Sample]) -> tuple[list[Sample], Span]:
         start = time.time()
         return self.worker.score(samples), self._span("ref", start)
+
+
+@ray.remote
+class CriticActor(_Timed):
+    """PPO's value model (`tandem.train.critic`): values and GAE before the policy's step, its own
+    update beside it."""
+
+    def __init__(self, cfg: Config, threads: int):
+        torch.set_num_threads(cfg.run.threads or threads)
+        self.name = "critic/0"
+        self.critic = build_critic(cfg, load_checked_tokenizer(cfg))
+
+    def estimate(self, samples: list[Sample]) -> tuple[list[Sample], dict[str, float], Span]:
+        start = time.time()
+        metrics = self.critic.estimate(samples)
+        return samples, metrics, self._span("values", start)
+
+    def train_step(self, samples: list[Sample]) -> tuple[dict[str, float], list[Span]]:
+        start = time.time()
+        metrics = self.critic.train_step(samples)
+        return metrics, [self._span("critic", start)]
+
+    def save(self, path: str) -> Span:
+        start = time.time()
+        save_state(self.critic, Path(path), CRITIC)
+        return self._span("save", start)
+
+    def load(self, path: str) -> int:
+        load_state(self.critic, Path(path), CRITIC)
+        return self.critic.version
 
 
 @ray.remote

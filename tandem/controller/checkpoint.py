@@ -48,6 +48,7 @@ FIXED = [
     "train.num_workers",
     "train.strategy",
     "train.offload",
+    "algo.adv_estimator",  # gae's critic has its own state in the checkpoint; the others have none
 ]
 
 

@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tandem import devices
 from tandem.config import Config
 from tandem.controller import placement
-from tandem.controller.actors import RefActor, RewardActor, RolloutActor, TrainActor
+from tandem.controller.actors import CriticActor, RefActor, RewardActor, RolloutActor, TrainActor
 from tandem.errors import TandemError
 from tandem.sync import TRANSPORTS, free_port
 
@@ -131,6 +131,7 @@ class Cluster:
     slots: list[placement.Slot]
     pg: object = None
     names: dict[str, list[str]] = field(default_factory=dict)  # role -> worker names
+    critic: object | None = None  # PPO's value model (algo.adv_estimator=gae)
 
     @classmethod
     def start(cls, cfg: Config) -> "Cluster":
@@ -183,6 +184,12 @@ class Cluster:
             ref = RefActor.options(
                 num_cpus=s.cpus, num_gpus=s.gpus, scheduling_strategy=strategy[s.bundle]
             ).remote(cfg, s.threads)
+        critic = None
+        if on.get("critic"):
+            s = on["critic"][0]
+            critic = CriticActor.options(
+                num_cpus=s.cpus, num_gpus=s.gpus, scheduling_strategy=strategy[s.bundle]
+            ).remote(cfg, s.threads)
         # A killed reward actor is restarted and the calls it held run again (scoring is pure).
         reward = RewardActor.options(num_cpus=0, max_restarts=3, max_task_retries=3).remote(cfg)
         names = {
@@ -190,8 +197,9 @@ class Cluster:
             "train": [f"train/{i}" for i in range(len(trainers))],
             "reward": ["reward/0"],
             **({"ref": ["ref/0"]} if ref is not None else {}),
+            **({"critic": ["critic/0"]} if critic is not None else {}),
         }
-        cluster = cls(rollouts, trainers, ref, reward, slots, pg, names)
+        cluster = cls(rollouts, trainers, ref, reward, slots, pg, names, critic)
         cluster._join_world(cfg)
         return cluster
 
@@ -214,7 +222,7 @@ class Cluster:
             ray.get(self.reward.close.remote(), timeout=30)
         except Exception:  # the run is ending either way; a dead pool must not mask the real error
             pass
-        for actor in [*self.rollouts, *self.trainers, self.ref, self.reward]:
+        for actor in [*self.rollouts, *self.trainers, self.ref, self.critic, self.reward]:
             if actor is not None:
                 ray.kill(actor)
         if self.pg is not None:

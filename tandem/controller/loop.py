@@ -30,7 +30,7 @@ from tandem.controller.cluster import Cluster
 from tandem.controller.dynamic_sampling import DynamicSampling
 from tandem.controller.resume import resume_from, save_checkpoint
 from tandem.controller.roles import Data, sampling_params
-from tandem.controller.stats import rollout_stats
+from tandem.controller.stats import agent_stats, rollout_stats
 from tandem.controller.timeline import Timeline
 from tandem.errors import TandemError
 from tandem.rollout import make_groups
@@ -51,7 +51,7 @@ QUEUED_PER_WORKER = 2  # generate calls handed to one rollout worker at a time (
 class Call:
     """An ObjectRef the loop waits on, and what it was for."""
 
-    kind: str  # generate | val | reward | val_reward | ref | sleep | train | send | receive
+    kind: str  # generate | val | reward | val_reward | ref | sleep | values | train | send | receive
     worker: str
     samples: list[Sample] = field(default_factory=list)
     version: int = -1
@@ -84,8 +84,8 @@ class Loop:
         self.resync_tries = [0] * len(cluster.rollouts)
         self.groups: dict[int, list[Sample]] = {}  # finished samples of groups still generating
         self.next_group = 0
-        self.training = 0  # train ranks still running the current step
-        self.train_results: list[dict[str, float]] = []
+        self.training = 0  # train ranks (and the critic) still running the current step
+        self.train_metrics: dict[str, float] = {}  # the ranks' (all-reduced, equal) and the critic's
         self.receiving: dict[int, int] = {}  # version -> rollout workers yet to ack it
         self.last_handle: Any = None  # the latest push's handle, for re-syncing a restarted worker
         self.val_due: list[int] = []  # versions to validate once published
@@ -150,10 +150,10 @@ class Loop:
         if groups is None:
             return
         batch = [s for g in groups for s in g]
-        self.training = len(self.cluster.trainers)
-        self.train_results = []
+        self.training = len(self.cluster.trainers) + (self.cluster.critic is not None)
+        self.train_metrics = {}
         if not self.cfg.rollout.free_memory_during_train:
-            return self.start_train(batch)
+            return self.estimate(batch)
         for i, r in enumerate(self.cluster.rollouts):  # the engines free the device first
             self.pending[r.sleep.remote()] = Call("sleep", f"rollout/{i}", batch, self.version, i)
 
@@ -169,13 +169,29 @@ class Loop:
     def slept(self, call: Call) -> None:
         """A rollout worker is done with its sleep call: the train step starts after the last one."""
         if not any(c.kind == "sleep" for c in self.pending.values()):
-            self.start_train(call.samples)
+            self.estimate(call.samples)
+
+    def estimate(self, batch: list[Sample]) -> None:
+        """With a critic (gae), its values and advantages come first; else the step starts now."""
+        if self.cluster.critic is None:
+            return self.start_train(batch)
+        call = Call("values", "critic/0", batch, self.version)
+        self.pending[self.cluster.critic.estimate.remote(batch)] = call
+
+    def on_values(self, call: Call, result) -> None:
+        batch, metrics, span = result
+        self.timeline.add(span)
+        self.train_metrics.update(metrics)
+        self.start_train(batch)
 
     def start_train(self, batch: list[Sample]) -> None:
         batch_ref = ray.put(batch)
         for rank, trainer in enumerate(self.cluster.trainers):
             call = Call("train", f"train/{rank}", batch, self.version, rank)
             self.pending[trainer.train_step.remote(batch_ref)] = call
+        if self.cluster.critic is not None:  # the value update runs beside the policy's
+            call = Call("train", "critic/0", batch, self.version)
+            self.pending[self.cluster.critic.train_step.remote(batch_ref)] = call
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, logger) -> dict[str, float]:
@@ -276,14 +292,14 @@ class Loop:
     def on_train(self, call: Call, result) -> None:
         metrics, spans = result
         self.timeline.add(*spans)
-        self.train_results.append(metrics)
+        self.train_metrics.update(metrics)
         self.training -= 1
         if self.training:
             return
         self.version += 1
         if self.sampling:
             self.sampling.since_step = 0
-        self.log_step(call.samples, self.train_results[0])
+        self.log_step(call.samples, self.train_metrics)
         self.push_weights()
         if self.validates(self.version):
             self.request_validation(self.version)
@@ -383,6 +399,7 @@ class Loop:
             "val/response_length/mean": sum(len(s.response_ids) for s in samples) / len(samples),
             "val/reward_errors": metrics.get("reward/errors", 0.0) + metrics.get("reward/timeouts", 0.0),
             "val/version": float(min(versions) if versions else call.version),
+            **agent_stats(samples, "val/agent"),  # e.g. val/agent/tool_use/mean: held-out tool use
         }
         self.logger.log(call.version, self.val_metrics[call.version])
 

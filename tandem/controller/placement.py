@@ -1,7 +1,9 @@
 """Placement: which CPUs and GPUs each role's actors get, from `placement.groups` and `placement.ratios`.
 
 Task names follow the seeds' pull request: `generate` (rollout workers), `actor_train` (train
-workers, which also compute π_old, so `logp` goes with them), `ref_logp` (the reference worker).
+workers, which also compute π_old, so `logp` goes with them), `ref_logp` (the reference worker),
+`critic` (PPO's value model, with algo.adv_estimator=gae). Left out of `placement.groups`, the
+reference worker and the critic share the train workers' group.
 
 run.device=cpu (and an `auto` not yet resolved): a task group shares `ratio × cpus`; each actor in
 it gets an equal part as its own placement-group bundle (so groups can span nodes) and as many torch
@@ -26,7 +28,7 @@ from tandem.errors import TandemError
 from tandem.sync import TRANSPORTS
 
 # The driver and the reward actor are light; the reward pool's processes run outside any bundle.
-ROLES = ("generate", "actor_train", "ref_logp")
+ROLES = ("generate", "actor_train", "ref_logp", "critic")
 MIN_SHARE = 0.05  # the least CPU or GPU an actor may get; less is a mistake, not a plan
 
 
@@ -47,6 +49,7 @@ def role_counts(cfg: Config) -> dict[str, int]:
         "generate": cfg.rollout.num_workers,
         "actor_train": cfg.train.num_workers,
         "ref_logp": 1 if cfg.algo.kl_coef > 0 else 0,
+        "critic": 1 if cfg.algo.adv_estimator == "gae" else 0,
     }
 
 
@@ -56,8 +59,9 @@ def _task_groups(cfg: Config) -> tuple[list[list[str]], list[float]]:
         return [list(ROLES)], [1.0]
     groups = [[g] if isinstance(g, str) else list(g) for g in p.groups]
     groups = [[t for t in g if t != "logp"] for g in groups]  # logp runs inside actor_train
-    if "ref_logp" not in {t for g in groups for t in g}:
-        next(g for g in groups if "actor_train" in g).append("ref_logp")  # ref shares the trainers'
+    for task in ("ref_logp", "critic"):  # not placed: they share the trainers' group
+        if task not in {t for g in groups for t in g}:
+            next(g for g in groups if "actor_train" in g).append(task)
     return groups, list(p.ratios)
 
 
@@ -99,7 +103,7 @@ def _grouped(cfg: Config, counts: dict[str, int], total_cpus: float, total_gpus:
         if actors == 0:
             raise TandemError(
                 f"Placement group {group} gets {ratio:.0%} of the CPUs but runs nothing "
-                f"(ref_logp needs algo.kl_coef > 0)."
+                f"(ref_logp needs algo.kl_coef > 0, critic algo.adv_estimator=gae)."
             )
         cpus = _enough(ratio * total_cpus / actors, f"Placement group {group}", "CPU", actors)
         gpus = _gpu_part(ratio * total_gpus / actors, group, actors) if total_gpus else 0.0

@@ -5,6 +5,7 @@ any actor starts, so a mistake fails in seconds with a clear message. The Ray ac
 (`tandem.controller.actors`) and `tandem eval` / `tandem generate` build their roles here too.
 """
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch
 
+from tandem.agent import build_agent
 from tandem.config import Config
 from tandem.data import encode_prompts, load_prompts, load_tokenizer, prompts_from_rows
 from tandem.data.loader import PromptLoader
@@ -33,6 +35,7 @@ from tandem.rollout.vllm_engine import require_vllm
 from tandem.rollout.vllm_logprobs import choose_logprobs_mode
 from tandem.sample import Prompt
 from tandem.train import TrainWorker
+from tandem.train.critic import CriticWorker, value_model
 
 
 def load_split(cfg: Config, files: list[str], split: str, size: int, seed: int) -> tuple[list[Prompt], str]:
@@ -134,7 +137,9 @@ def build_rollout(cfg: Config, index: int = 0) -> tuple[RolloutWorker, PromptLim
     torch.manual_seed(cfg.run.seed)
     limit, tokenizer = prompt_limit(cfg), load_checked_tokenizer(cfg)
     engine = ENGINE_BUILDERS.get(cfg.rollout.engine)(cfg, tokenizer, cfg.run.seed + 1000 * index)
-    return RolloutWorker(engine, tokenizer), limit
+    r = cfg.rollout
+    agent = build_agent(r.agent, tokenizer, r.tools, r.max_turns)
+    return RolloutWorker(engine, tokenizer, agent), limit
 
 
 EngineBuilder = Callable[[Config, Any, int], RolloutEngine]  # (config, tokenizer, seed) -> engine
@@ -213,20 +218,47 @@ def build_trainer(cfg: Config, tokenizer, keep_ref: bool = True) -> TrainWorker:
     torch.manual_seed(cfg.run.seed)
     check_runnable(cfg.run.device, cfg.train.dtype)
     policy = load_policy(cfg, "float32")
-    mini = cfg.train.mini_batch_size or cfg.rollout.batch_size * cfg.rollout.n
-    updates_per_step = cfg.train.epochs * -(-cfg.rollout.batch_size * cfg.rollout.n // mini)
     return TrainWorker(
         policy,
         cfg.algo,
         cfg.train,
         pad_token_id(tokenizer),
         temperature=cfg.rollout.temperature,
-        total_updates=cfg.run.steps * updates_per_step,
+        total_updates=total_updates(cfg),
         seed=cfg.run.seed,
         norm_len=cfg.rollout.max_new_tokens,
         keep_ref=keep_ref,
         device=policy.lm_head.weight.device,
         dtype=DTYPES[cfg.train.dtype],
+    )
+
+
+def total_updates(cfg: Config) -> int:
+    """Optimizer steps over the run (for the LR schedule): epochs x mini-batches per step x steps."""
+    mini = cfg.train.mini_batch_size or cfg.rollout.batch_size * cfg.rollout.n
+    return cfg.run.steps * cfg.train.epochs * -(-cfg.rollout.batch_size * cfg.rollout.n // mini)
+
+
+def build_critic(cfg: Config, tokenizer) -> CriticWorker:
+    """PPO's value model (algo.adv_estimator=gae): the decoder of critic.path (default: the policy's
+    checkpoint) under a fresh value head, trained like the policy (train.*) at critic.lr. One worker."""
+    torch.manual_seed(cfg.run.seed)
+    device = check_runnable(cfg.run.device, cfg.train.dtype)
+    path = resolve_model_path(cfg.critic.path or cfg.model.path)
+    decoder = load_model(path, dtype=torch.float32, device=device)
+    train = dataclasses.replace(cfg.train, lr=cfg.critic.lr, num_workers=1, strategy="ddp", offload="none")
+    return CriticWorker(
+        value_model(decoder),
+        cfg.algo,
+        train,
+        pad_token_id(tokenizer),
+        total_updates=total_updates(cfg),
+        seed=cfg.run.seed,
+        device=device,
+        dtype=DTYPES[cfg.train.dtype],
+        vf_clip=cfg.critic.vf_clip,
+        gamma=cfg.algo.gamma,
+        lam=cfg.algo.lam,
     )
 
 

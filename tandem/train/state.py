@@ -20,7 +20,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-SHARDS = "trainer"  # the DCP directory inside a checkpoint
+SHARDS = "trainer"  # the policy's DCP directory inside a checkpoint
+CRITIC = "critic"  # the value model's (algo.adv_estimator=gae)
 
 
 def rng_states() -> dict[str, Any]:
@@ -39,15 +40,15 @@ def set_rng_states(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_state(worker, path: Path) -> None:
-    """Every rank, collectively: `path/trainer/` (DCP: master weights and optimizer state, each rank
-    its shards) and `path/trainer/rank_<r>.pt` (the rest of this rank's state)."""
+def save_state(worker, path: Path, directory: str = SHARDS) -> None:
+    """Every rank, collectively: `path/<directory>/` (DCP: master weights and optimizer state, each
+    rank its shards) and `path/<directory>/rank_<r>.pt` (the rest of this rank's state)."""
     model_sd, optim_sd = get_state_dict(worker.model, [worker.optimizer])
     group = worker.dp_group
     with _one_process_is_fine():
         dcp.save(
             {"model": model_sd, "optim": optim_sd},
-            checkpoint_id=path / SHARDS,
+            checkpoint_id=path / directory,
             process_group=group,
             no_dist=group is None,
         )
@@ -58,24 +59,24 @@ def save_state(worker, path: Path) -> None:
         "generator": worker.generator.get_state(),
         "rng": rng_states(),
     }
-    torch.save(own, path / SHARDS / f"rank_{worker.rank}.pt")
+    torch.save(own, path / directory / f"rank_{worker.rank}.pt")
 
 
-def load_state(worker, path: Path) -> None:
+def load_state(worker, path: Path, directory: str = SHARDS) -> None:
     """Every rank, collectively, after `parallelize`: the state `save_state` wrote into `path`."""
     model_sd, optim_sd = get_state_dict(worker.model, [worker.optimizer])
     state = {"model": model_sd, "optim": optim_sd}
     group = worker.dp_group
     with _one_process_is_fine():
-        dcp.load(state, checkpoint_id=path / SHARDS, process_group=group, no_dist=group is None)
+        dcp.load(state, checkpoint_id=path / directory, process_group=group, no_dist=group is None)
     set_state_dict(
         worker.model, [worker.optimizer], model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
     if worker.masters is not None:  # the compute copy takes the loaded masters, rounded once
         worker.masters.refresh()
-    own_file = path / SHARDS / f"rank_{worker.rank}.pt"
+    own_file = path / directory / f"rank_{worker.rank}.pt"
     if not own_file.exists():  # a checkpoint of fewer ranks: rank 0's schedule is every rank's
-        own_file = path / SHARDS / "rank_0.pt"
+        own_file = path / directory / "rank_0.pt"
     own = torch.load(own_file, weights_only=False)  # our own file: NumPy's RNG state is not a tensor
     worker.version, worker.skipped_steps = own["version"], own["skipped_steps"]
     worker.scheduler.load_state_dict(own["scheduler"])

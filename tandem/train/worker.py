@@ -177,11 +177,21 @@ class TrainWorker:
         return self._all_reduce(out)  # each row is non-zero on one rank only
 
     def advantages(self, samples: list[Sample], mask: Tensor) -> Tensor:
-        """(B, R) advantages from the samples' rewards and groups; also stored on each sample."""
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float)
-        groups = torch.tensor([s.group_id for s in samples])
-        estimator = ADV_ESTIMATORS.get(self.algo.adv_estimator)
-        adv = estimator(rewards, groups, mask, norm_by_std=self.algo.norm_by_std)
+        """(B, R) advantages from the samples' rewards and groups, or (gae) the critic's per token;
+        each sample's mean is stored on it."""
+        if self.algo.adv_estimator == "gae":  # computed by the critic, where the values are
+            missing = [s for s in samples if len(s.token_advantages) != len(s.response_ids)]
+            if missing:
+                raise TandemError(
+                    f"algo.adv_estimator=gae but sample {missing[0].group_id}/{missing[0].index} has no "
+                    "advantages from the critic (CriticWorker.estimate runs before the policy's step)."
+                )
+            adv = pad_rows([s.token_advantages for s in samples], mask.shape[1]) * mask
+        else:
+            rewards = torch.tensor([s.reward for s in samples], dtype=torch.float)
+            groups = torch.tensor([s.group_id for s in samples])
+            estimator = ADV_ESTIMATORS.get(self.algo.adv_estimator)
+            adv = estimator(rewards, groups, mask, norm_by_std=self.algo.norm_by_std)
         for s, row, m in zip(samples, adv, mask, strict=True):
             s.advantage = float((row * m).sum() / m.sum().clamp(min=1))
         return adv

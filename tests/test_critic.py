@@ -1,0 +1,102 @@
+"""PPO with a critic: GAE and the clipped value loss against hand-computed values, the value model,
+and a critic that fits its returns; the policy's trainer takes the critic's advantages."""
+
+import pytest
+import torch
+
+from tandem.algo import ADV_ESTIMATORS, gae, masked_whiten
+from tandem.config import AlgoConfig, TrainConfig
+from tandem.errors import TandemError
+from tandem.train import TrainWorker
+from tandem.train.critic import CriticWorker, explained_variance, value_loss, value_model
+from tests.helpers import random_samples, tiny_model
+
+
+def test_gae_matches_a_hand_computation():
+    """γ = 0.9, λ = 0.8. Row 0: V = (0.5, 0.2, 0.1), r = 1 on the last token:
+    δ2 = 1 - 0.1 = 0.9                  A2 = 0.9
+    δ1 = 0.9·0.1 - 0.2 = -0.11          A1 = -0.11 + 0.72·0.9 = 0.538
+    δ0 = 0.9·0.2 - 0.5 = -0.32          A0 = -0.32 + 0.72·0.538 = 0.06736
+    Row 1: one token, V = 0.3, r = 0, and a padding value (99) that must not leak: A0 = -0.3."""
+    rewards = torch.tensor([1.0, 0.0])
+    values = torch.tensor([[0.5, 0.2, 0.1], [0.3, 99.0, 99.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    adv, returns = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    torch.testing.assert_close(adv, torch.tensor([[0.06736, 0.538, 0.9], [-0.3, 0.0, 0.0]]))
+    torch.testing.assert_close(returns, torch.tensor([[0.56736, 0.738, 1.0], [0.0, 0.0, 0.0]]))
+
+
+def test_gae_with_gamma_and_lambda_one_is_reward_minus_value():
+    rewards = torch.tensor([2.0])
+    values = torch.tensor([[0.5, -1.0, 0.25, 3.0]])
+    adv, returns = gae(rewards, values, torch.ones(1, 4))
+    torch.testing.assert_close(adv, 2.0 - values)
+    torch.testing.assert_close(returns, torch.full((1, 4), 2.0))
+
+
+def test_the_gae_estimator_whitens_over_the_batch():
+    rewards, values = torch.tensor([1.0, 0.0]), torch.tensor([[0.5, 0.2], [0.1, 0.4]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    got = ADV_ESTIMATORS.get("gae")(rewards, torch.tensor([0, 1]), mask, values=values, gamma=0.9, lam=0.8)
+    torch.testing.assert_close(got, masked_whiten(gae(rewards, values, mask, 0.9, 0.8)[0], mask))
+
+
+def test_value_loss_takes_the_larger_of_the_clipped_and_unclipped_errors():
+    """V = 1.0 from V_old = 0.2 with c = 0.5 clips to 0.7: max((1.0-0.9)², (0.7-0.9)²) = 0.04, L = 0.02.
+    V = 0.3 from V_old = 0.2 is inside the range: L = ½(0.3-0.9)² = 0.18. Token mean: 0.1."""
+    vpred, old = torch.tensor([[1.0, 0.3]]), torch.tensor([[0.2, 0.2]])
+    returns, mask = torch.tensor([[0.9, 0.9]]), torch.ones(1, 2)
+    counts = dict(global_tokens=2.0, global_seqs=1.0, norm_len=2.0)
+    loss, stats = value_loss(vpred, old, returns, mask, 0.5, "token-mean", counts)
+    assert float(loss) == pytest.approx(0.1)
+    assert stats["critic/vf_clipfrac"] == pytest.approx(0.5)
+
+
+def test_explained_variance():
+    returns, mask = torch.tensor([[1.0, 2.0, 4.0]]), torch.ones(1, 3)
+    assert float(explained_variance(returns, returns, mask)) == pytest.approx(1.0)
+    assert float(explained_variance(torch.full((1, 3), 7.0), returns, mask)) == pytest.approx(0.0, abs=1e-6)
+
+
+def critic(lr: float = 3e-3) -> CriticWorker:
+    train = TrainConfig(lr=lr, dtype="float32")
+    return CriticWorker(value_model(tiny_model()), AlgoConfig(), train, 0, vf_clip=10.0, gamma=1.0, lam=1.0)
+
+
+def test_a_fresh_value_head_predicts_zero_and_the_critic_fits_its_returns():
+    worker = critic()
+    samples = random_samples(4, 4)
+    assert worker.values(samples).abs().max() == 0  # zero-initialised head
+    first = worker.estimate(samples)
+    assert all(len(s.token_advantages) == len(s.response_ids) for s in samples)
+    losses = [worker.train_step(samples)["critic/vf_loss"]]
+    for _ in range(30):
+        worker.estimate(samples)
+        losses.append(worker.train_step(samples)["critic/vf_loss"])
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert first["critic/values/mean"] == 0.0
+    metrics = worker.train_step(samples) if worker.estimate(samples) else None
+    assert metrics["critic/vf_explained_var"] > 0.3
+
+
+def test_train_step_needs_the_batch_estimate_saw():
+    worker = critic()
+    samples = random_samples(2, 2)
+    with pytest.raises(RuntimeError, match="estimate"):
+        worker.train_step(samples)
+
+
+def test_the_policy_trains_on_the_critics_advantages():
+    samples = random_samples(2, 3)
+    policy = TrainWorker(tiny_model(), AlgoConfig(adv_estimator="gae"), TrainConfig(dtype="float32"), 0)
+    with pytest.raises(TandemError, match="no advantages from the critic"):
+        policy.train_step(samples)
+    critic().estimate(samples)
+    metrics = policy.train_step(samples)
+    mask = torch.zeros(len(samples), max(len(s.response_ids) for s in samples))
+    for i, s in enumerate(samples):
+        mask[i, : len(s.response_ids)] = 1
+    assert [s.advantage for s in samples] == pytest.approx(
+        [sum(s.token_advantages) / len(s.token_advantages) for s in samples]
+    )
+    assert metrics["critic/advantages/max"] == pytest.approx(max(max(s.token_advantages) for s in samples))
