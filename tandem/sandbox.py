@@ -62,38 +62,39 @@ _NETNS_FLAGS: tuple[int, ...] = (_CLONE_NEWNET, _CLONE_NEWUSER | _CLONE_NEWNET)
 _PR_SET_PDEATHSIG = 1
 _PROGRAM = "main.py"
 
-# Runs in the child before the program: if the child shares the parent's network namespace
-# (argv[1] is the parent's namespace inode), install the audit hook; then run main.py as __main__.
+# Runs in the child as its __main__ module: installs the audit hook if the child shares the
+# parent's network namespace (argv[1] is the parent's namespace inode, -1 = unknown), then runs
+# the program (argv[2]) in this same module, as `python main.py` would. The hook keeps its sets in
+# a closure, out of the program's reach through __main__'s globals.
 _BOOTSTRAP = """\
-import os, sys
-def _netns():
+def _prepare():
+    import os, socket, sys
+    parent_netns, program = int(sys.argv[1]), sys.argv[2]
     try:
-        return os.stat("/proc/self/ns/net").st_ino
+        own_netns = os.stat("/proc/self/ns/net").st_ino
     except OSError:
-        return -1
-if int(sys.argv[1]) < 0 or _netns() == int(sys.argv[1]):
-    import socket
-    _LOOKUPS = {"socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyname_ex",
-                "socket.gethostbyaddr", "socket.getnameinfo"}
-    _SPAWNS = {"os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen"}
-    _UNIX = getattr(socket, "AF_UNIX", None)
-    def _refuse(event, args):
-        if event in _SPAWNS:
-            raise PermissionError(f"{event} is refused: the tandem sandbox runs no other programs")
-        if (
-            event in _LOOKUPS
-            or (event == "socket.__new__" and args[1] != _UNIX)
-            or (event in ("socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg")
-                and not isinstance(args[-1], (str, bytes)))
-        ):
-            raise PermissionError(f"{event} is refused: the tandem sandbox has no network")
-    sys.addaudithook(_refuse)
-    del socket
-del os, _netns
-sys.argv = [sys.argv[2]]
-with open(sys.argv[0], encoding="utf-8") as _f:
-    _code = compile(_f.read(), sys.argv[0], "exec")
-exec(_code, {"__name__": "__main__", "__file__": sys.argv[0], "__builtins__": __builtins__})
+        own_netns = -1
+    if parent_netns < 0 or own_netns == parent_netns:
+        lookups = {"socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyname_ex",
+                   "socket.gethostbyaddr", "socket.getnameinfo"}
+        spawns = {"os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen"}
+        sends = {"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg"}
+        unix = getattr(socket, "AF_UNIX", None)
+        def refuse(event, args):
+            if event in spawns:
+                raise PermissionError(f"{event} is refused: the tandem sandbox runs no other programs")
+            if (
+                event in lookups
+                or (event == "socket.__new__" and args[1] != unix)
+                or (event in sends and getattr(args[0], "family", None) != unix)
+            ):
+                raise PermissionError(f"{event} is refused: the tandem sandbox has no network")
+        sys.addaudithook(refuse)
+    sys.argv = [program]
+    globals()["__file__"] = program
+    with open(program, encoding="utf-8") as f:
+        return compile(f.read(), program, "exec")
+exec(_prepare())
 """
 
 
