@@ -1,9 +1,4 @@
-"""GenerateCall: one generate call's request, checked once for every engine.
-
-What the engines share before their first step: the per-token lists of partial responses are
-aligned, stop strings come with a check (or the engine detokenizes itself), the stop ids, and the
-samples that need no new token at all (a partial that already ends) are finished up front.
-"""
+"""GenerateCall: one generate call's request, checked once for every engine."""
 
 from dataclasses import dataclass
 
@@ -29,10 +24,16 @@ class GenerateCall:
         eos_token_ids: list[int],
         detokenizes: bool = False,
     ) -> "GenerateCall":
-        """The checked request; ValueError on misaligned partials, or stop strings with no check
-        for an engine that has no tokenizer (`detokenizes=False`)."""
+        """The checked request; ValueError on a partial response whose per-token lists are not
+        aligned, or stop strings with no check for an engine that has no tokenizer."""
         for s in samples:
-            check_aligned(s)
+            for name in ("logprobs", "versions", "loss_mask"):
+                if len(getattr(s, name)) != len(s.response_ids):
+                    raise ValueError(
+                        f"Sample (group {s.group_id}, index {s.index}) has {len(s.response_ids)} "
+                        f"response_ids but {len(getattr(s, name))} {name}; a partial response must "
+                        "keep its per-token lists aligned."
+                    )
         past_eos = params.past_eos
         if params.stop and not past_eos and stop_check is None and not detokenizes:
             raise ValueError(
@@ -60,19 +61,5 @@ class GenerateCall:
 
     def ends(self, responses: list[list[int]]) -> list[bool]:
         """Whether each response now ends on a stop string (the check sees its last tokens only)."""
-        assert self.text is not None
-        return self.text([tail_tokens(ids, self.text.window) for ids in responses])
-
-
-def check_aligned(s: Sample) -> None:
-    lists = {"logprobs": s.logprobs, "versions": s.versions, "loss_mask": s.loss_mask}
-    for name, values in lists.items():
-        if len(values) != len(s.response_ids):
-            raise ValueError(
-                f"Sample (group {s.group_id}, index {s.index}) has {len(s.response_ids)} response_ids "
-                f"but {len(values)} {name}; a partial response must keep its per-token lists aligned."
-            )
-
-
-def tail_tokens(ids: list[int], n: int) -> list[int]:
-    return ids[max(0, len(ids) - n) :]
+        w = self.text.window
+        return self.text([ids[max(0, len(ids) - w) :] for ids in responses])

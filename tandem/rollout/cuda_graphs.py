@@ -1,17 +1,13 @@
 """DecodeGraphs: the paged engine's decode steps replayed from CUDA graphs, one per batch-size bucket.
 
-On a GPU a small model's decode step is launch-bound: one kernel launch from Python per operation
-per layer. A CUDA graph records the step's kernels once and replays them with one launch (what
-nano-vllm and vLLM do). A graph replays fixed shapes at fixed addresses, so each step's rows are
-copied into static input buffers, padded up to the next bucket size, and the graph recorded for that
-bucket runs. Padding rows write their key into a scratch block no sequence owns and attend to it
-alone, so they never touch a real row. Block tables are padded to a fixed width (`max_blocks`,
-grown and re-recorded when a longer sequence comes), so one graph serves every context length up to
-it. A batch larger than the largest bucket (512, or the largest up to `max_num_seqs`) runs
-eagerly. Sampling stays outside the graph: per-request seeded streams draw as they do eagerly.
-
-capture=False runs the same padded, fixed-shape forward eagerly: the path the CPU tests check
-against the eager engine (a CUDA graph itself needs a GPU).
+On a GPU a small model's decode step is launch-bound (a kernel launch from Python per operation per
+layer); a CUDA graph replays the step's kernels with one launch (as nano-vllm and vLLM do). A graph
+replays fixed shapes at fixed addresses, so each step's rows are copied into static buffers, padded
+up to the next bucket size. Padding rows write their key into a scratch block no sequence owns and
+attend to it alone. Block tables are padded to a fixed width (`max_blocks`, doubled and the graphs
+recorded again when a longer sequence comes). A batch above the largest bucket runs eagerly, and
+sampling stays outside the graph. capture=False runs the same padded, fixed-shape forward eagerly:
+the path the CPU tests check against the eager engine.
 """
 
 import torch

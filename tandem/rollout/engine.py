@@ -14,7 +14,7 @@ from torch import Tensor
 from tandem.model import CausalLM, KVCache
 from tandem.rollout.call import GenerateCall
 from tandem.rollout.decoder_engine import DecoderEngine
-from tandem.rollout.sampler import exponential_noise, sample_next
+from tandem.rollout.sampler import exponential_noise, sample_next, seen_tokens
 from tandem.sample import Sample
 
 COMPACT_FRACTION = 0.25  # compact the cache once this share of the live rows has finished
@@ -140,7 +140,8 @@ class _Batch:
         self.last: Tensor | None = None  # (L,) the tokens sampled last
         self.seen: Tensor | None = None  # (B, V) bool tokens in each prompt + response (penalty)
         if call.params.repetition_penalty != 1.0:
-            self.seen = _seen_tokens(samples, self.logits.shape[-1], self.logits.device)
+            ids = [s.prompt_ids + s.response_ids for s in samples]
+            self.seen = seen_tokens(ids, self.logits.shape[-1], self.logits.device)
 
     @torch.inference_mode()
     def sample(self) -> None:
@@ -213,13 +214,3 @@ class _Batch:
         new = self.tokens[at, max(0, n - self.call.text.window) : n].tolist()
         responses = [self.samples[i].response_ids + ids for i, ids in zip(at.tolist(), new, strict=True)]
         return at[torch.tensor(self.call.ends(responses), dtype=torch.bool)]
-
-
-def _seen_tokens(samples: list[Sample], vocab: int, device: torch.device) -> Tensor:
-    """-> (B, V) bool: the tokens of each sample's prompt and partial response."""
-    ids = [s.prompt_ids + s.response_ids for s in samples]
-    rows = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([len(x) for x in ids]))
-    cols = torch.tensor([t for x in ids for t in x], dtype=torch.long)
-    seen = torch.zeros(len(ids), vocab, dtype=torch.bool, device=device)
-    seen[rows.to(device), cols.to(device)] = True
-    return seen

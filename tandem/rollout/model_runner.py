@@ -15,7 +15,7 @@ from tandem.model.paged_kv import PagedKVCache, key_mask, real_tokens
 from tandem.rollout.block_manager import BlockManager
 from tandem.rollout.cuda_graphs import DecodeGraphs
 from tandem.rollout.protocol import SamplingParams
-from tandem.rollout.sampler import exponential_noise, sample_next
+from tandem.rollout.sampler import exponential_noise, sample_next, seen_tokens
 from tandem.rollout.scheduler import Step
 from tandem.rollout.sequence import Sequence
 
@@ -151,8 +151,6 @@ class ModelRunner:
             noise = exponential_noise(tuple(logits.shape), logits.device, generator, seeds, positions)
         seen = None
         if params.repetition_penalty != 1.0:
-            seen = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-            for i, seq in enumerate(rows):
-                seen[i, torch.tensor(seq.token_ids, device=logits.device)] = True
+            seen = seen_tokens([seq.token_ids for seq in rows], logits.shape[-1], logits.device)
         tokens, logprobs = sample_next(logits, params, noise, seen)
         return tokens.tolist(), logprobs.tolist()

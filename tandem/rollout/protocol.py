@@ -21,21 +21,17 @@ LOGPROBS_MODES = ("raw", "processed")
 
 @dataclass
 class SamplingParams:
-    """How one generate call samples; every field's default leaves sampling as plain softmax
-    sampling at `temperature`. Per-request settings live on the `Sample` (`max_new_tokens`, `seed`).
-    """
+    """How one generate call samples (docs/rollout.md, "Sampling"); the defaults are plain softmax
+    sampling at `temperature`. Per-request settings live on the `Sample` (`max_new_tokens`, `seed`)."""
 
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     min_p: float = 0.0  # 0 = off; drop tokens below min_p x the top token's probability (after T)
-    # 1 = off; HF/vLLM rule on every token of the prompt and the response so far: its logit is
-    # divided by the penalty when positive, multiplied when negative.
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = 1.0  # 1 = off; HF/vLLM rule on the prompt's and response's tokens
     max_new_tokens: int = 16  # per sample, counting the tokens of a partial response it comes with
     stop_token_ids: list[int] = field(default_factory=list)
-    # Stop strings: a response ends with the token that completes one of them in its decoded text.
-    # Needs a tokenizer: engines get a `StopCheck` from `RolloutWorker` (docs/rollout.md).
+    # A response ends with the token that completes one of these in its text (a `StopCheck`).
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False  # vLLM's default: response_text ends before it
     # "raw": log softmax(logits / T) of the unmodified model, what the trainer recomputes;
@@ -85,59 +81,48 @@ class RolloutEngine(Protocol):
     def generate(
         self, samples: list[Sample], params: SamplingParams, stop_check: StopCheck | None = None
     ) -> list[Sample]:
-        """Extend each sample's response to its end and return the same list.
+        """Extend each sample's response to its end and return the same list, on the newest weights
+        (a pending update is applied first). A partial response (from an aborted call) is continued,
+        to at most `max_new_tokens` in all. Each new token is APPENDED to response_ids, logprobs
+        (per `params.logprobs_mode`), versions (of the weights whose forward gave its logits) and
+        loss_mask (1). A sample ends FINISHED ("stop", "length") or, when `abort()` or an update
+        under "abort" stopped the call, ABORTED ("abort") with the tokens it has so far.
 
-        First applies any pending update, so every call starts on the newest weights. A sample may
-        come with a partial response (from an aborted call): generation continues after it, at most
-        `max_new_tokens` in all, and the new tokens are APPENDED to response_ids, logprobs (the
-        behaviour logprob, per `params.logprobs_mode`), versions (the version of the weights whose
-        forward produced the token's logits) and loss_mask (1). Each sample ends FINISHED with
-        finish_reason "stop" or "length", or — when `abort()` or an update under the "abort"
-        policy stopped the call — ABORTED with "abort" and the tokens it has so far.
-
-        `stop_check` ends responses on `params.stop` while they decode, so no compute is spent past
-        a stop string; an engine that detokenizes itself (vLLM) may apply `params.stop` on its own
-        and ignore it, one without a tokenizer raises ValueError when `params.stop` comes alone.
+        `stop_check` ends responses on `params.stop` as they decode; an engine that detokenizes
+        (vLLM) may ignore it, one that does not raises ValueError when `params.stop` comes alone.
         """
         ...
 
     def named_weights(self) -> Mapping[str, Tensor]:
-        """The tensors, by Hugging Face name with the trainer's shapes and dtypes, that a weight
-        update's `apply()` writes into. The engine serves what they hold once the update is
-        applied: the built-in engines return their live parameters, an engine whose model keeps
-        other names or layouts (vLLM's fused projections) returns buffers it loads from."""
+        """The tensors, by Hugging Face name with the trainer's shapes and dtypes, that an update's
+        `apply()` writes into: the live parameters, or buffers the engine loads from (vLLM)."""
         ...
 
     def set_pending_update(self, version: int, apply: Callable[[], None]) -> None:
-        """Thread-safe. `apply()` copies staged weights of `version` into the engine's model.
-
-        It is called once, on the generating thread: at the start of the next generate call, at
-        `apply_pending()`, or between two decode steps under the "continue" policy. A later call
-        replaces an earlier update not yet applied. The staged weights must not change until it has
-        run (receive the next version into another buffer).
-        """
+        """Thread-safe. `apply()` copies staged weights of `version` into `named_weights()`, once, on
+        the generating thread: at the next generate call, at `apply_pending()`, or between two steps
+        under "continue". A later call replaces an update not yet applied. The staged weights must
+        not change until it has run (receive the next version into another buffer)."""
         ...
 
     def apply_pending(self) -> int | None:
-        """From the generating thread while no generate call runs: apply the pending update now.
-        Returns its version, or None when none was pending."""
+        """While idle: apply the pending update now -> its version, or None when none was pending."""
         ...
 
     def abort(self, samples: Iterable[Sample] | None = None) -> None:
-        """Thread-safe. The running generate call stops at its next decode step and returns its
-        unfinished samples ABORTED with their partial responses. With `samples` (requests of the
-        running call, matched by group_id and index) only those stop and the rest go on. No-op when
-        no call runs; it never carries over to a later call."""
+        """Thread-safe. The running generate call stops at its next step and returns its unfinished
+        samples ABORTED with their partial responses; with `samples` (matched by group_id and
+        index) only those stop. No-op when no call runs; it never carries over to a later call."""
         ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """While idle: copy the given parameters (Hugging Face names) into the engine's model now
-        and serve `version`; it replaces any pending update."""
+        """While idle: copy these parameters (Hugging Face names) in now and serve `version`; it
+        replaces any pending update."""
         ...
 
     def rng_state(self) -> Tensor | None:
-        """While idle: the state of the stream that requests without a `Sample.seed` draw from,
-        for a checkpoint; None when the engine cannot restore it."""
+        """While idle: the state of the stream unseeded requests draw from, for a checkpoint; None
+        when the engine cannot restore it."""
         ...
 
     def set_rng_state(self, state: Tensor) -> None:

@@ -55,6 +55,15 @@ def sampling_scores(logp: Tensor, params: SamplingParams) -> Tensor:
     return logp
 
 
+def seen_tokens(ids: list[list[int]], vocab: int, device: torch.device) -> Tensor:
+    """-> (B, V) bool: the tokens of each row's ids (its prompt and response so far)."""
+    rows = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([len(x) for x in ids]))
+    cols = torch.tensor([t for x in ids for t in x], dtype=torch.long)
+    seen = torch.zeros(len(ids), vocab, dtype=torch.bool, device=device)
+    seen[rows.to(device), cols.to(device)] = True
+    return seen
+
+
 def tempered_logprobs(logits: Tensor, params: SamplingParams, seen: Tensor | None = None) -> Tensor:
     """logits (B, V), seen (B, V) bool or None -> (B, V) log softmax(penalized logits / T), with
     T = 1 when greedy; no penalty when `seen` is None or repetition_penalty is 1."""
@@ -87,13 +96,10 @@ def exponential_noise(
     seeds: list[int | None] | None = None,
     positions: list[int] | None = None,
 ) -> Tensor:
-    """-> (B, V) i.i.d. Exp(1) noise (float32) for Gumbel-max sampling.
-
-    Row i with seeds[i] set draws from a generator reseeded by row_seed(seeds[i], positions[i]), so
-    its noise depends on nothing else in the batch (nor on how its response was split over calls).
-    The other rows draw from `generator` in one go. Cost: one extra (V,) draw and reseed per seeded
-    row, a small kernel launch each on a GPU, instead of one draw for the batch.
-    """
+    """-> (B, V) i.i.d. Exp(1) noise (float32) for Gumbel-max sampling. Row i with seeds[i] set
+    draws from a generator reseeded by row_seed(seeds[i], positions[i]), so its noise depends on
+    nothing else in the batch (nor on how its response was split over calls); the other rows draw
+    from `generator` in one go."""
     noise = torch.empty(shape, device=device)
     if seeds is None or all(s is None for s in seeds):
         return noise.exponential_(generator=generator)
@@ -114,12 +120,8 @@ def sample_next(
     logits: Tensor, params: SamplingParams, noise: Tensor | None = None, seen: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """logits (B, V), noise (B, V) Exp(1) (unused when greedy), seen (B, V) bool tokens already in
-    each row's prompt + response (repetition penalty) -> tokens (B,), logprobs (B,).
-
-    The logprob per `params.logprobs_mode`: "raw" is log softmax(logits / T) of the unmodified
-    logits — what the trainer recomputes (greedy uses T = 1); "processed" is the renormalized
-    distribution actually sampled from (`processed_logprobs`).
-    """
+    each row's prompt + response (repetition penalty) -> tokens (B,), logprobs (B,) per
+    `params.logprobs_mode`: "raw" log softmax(logits / T) (greedy: T = 1), or "processed"."""
     raw = torch.log_softmax(logits.float() / (params.temperature or 1.0), dim=-1)
     penalize = seen is not None and params.repetition_penalty != 1.0
     scores = sampling_scores(tempered_logprobs(logits, params, seen) if penalize else raw, params)
