@@ -100,3 +100,22 @@ def test_the_policy_trains_on_the_critics_advantages():
         [sum(s.token_advantages) / len(s.token_advantages) for s in samples]
     )
     assert metrics["critic/advantages/max"] == pytest.approx(max(max(s.token_advantages) for s in samples))
+
+
+def test_a_resumed_critic_continues_bit_for_bit(tmp_path):
+    from tandem.train.state import CRITIC, load_state, save_state
+
+    samples = random_samples(3, 2)
+    worker = critic()
+    worker.estimate(samples)
+    worker.train_step(samples)
+    save_state(worker, tmp_path, CRITIC)
+    worker.estimate(samples)
+    worker.train_step(samples)
+    expected = worker.values(samples)
+    resumed = critic()
+    load_state(resumed, tmp_path, CRITIC)
+    assert resumed.version == 1
+    resumed.estimate(samples)
+    resumed.train_step(samples)
+    assert torch.equal(resumed.values(samples), expected)

@@ -53,3 +53,15 @@ def test_the_default_run_with_a_sleeping_engine_reaches_95_percent(tmp_path):
     assert main(args) == 0
     summary = json.loads((tmp_path / "default" / "summary.json").read_text())
     assert summary["val/accuracy_final"] >= 0.95, summary
+
+
+@pytest.mark.slow
+def test_ppo_with_a_critic_reaches_95_percent(tmp_path):
+    """algo.adv_estimator=gae: a value model on its own worker, GAE advantages, its own optimizer."""
+    assert main(["train", f"run.out_dir={tmp_path}", "run.progress=false", "algo.adv_estimator=gae"]) == 0
+    summary = json.loads((tmp_path / "default" / "summary.json").read_text())
+    assert summary["val/accuracy_final"] >= 0.95, summary
+    lines = (tmp_path / "default" / "metrics.jsonl").read_text().splitlines()
+    steps = [r for r in map(json.loads, lines) if "critic/vf_loss" in r]
+    assert len(steps) == 50
+    assert all(k in steps[-1] for k in ("critic/vf_explained_var", "critic/values/mean"))
