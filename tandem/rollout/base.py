@@ -1,22 +1,22 @@
-"""Engine: the one generate skeleton every engine runs, and sleep / wake (docs/rollout.md, "One
-generate skeleton", "Sleep and wake").
+"""Engine: the one generate skeleton every engine runs, the gate around it (one call at a time; an
+abort or a weight update from other threads), and sleep / wake. docs/rollout.md, "One generate
+skeleton" and "Sleep and wake", describes them; `RolloutEngine` holds the public contracts.
 
 An engine supplies only `_begin` (its `Generation`), `named_weights`, `device` and what sleeping
-frees (`memory`). Sleep frees the weights and KV cache while the trainer uses the device; nothing
-is copied back on wake, so generating before a weight push has refilled them is an error, never
-garbage tokens.
+frees (`memory`). Nothing is copied back on wake, so generating before a weight push has refilled
+the weights is an error, never garbage tokens.
 """
 
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from tandem.rollout.call import GenerateCall
-from tandem.rollout.gate import UpdateGate
-from tandem.rollout.protocol import SamplingParams, StopCheck
+from tandem.rollout.protocol import ON_UPDATE_POLICIES, SamplingParams, StopCheck
 from tandem.sample import Sample
 
 
@@ -24,23 +24,20 @@ class Generation(Protocol):
     """One generate call inside an engine: its batch, cache and the tokens taken so far."""
 
     @property
-    def done(self) -> bool:
-        """Every sample has ended (or was stopped)."""
-        ...
+    def done(self) -> bool: ...
 
     def step(self) -> bool:
-        """One engine step (a forward, the sampling, the bookkeeping) -> whether any token came
-        (a chunk of a long prompt gives none)."""
+        """One forward, the sampling, the bookkeeping -> whether any token came (a chunk of a long
+        prompt gives none)."""
         ...
 
     def stop(self, keys: set[tuple[int, int]]) -> None:
-        """The samples whose `key` is in `keys` end now, ABORTED with what they have. Called again
-        with the keys of earlier calls: stopping a sample twice is a no-op."""
+        """The samples whose `key` is in `keys` end now, ABORTED with what they have (again for a
+        sample stopped before: a no-op)."""
         ...
 
     def swap(self, apply: Callable[[], int | None]) -> None:
-        """Under "continue": `apply()` swaps the pending weights in under the running sequences;
-        their next tokens record its version."""
+        """Under "continue": `apply()` swaps the pending weights in under the running sequences."""
         ...
 
     def close(self) -> None:
@@ -48,11 +45,16 @@ class Generation(Protocol):
         ...
 
 
-class Engine(UpdateGate):
-    """The skeleton; `eos_token_ids` end responses (with the call's stop ids).
+class Engine:
+    """The skeleton; `abort` and `set_pending_update` are thread-safe, the rest runs on the
+    generating thread.
 
-    detokenizes: the engine finds stop strings in text itself (vLLM), so a call with `params.stop`
-        needs no `StopCheck`.
+    eos_token_ids: end responses (with the call's stop ids).
+    on_update: what a running call does with an update that arrives mid-call: "drain" finishes on
+        the old weights, "abort" returns partials, "continue" swaps the weights between two steps.
+    on_step: a test hook called between steps with the number of steps that produced tokens (1, 2,
+        ...), just before the checks for an abort or an update.
+    detokenizes: the engine finds stop strings in text itself (vLLM): `params.stop` needs no check.
     """
 
     detokenizes = False
@@ -60,19 +62,58 @@ class Engine(UpdateGate):
     def __init__(
         self, eos_token_ids: list[int], version: int, on_update: str, on_step: Callable[[int], None] | None
     ):
-        super().__init__(version, on_update, on_step)
+        if on_update not in ON_UPDATE_POLICIES:
+            raise ValueError(f"on_update={on_update!r}; valid: {', '.join(ON_UPDATE_POLICIES)}")
         self.eos_token_ids = list(eos_token_ids)
+        self.on_update, self.on_step = on_update, on_step
+        self._version = version
+        self._lock = threading.Lock()  # guards the four fields below, shared with other threads
+        self._pending: tuple[int, Callable[[], None]] | None = None
+        self._running = False
+        self._abort_requested = False
+        self._aborted: set[tuple[int, int]] = set()  # `Sample.key` of the samples abort() named
         self.asleep = False
         self._needs_push = False  # woke up: the weights hold nothing until an update is applied
         self.last_wake_s = 0.0
         self.memory = Storages([])  # what sleep frees: the engine fills it
 
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def named_weights(self) -> Mapping[str, Tensor]:
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        """Where the engine's weights live (sleep hands CUDA memory back to the driver)."""
+        raise NotImplementedError
+
+    def _begin(self, samples: list[Sample], call: GenerateCall) -> Generation:
+        raise NotImplementedError
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """ValueError for sampling this engine cannot do (every engine does all of it but vLLM)."""
+
+    def _after_update(self) -> None:
+        """Runs once an update's weights are in `named_weights()`, before its version is served."""
+
+    def rng_state(self) -> Tensor | None:
+        return None  # this engine cannot restore the stream unseeded requests draw from
+
+    def set_rng_state(self, state: Tensor) -> None:
+        raise NotImplementedError
+
+    # -- generate ------------------------------------------------------------------------------------
     def generate(
         self, samples: list[Sample], params: SamplingParams, stop_check: StopCheck | None = None
     ) -> list[Sample]:
         call = GenerateCall.check(samples, params, stop_check, self.eos_token_ids, self.detokenizes)
         self._check_params(params)
-        self._enter()
+        with self._lock:
+            if self._running:
+                raise RuntimeError("generate() is already running; calls must come one at a time")
+            self._running = True
         try:
             self._apply_pending()  # a new call always starts on the newest weights
             if self.asleep or self._needs_push:
@@ -84,7 +125,9 @@ class Engine(UpdateGate):
             if todo:
                 self._drive(self._begin(todo, call))
         finally:
-            self._leave()
+            with self._lock:
+                # An abort() that came too late to stop this call must not stop the next one.
+                self._running, self._abort_requested, self._aborted = False, False, set()
         return samples
 
     def _drive(self, generation: Generation) -> None:
@@ -98,37 +141,67 @@ class Engine(UpdateGate):
                     steps += 1
                     if self.on_step is not None:
                         self.on_step(steps)
-                if self._must_stop():
-                    break
-                if aborted := self._aborted_samples():  # abort(samples): only they stop
+                with self._lock:
+                    pending = self._pending is not None
+                    if self._abort_requested or (pending and self.on_update == "abort"):
+                        break
+                    aborted = set(self._aborted)  # abort(samples): only they stop
+                if aborted:
                     generation.stop(aborted)
-                if self._swap_now():
+                if pending and self.on_update == "continue":
                     generation.swap(self._apply_pending)
         finally:
             generation.close()
 
-    def _begin(self, samples: list[Sample], call: GenerateCall) -> Generation:
-        raise NotImplementedError
+    def abort(self, samples: Iterable[Sample] | None = None) -> None:
+        with self._lock:
+            if not self._running:
+                return
+            if samples is None:
+                self._abort_requested = True
+            else:
+                self._aborted.update(s.key for s in samples)
 
-    def _check_params(self, params: SamplingParams) -> None:
-        """ValueError for sampling this engine cannot do (every engine does all of it but vLLM)."""
+    # -- weight updates ------------------------------------------------------------------------------
+    def set_pending_update(self, version: int, apply: Callable[[], None]) -> None:
+        with self._lock:
+            self._pending = (version, apply)
 
-    def rng_state(self) -> Tensor | None:
-        return None  # this engine cannot restore the stream unseeded requests draw from
+    def apply_pending(self) -> int | None:
+        with self._lock:
+            if self._running:
+                raise RuntimeError("apply_pending() was called while generate() is running")
+        return self._apply_pending()
 
-    def set_rng_state(self, state: Tensor) -> None:
-        raise NotImplementedError
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        targets = self.named_weights()
 
-    @property
-    def device(self) -> torch.device:
-        """Where the engine's weights live (sleep hands CUDA memory back to the driver)."""
-        raise NotImplementedError
+        def apply() -> None:
+            for name, tensor in named_tensors:
+                targets[name].copy_(tensor)
+
+        self.set_pending_update(version, apply)
+        self.apply_pending()
+
+    def _apply_pending(self) -> int | None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        version, apply = pending
+        self.wake()
+        # Outside inference mode, so tensors that apply() creates stay ordinary tensors.
+        with torch.inference_mode(False), torch.no_grad():
+            apply()
+            self._after_update()
+        self._version, self._needs_push = version, False
+        return version
 
     # -- sleep and wake ------------------------------------------------------------------------------
     def sleep(self) -> dict[str, float]:
         """While idle: free the weights and the KV cache -> {"memory/engine_bytes": bytes freed,
         "perf/sleep_s": its seconds, "perf/wake_s": the seconds of the wake before it}. The next
-        generate call, `apply_pending` or `load_weights` wakes it."""
+        update applied (by generate, `apply_pending` or `load_weights`) wakes it."""
         with self._lock:
             if self._running:
                 raise RuntimeError("sleep() was called while generate() is running")
@@ -162,14 +235,6 @@ class Engine(UpdateGate):
 
     def _restore(self) -> None:
         self.memory.restore()
-
-    def _apply_pending(self) -> int | None:
-        if self.asleep and self._has_pending():
-            self.wake()
-        version = super()._apply_pending()
-        if version is not None:
-            self._needs_push = False
-        return version
 
 
 class Storages:

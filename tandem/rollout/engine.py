@@ -23,7 +23,7 @@ COMPACT_FRACTION = 0.25  # compact the cache once this share of the live rows ha
 class BuiltinEngine(DecoderEngine):
     """Generates on `model` in batches of `max_batch_size` samples, one after another.
 
-    on_update, on_step: see `UpdateGate`; a step is a prefill or a decode step of the current batch,
+    on_update, on_step: see `Engine`; a step is a prefill or a decode step of the current batch,
         and under "continue" an update is swapped in between two of them, keeping the cached keys.
     compile: run decode steps through torch.compile (`CausalLM.compile_decode`); the first calls
         compile for tens of seconds, later steps run faster (docs/rollout.md, "Speed").
