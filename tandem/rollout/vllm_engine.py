@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tandem.devices import DTYPES
 from tandem.errors import TandemError
 from tandem.model import load_model
 from tandem.rollout.base import Engine, Storages
@@ -28,8 +29,6 @@ from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.sampler import row_seed
 from tandem.rollout.vllm_logprobs import VLLM_LOGPROBS_MODES, describe, vllm_logprobs_modes
 from tandem.sample import Sample
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def require_vllm() -> None:
@@ -173,8 +172,11 @@ class _Requests:
             request.take(completion.token_ids, completion.logprobs)
             produced = produced or len(completion.token_ids) > 0
             if out.finished:
+                reason = completion.finish_reason
+                if reason not in ("stop", "length", "abort"):  # abort: vLLM stopped it on its own
+                    raise RuntimeError(f"vLLM ended a request with finish_reason={reason!r}")
                 del self.live[out.request_id]
-                request.write_back(_finish(completion.finish_reason))
+                request.write_back(reason)
         return produced
 
     def stop(self, keys: set[tuple[int, int]]) -> None:
@@ -234,12 +236,6 @@ class _Request:
         self.ids, self.logprobs = [], []
         if reason is not None:
             self.sample.end(reason)
-
-
-def _finish(reason: str | None) -> str:
-    if reason in ("stop", "length", "abort"):  # abort: vLLM stopped it on its own, a partial
-        return reason
-    raise RuntimeError(f"vLLM ended a request with finish_reason={reason!r}")
 
 
 def _vllm_params(s: Sample, call: GenerateCall) -> Any:
