@@ -56,7 +56,7 @@ def test_resolved_config_round_trips(tmp_path):
         (["algo.adv_estimator=ppg"], r"not a known advantage estimator.*grpo.*rloo"),
         (["algo.loss_agg=mean"], r"loss aggregation.*token-mean"),
         (["algo.kl_estimator=k9"], r"KL estimator.*k3"),
-        (["data.task=multiply"], r"not a known task.*addition.*countdown.*reverse"),
+        (["data.task=divide"], r"not a known task.*addition.*countdown.*multiply.*reverse"),
         (["rollout.top_p=0"], r"'rollout.top_p' must be in \(0, 1\]"),
         (["rollout"], r"not of the form section.key=value"),
         (["rollout.engine=vllm", "rollout.temperature=0.7", "rollout.top_p=0.9"], r"vLLM cannot record"),

@@ -268,8 +268,8 @@ def _uses_numbers_once(expr: str, numbers: list[int]) -> bool:
 
 
 def test_tasks_registry():
-    assert TASKS.names() == ["addition", "countdown", "reverse"]
-    with pytest.raises(TandemError, match="addition, countdown, reverse"):
+    assert TASKS.names() == ["addition", "countdown", "multiply", "reverse"]
+    with pytest.raises(TandemError, match="addition, countdown, multiply, reverse"):
         TASKS.get("sudoku")
 
 
@@ -322,7 +322,7 @@ def test_reverse(split):
         assert flawed in (word, word[-1] + word[1:-1] + word[0])
 
 
-@pytest.mark.parametrize("name", ["addition", "countdown", "reverse"])
+@pytest.mark.parametrize("name", ["addition", "countdown", "reverse", "multiply"])
 def test_tasks_deterministic_and_splits_disjoint(name):
     task = TASKS.get(name)()
     train = task.make_rows(500, seed=0, split="train")

@@ -2,6 +2,7 @@
 
 from statistics import mean
 
+from tandem.controller.stats import agent_stats
 from tandem.reward import RewardPool
 from tandem.rollout import RolloutWorker, SamplingParams, make_groups
 from tandem.sample import Prompt, Sample
@@ -26,5 +27,6 @@ def evaluate(
         "val/response_length/mean": mean(len(s.response_ids) for s in samples),
         "val/reward_errors": errors.get("reward/errors", 0.0) + errors.get("reward/timeouts", 0.0),
         "val/version": float(rollout.version),
+        **agent_stats(samples, "val/agent"),
     }
     return metrics, samples

@@ -24,4 +24,13 @@ def rollout_stats(samples: list[Sample], trained_version: int) -> dict[str, floa
         **_summary(
             "staleness", [float(trained_version - s.version_span[0]) for s in samples if s.versions] or [0.0]
         ),
+        **agent_stats(samples),
     }
+
+
+def agent_stats(samples: list[Sample], prefix: str = "agent") -> dict[str, float]:
+    """`<prefix>/<name>/mean` over the episodes of every counter the agent loop kept in
+    `Sample.agent_stats` (tools: turns, tool_calls, tool_errors, tool_use, truncated); {} for
+    single-turn samples."""
+    names = sorted({k for s in samples for k in s.agent_stats})
+    return {f"{prefix}/{k}/mean": mean(float(s.agent_stats.get(k, 0.0)) for s in samples) for k in names}

@@ -9,6 +9,7 @@ then has to improve). Responses are exactly the text the model should write befo
 | addition  | "23+58="         | "81"      | "81"                                    |
 | countdown | "3 7 12 -> 33"   | "3*7+12"  | {"target": 33, "numbers": [3, 7, 12]}   |
 | reverse   | "reverse: abcde" | "edcba"   | "edcba"                                 |
+| multiply  | "37*48="         | "<calc>37*48</calc><result>1776</result>1776" | "1776"      |
 
 Train and test are disjoint by construction: a problem is in "test" when the md5 of its canonical
 text is 0 mod 10 (about 10% of problems), else in "train", and `make_rows` draws only problems of
@@ -233,6 +234,41 @@ class Reverse(Task):
         if len(word) < 2 or rng.random() < 0.5:
             return word
         return word[-1] + word[1:-1] + word[0]
+
+
+@TASKS.register("multiply")
+class Multiply(Task):
+    """ "37*48=" -> 1776, two operands in [low, high] (10..99), to solve with the calculator tool
+    (rollout.agent=tools, docs/agents.md). A model of a few million parameters cannot multiply two
+    2-digit numbers in its head, but it can copy them into a call and copy the result back:
+    `<calc>37*48</calc><result>1776</result>1776`. The `<result>` span is the tool's output, which
+    the agent appends and `tandem sft` masks; the answer is the integer written after it."""
+
+    name = "multiply"
+
+    def __init__(self, low: int = 10, high: int = 99):
+        if not 0 <= low <= high:
+            raise TandemError(f"Task 'multiply': need 0 <= low <= high, got {low}, {high}.")
+        self.low, self.high = low, high
+
+    def draw(self, rng: random.Random) -> tuple[str, Any, str]:
+        a, b = rng.randint(self.low, self.high), rng.randint(self.low, self.high)
+        return f"{a}*{b}=", str(a * b), f"{min(a, b)}*{max(a, b)}="
+
+    def solution(self, row: dict[str, Any] | Prompt) -> str:
+        a, b = _factors(row)
+        return f"<calc>{a}*{b}</calc><result>{a * b}</result>{a * b}"
+
+    def flawed_solution(self, row: dict[str, Any] | Prompt, rng: random.Random) -> str:
+        """A guess, without the tool: the product of the operands rounded to tens (37*48 -> "2000");
+        right only when both end in 0."""
+        a, b = _factors(row)
+        return str((a + 5) // 10 * 10 * ((b + 5) // 10 * 10))
+
+
+def _factors(row: dict[str, Any] | Prompt) -> tuple[int, int]:
+    a, b = _content(row).removesuffix("=").split("*")
+    return int(a), int(b)
 
 
 def _content(row: dict[str, Any] | Prompt) -> str:

@@ -35,6 +35,16 @@ def addition(solution_str: str, ground_truth: Any, extra_info: dict) -> float:
     return float(bool(found) and int(found[-1]) == int(str(ground_truth).strip()))
 
 
+@VERIFIERS.register("multiply")
+def multiply(solution_str: str, ground_truth: Any, extra_info: dict) -> float:
+    """1.0 when the last integer after the last tool result (`</result>`; the whole response when
+    there is none) equals the product `ground_truth`: the answer must be the model's own words, a
+    tool result alone does not count."""
+    answer = solution_str.rpartition("</result>")[2]
+    found = _INT.findall(answer)
+    return float(bool(found) and int(found[-1]) == int(str(ground_truth).strip()))
+
+
 @VERIFIERS.register("reverse")
 def reverse(solution_str: str, ground_truth: Any, extra_info: dict) -> float:
     """1.0 when the stripped response is exactly the reversed string `ground_truth`."""

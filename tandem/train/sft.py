@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.agent import build_agent
 from tandem.config import Config
 from tandem.data import build_char_tokenizer, encode_prompts, load_tokenizer, prompts_from_rows
 from tandem.data.tasks import TASKS
@@ -18,7 +19,7 @@ from tandem.errors import TandemError
 from tandem.model import CausalLM, ModelConfig, init_weights, load_model, resolve_model_path, save_model
 from tandem.paths import check_writable
 from tandem.sample import Sample
-from tandem.train.batch import packed, score
+from tandem.train.batch import packed, pad_rows, score
 from tandem.train.optim import lr_factor
 
 
@@ -51,13 +52,22 @@ def demonstrations(cfg: Config, tokenizer, n: int) -> list[Sample]:
     prompts = prompts_from_rows(rows)
     ids = encode_prompts(tokenizer, prompts, cfg.data.max_prompt_length, source=f"task {task.name}")
     rng = random.Random(cfg.run.seed)
+    # The run's agent splits a transcript into tokens as its rollouts do: a tool's output is
+    # context (loss mask 0) here as in RL (single_turn: every token is trained on).
+    r = cfg.rollout
+    agent = build_agent(r.agent, tokenizer, r.tools, r.max_turns)
     samples = []
     for row, prompt, prompt_ids in zip(rows, prompts, ids, strict=True):
         flawed = rng.random() < cfg.sft.flawed_fraction
         text = task.flawed_solution(row, rng) if flawed else task.solution(row)
-        response = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        response, mask = agent.demonstration(text)
         samples.append(
-            Sample(prompt=prompt, prompt_ids=prompt_ids, response_ids=response, loss_mask=[1] * len(response))
+            Sample(
+                prompt=prompt,
+                prompt_ids=prompt_ids,
+                response_ids=response + [tokenizer.eos_token_id],
+                loss_mask=mask + [1],
+            )
         )
     return samples
 
@@ -87,8 +97,10 @@ def run_sft(cfg: Config) -> Path:
         for group in opt.param_groups:
             group["lr"] = s.lr * lr_factor(step, s.warmup_steps, s.steps, "cosine", 0.05)
         batch = rng.sample(data, s.batch_size)
-        logp, _ = score(model, packed(batch), max(len(x.response_ids) for x in batch))  # (b, R)
-        loss = -logp.sum() / sum(len(x.response_ids) for x in batch)  # every response token is trained on
+        width = max(len(x.response_ids) for x in batch)
+        logp, _ = score(model, packed(batch), width)  # (b, R)
+        mask = pad_rows([x.loss_mask for x in batch], width)  # (b, R): 0 on tool outputs
+        loss = -(logp * mask).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -1,0 +1,25 @@
+"""Agents: loops that run above a rollout engine (multi-turn tool use), and the tools they call."""
+
+from tandem.agent.loop import (
+    AGENTS,
+    AgentLoop,
+    SingleTurn,
+    ToolAgent,
+    agent_class,
+    build_agent,
+    context_end,
+)
+from tandem.agent.tools import TOOLS, Tool, ToolError
+
+__all__ = [
+    "AGENTS",
+    "TOOLS",
+    "AgentLoop",
+    "SingleTurn",
+    "Tool",
+    "ToolAgent",
+    "ToolError",
+    "agent_class",
+    "build_agent",
+    "context_end",
+]
