@@ -119,3 +119,33 @@ def test_a_resumed_critic_continues_bit_for_bit(tmp_path):
     resumed.estimate(samples)
     resumed.train_step(samples)
     assert torch.equal(resumed.values(samples), expected)
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_run_with_a_critic_logs_its_metrics_and_resumes_with_it(tmp_path):
+    import json
+
+    from tandem.config import load_config
+    from tandem.controller import run_training
+
+    tiny = [
+        "run.progress=false",
+        "run.val_every=0",
+        "run.save_every=1",
+        "rollout.batch_size=4",
+        "rollout.n=4",
+        "data.val_size=8",
+        "data.train_size=200",
+        "reward.num_workers=1",
+        "algo.adv_estimator=gae",
+        f"run.out_dir={tmp_path}",
+    ]
+    run_training(load_config(None, [*tiny, "run.steps=2"]))
+    assert (tmp_path / "default" / "checkpoints" / "step_2" / "critic").is_dir()
+    run_training(load_config(None, [*tiny, "run.steps=3", "run.resume=auto"]))
+    lines = (tmp_path / "default" / "metrics.jsonl").read_text().splitlines()
+    steps = [r for r in map(json.loads, lines) if "critic/vf_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for key in ("critic/vf_explained_var", "critic/values/mean", "critic/returns/mean", "critic/vf_clipfrac"):
+        assert key in steps[-1]
+    assert steps[0]["critic/values/mean"] == 0.0 and steps[-1]["critic/values/mean"] != 0.0
