@@ -24,25 +24,15 @@ class Generation(Protocol):
     """One generate call inside an engine: its batch, cache and the tokens taken so far."""
 
     @property
-    def done(self) -> bool: ...
+    def done(self) -> bool: ...  # every sample has ended (or was stopped)
 
-    def step(self) -> bool:
-        """One forward, the sampling, the bookkeeping -> whether any token came (a chunk of a long
-        prompt gives none)."""
-        ...
+    def step(self) -> bool: ...  # a forward + sampling -> whether a token came (a prompt chunk: none)
 
-    def stop(self, keys: set[tuple[int, int]]) -> None:
-        """The samples whose `key` is in `keys` end now, ABORTED with what they have (again for a
-        sample stopped before: a no-op)."""
-        ...
+    def stop(self, keys: set[tuple[int, int]]) -> None: ...  # those samples end now, ABORTED (again: no-op)
 
-    def swap(self, apply: Callable[[], int | None]) -> None:
-        """Under "continue": `apply()` swaps the pending weights in under the running sequences."""
-        ...
+    def swap(self, apply: Callable[[], int | None]) -> None: ...  # "continue": apply() under the live rows
 
-    def close(self) -> None:
-        """Write each sample's new tokens back to it; one that has not ended is ABORTED."""
-        ...
+    def close(self) -> None: ...  # write every sample back; one that has not ended is ABORTED
 
 
 class Engine:

@@ -23,8 +23,7 @@ COMPACT_FRACTION = 0.25  # compact the cache once this share of the live rows ha
 class BuiltinEngine(DecoderEngine):
     """Generates on `model` in batches of `max_batch_size` samples, one after another.
 
-    on_update, on_step: see `Engine`; a step is a prefill or a decode step of the current batch,
-        and under "continue" an update is swapped in between two of them, keeping the cached keys.
+    on_update, on_step: see `Engine`; a step is a prefill or a decode step of the current batch.
     compile: run decode steps through torch.compile (`CausalLM.compile_decode`); the first calls
         compile for tens of seconds, later steps run faster (docs/rollout.md, "Speed").
     """
@@ -75,9 +74,7 @@ class _Batches:
     each prefilled once and then decoded until every one of its samples has ended."""
 
     def __init__(self, engine: BuiltinEngine, samples: list[Sample], call: GenerateCall):
-        self.engine, self.call = engine, call
-        size = engine.max_batch_size
-        self.waiting = [samples[i : i + size] for i in range(0, len(samples), size)]
+        self.engine, self.call, self.waiting = engine, call, samples
         self.batch: _Batch | None = None
 
     @property
@@ -86,7 +83,9 @@ class _Batches:
 
     def step(self) -> bool:
         if self.batch is None:
-            self.batch = _Batch(self.engine, self.waiting.pop(0), self.call)
+            size = self.engine.max_batch_size
+            self.batch = _Batch(self.engine, self.waiting[:size], self.call)
+            self.waiting = self.waiting[size:]
         else:
             self.batch.decode()
         self.batch.sample()
@@ -97,11 +96,10 @@ class _Batches:
         if self.batch is not None:
             self.batch.stop(keys)
             self._write_back_ended()
-        for chunk in self.waiting:  # not started yet: returned as they came, to re-submit
-            for s in chunk:
-                if s.key in keys:
-                    s.end("abort")
-        self.waiting = [kept for c in self.waiting if (kept := [s for s in c if s.key not in keys])]
+        for s in self.waiting:  # not started yet: returned as they came, to re-submit
+            if s.key in keys:
+                s.end("abort")
+        self.waiting = [s for s in self.waiting if s.key not in keys]
 
     def swap(self, apply: Callable[[], int | None]) -> None:
         apply()  # the cached keys stay as the old weights computed them
@@ -109,9 +107,8 @@ class _Batches:
     def close(self) -> None:
         if self.batch is not None:
             self.batch.write_back()
-        for chunk in self.waiting:
-            for s in chunk:
-                s.end("abort")
+        for s in self.waiting:
+            s.end("abort")
 
     def _write_back_ended(self) -> None:
         if self.batch.done.all():

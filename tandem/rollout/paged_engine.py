@@ -24,16 +24,14 @@ from tandem.sample import Sample
 
 
 class PagedEngine(DecoderEngine):
-    """Continuous batching on `model` over `num_kv_blocks` blocks of `block_size` tokens.
+    """Continuous batching on `model` over `num_kv_blocks` blocks of `block_size` tokens (or as
+    many as `kv_budget_mb` holds); `num_preemptions` counts preemptions.
 
-    kv_budget_mb: size the blocks from a memory budget instead (overrides num_kv_blocks).
     max_num_seqs: sequences in the running batch; max_num_batched_tokens: prompt tokens one prefill
     step may compute (a longer prompt is prefilled in chunks, between decode steps).
-    `num_preemptions` counts preemptions.
     group_sharing / prefix_caching: prefill a group's prompt once / reuse computed prompt blocks
-    across requests; both on by default, off only to measure what they buy (bench/engine.py).
-    cuda_graphs: decode steps replayed from CUDA graphs, one per batch-size bucket
-    (`DecodeGraphs`); on the CPU the same fixed-shape forward runs eagerly (tests).
+    across requests; off only to measure what they buy (bench/engine.py).
+    cuda_graphs: decode steps through `DecodeGraphs` (on the CPU, its fixed-shape forward eagerly).
     seed, version, on_update, on_step, compile: as `BuiltinEngine`'s.
     """
 
@@ -89,21 +87,21 @@ class PagedEngine(DecoderEngine):
         self.block_manager.reset_prefix_cache()  # keys of the old weights serve no new request
 
     def _begin(self, samples: list[Sample], call: GenerateCall) -> "_Continuous":
-        seqs = [Sequence.start(next(self._ids), s, call.cap(s)) for s in samples]
-        return _Continuous(self, seqs, call)
+        return _Continuous(self, samples, call)
 
 
 class _Continuous:
     """The `Generation` of one call: the scheduler's steps until every sequence has ended. A token
     records the version of the weights whose forward gave its logits."""
 
-    def __init__(self, engine: PagedEngine, seqs: list[Sequence], call: GenerateCall):
-        self.engine, self.seqs, self.call = engine, seqs, call
+    def __init__(self, engine: PagedEngine, samples: list[Sample], call: GenerateCall):
+        self.engine, self.call = engine, call
+        self.seqs = [Sequence.start(next(engine._ids), s, call.cap(s)) for s in samples]
         self.stop_ids = set(call.stop_ids)
         self.scheduler = Scheduler(
             engine.block_manager, engine.max_num_seqs, engine.max_num_batched_tokens, engine.group_sharing
         )
-        self.scheduler.add(seqs)
+        self.scheduler.add(self.seqs)
 
     @property
     def done(self) -> bool:
