@@ -11,17 +11,14 @@ token ids), so a name stands for the whole prefix up to its end; the root of eve
 with an epoch that `reset_prefix_cache` bumps, so KV of old weights never reaches a new sequence.
 
 Invariants (tests/test_block_manager.py checks them under random operation sequences):
-- Every block is in exactly one state: free (ref 0, no hash), used (ref > 0), or cached (ref 0,
-  hashed, evictable); so free + used + cached == num_blocks.
-- A block's ref count is the number of block-table entries holding it.
-- A sequence of n tokens holds exactly ceil(n / block_size) blocks.
+- Every block is free (ref 0, no hash), used (ref > 0) or cached (ref 0, hashed, evictable).
+- A block's ref count is the number of block-table entries holding it; a sequence of n tokens holds
+  exactly ceil(n / block_size) blocks.
 - Only full blocks carry a hash, so a block shared through the prefix cache is never written again;
   a partly filled block is shared only through `fork`, and `append` copies it first (copy-on-write).
   Hence a block is written only while its ref count is 1.
-- A block is hashed only after `mark_computed` says its KV is written: no sequence is ever handed a
-  block whose keys are still to be computed.
-- A cached block is evicted (reused for other tokens) only when no free block is left, least
-  recently released first.
+- A block is hashed only after `mark_computed` says its KV is written: none is shared unwritten.
+- A cached block is evicted only when no free block is left, least recently released first.
 """
 
 import hashlib
@@ -103,13 +100,11 @@ class BlockManager:
 
     @property
     def num_available_blocks(self) -> int:
-        """Blocks an allocation may take: the free ones, then cached ones by eviction."""
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + len(self._evictable)  # cached blocks are taken by eviction
 
     @property
     def usage(self) -> float:
-        """The share of blocks that sequences hold (cached blocks count as free memory)."""
-        return self.num_used_blocks / self.num_blocks
+        return self.num_used_blocks / self.num_blocks  # cached blocks count as free memory
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)  # ceil

@@ -85,11 +85,10 @@ class DecodeGraphs:
         self.model.rope(torch.tensor([[max_blocks * self.cache.block_size]], device=self.device))
         self.rope = self.model.rope_table
 
-    def _forward(self, bucket: int) -> Tensor:
-        """The fixed-shape decode forward of the first `bucket` rows of the static buffers -> (bucket, V)."""
+    def _forward(self, n: int) -> Tensor:
+        """The fixed-shape decode forward of the first `n` rows of the static buffers -> (n, V)."""
         from tandem.rollout.model_runner import PagedBatch
 
-        n = bucket
         ones = torch.ones(n, dtype=torch.long, device=self.device)
         batch = PagedBatch(self.cache, self.slots[:n], self.tables[:n], self.context[:n], ones, all_real=True)
         token_mask = torch.ones(n, 1, dtype=torch.bool, device=self.device)

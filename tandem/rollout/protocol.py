@@ -1,8 +1,7 @@
 """The rollout engine protocol: what every backend (builtin, paged, vLLM) implements.
 
-Threads: `generate`, `apply_pending` and `load_weights` are called from one thread, one call at a
-time; `set_pending_update` and `abort` may be called from any other thread at any moment.
-docs/rollout.md describes the contract in full.
+Threads: `generate`, `apply_pending` and `load_weights` come from one thread, one call at a time;
+`set_pending_update` and `abort` from any thread at any moment. docs/rollout.md has the contract.
 """
 
 from collections.abc import Callable, Iterable, Mapping
@@ -59,15 +58,13 @@ class SamplingParams:
 
 
 class StopCheck(Protocol):
-    """Tells the engine, which has no tokenizer, that a response's text now contains a stop
-    string. `RolloutWorker` builds one from its tokenizer for every call with `params.stop`."""
+    """Tells the engine, which has no tokenizer, that a response's text now ends on a stop string
+    (`RolloutWorker` builds one from its tokenizer): the last `window` tokens of each live response
+    (all of a shorter one) -> whether each ends now."""
 
-    window: int  # the check needs only the last `window` tokens of a response
+    window: int
 
-    def __call__(self, tails: list[list[int]]) -> list[bool]:
-        """The last `window` response tokens of each live response (all of a shorter one)
-        -> whether each response ends now."""
-        ...
+    def __call__(self, tails: list[list[int]]) -> list[bool]: ...
 
 
 class RolloutEngine(Protocol):

@@ -5,16 +5,13 @@ so a decode row in a prefill step would cost a whole chunk). A prefill admits wa
 while the sequence budget (`max_num_seqs`), the token budget (`max_num_batched_tokens`) and the KV
 budget (`BlockManager.can_allocate`) allow; otherwise every running sequence decodes one token.
 
-- Chunked prefill: a prompt that does not fit in what is left of a step's token budget is computed
-  in chunks, one per prefill step. Its group waits in `partial` (holding its blocks) and takes turns
-  with the decode steps of the running sequences; it joins `running` once its last chunk gives it
-  logits.
+- Chunked prefill: a prompt longer than what is left of a step's token budget is computed in chunks,
+  one per prefill step; its group waits in `partial` (holding its blocks), taking turns with the
+  decode steps, and joins `running` once its last chunk gives it logits.
 - Preemption: when a decode finds no free block, the most recently admitted running sequence is
-  freed and goes back to the front of the waiting queue, to be recomputed from its prompt and its
-  tokens so far (never an out-of-memory error).
-- Group sharing: waiting sequences with the same tokens next to each other in the queue (a GRPO
-  group, as `make_groups` lays them out) are admitted together: the first is prefilled, the others
-  `fork` its blocks (`group_sharing=False` turns this off, for benchmarks).
+  freed and goes back to the front of the waiting queue, to be recomputed (never an OOM error).
+- Group sharing: equal waiting sequences next to each other (a GRPO group, as `make_groups` lays
+  them out) are admitted together: the first is prefilled, the others `fork` its blocks.
 """
 
 from collections import deque
