@@ -79,7 +79,8 @@ def test_reinforce_plus_plus_baseline():
 @pytest.mark.parametrize("name", ADV_ESTIMATORS.names())
 def test_every_estimator_takes_the_same_call_and_zeroes_padding(name):
     mask = T([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]])
-    adv = ADV_ESTIMATORS.get(name)(T([1, 0, 3, 2]), T([0, 0, 1, 1]), mask, norm_by_std=True)
+    critic = {"values": torch.full((4, 3), 0.5)} if name == "gae" else {}  # a critic's estimator
+    adv = ADV_ESTIMATORS.get(name)(T([1, 0, 3, 2]), T([0, 0, 1, 1]), mask, norm_by_std=True, **critic)
     assert adv.shape == (4, 3) and adv.dtype.is_floating_point
     assert torch.isfinite(adv).all() and (adv[mask == 0] == 0).all()
 
@@ -247,6 +248,7 @@ def test_unknown_name_lists_valid_names(registry, known):
 def test_expected_names_registered():
     assert ADV_ESTIMATORS.names() == [
         "drgrpo",
+        "gae",
         "grpo",
         "reinforce_plus_plus",
         "reinforce_plus_plus_baseline",
@@ -280,7 +282,8 @@ TRAINER_CALLS = [
 )
 def test_every_entry_takes_the_trainers_context(registry, args, context, name):
     assert set(context) == registry.context
-    registry.get(name)(*args, **context)
+    critic = {"values": torch.zeros(args[2].shape)} if name == "gae" else {}  # the critic's call adds them
+    registry.get(name)(*args, **context, **critic)
 
 
 @pytest.mark.parametrize(

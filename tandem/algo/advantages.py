@@ -4,9 +4,11 @@ Every estimator has one signature so the trainer can call any of them the same w
 
     fn(rewards (B,), group_ids (B,) long, mask (B, T), *, options) -> (B, T)
 
-The result is 0 where mask == 0. Samples of one prompt share a group id; ids need not be contiguous
-or sorted. The trainer passes `norm_by_std` (algo.norm_by_std) to every estimator, as context that
-one without a use for it drops; any other option (`eps`) must be one the estimator declares.
+The result is 0 where mask == 0. `gae`, PPO's estimator with a critic, also takes the critic's
+`values` (B, T) and gives each token its own advantage. Samples of one prompt share a group id;
+ids need not be contiguous or sorted. The trainer passes `norm_by_std` (algo.norm_by_std) to
+every estimator, as context that one without a use for it drops; any other option (`eps`) must be
+one the estimator declares.
 """
 
 from collections.abc import Callable
