@@ -22,18 +22,13 @@ from tandem.rollout.sequence import Sequence
 
 @dataclass
 class PagedBatch:
-    """One forward's view of the paged cache (a `tandem.model.decoder.BatchCache`).
-
-    slot_mapping (B, T) the slot of each new token, -1 for padding; block_tables (B, M), -1 padded;
-    context_lens (B,) tokens of each row in the cache once this forward wrote its own;
-    query_lens (B,) new tokens of each row.
-    """
+    """One forward's view of the paged cache (a `tandem.model.decoder.BatchCache`)."""
 
     cache: PagedKVCache
-    slot_mapping: Tensor
-    block_tables: Tensor
-    context_lens: Tensor
-    query_lens: Tensor
+    slot_mapping: Tensor  # (B, T) the slot of each new token, -1 for padding
+    block_tables: Tensor  # (B, M), -1 padded
+    context_lens: Tensor  # (B,) tokens of each row in the cache once this forward wrote its own
+    query_lens: Tensor  # (B,) new tokens of each row
     all_real: bool = False  # no padding token in slot_mapping: skip looking (a CUDA graph cannot)
 
     def __post_init__(self) -> None:

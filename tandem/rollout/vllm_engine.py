@@ -125,8 +125,7 @@ class VLLMEngine(Engine):
         return _Requests(self, samples, call)
 
     def _release(self) -> int:
-        """vLLM's sleep level 2 drops its weights and KV cache (nothing is offloaded: the next push
-        refills them); the update buffers are freed too."""
+        """vLLM's sleep level 2 drops its weights and KV cache (the next push refills them)."""
         if not self.sleep_mode:
             raise RuntimeError("VLLMEngine.sleep() needs the engine started with sleep_mode=True")
         self.llm.sleep(level=2)
@@ -148,9 +147,8 @@ class VLLMEngine(Engine):
 
 
 class _Requests:
-    """The `Generation` of one call: vLLM steps until every request has ended. vLLM detokenizes,
-    so it ends responses on `params.stop` itself; a stop string that begins in a partial and ends
-    in the continuation goes unseen (vLLM searches new text only)."""
+    """The `Generation` of one call: vLLM steps until every request has ended. vLLM ends responses
+    on `params.stop` itself, searching new text only (not a stop string begun in a partial)."""
 
     def __init__(self, engine: VLLMEngine, samples: list[Sample], call: GenerateCall):
         self.engine, self.call = engine, call
@@ -193,8 +191,7 @@ class _Requests:
         self._drop(dict(self.live), "abort")  # stopped by abort(), an update under "abort", an error
 
     def _submit(self, samples: list[Sample]) -> None:
-        """One vLLM request per sample: its prompt + partial response, the rest of its cap to go.
-        Its tokens will record the version of the weights served now."""
+        """One vLLM request per sample: its prompt + partial response, the rest of its cap to go."""
         from vllm import TokensPrompt
 
         for s in samples:
@@ -224,8 +221,7 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
 
     def take(self, token_ids: Sequence[int], logprobs: Sequence[Any]) -> None:
-        """A step's new tokens, and vLLM's logprob dicts for them ({token: Logprob}; logprobs=0
-        asks for the sampled token's alone)."""
+        """A step's new tokens, and vLLM's logprob dicts for them ({token: Logprob})."""
         for token, top in zip(token_ids, logprobs, strict=True):
             self.ids.append(token)
             self.logprobs.append(top[token].logprob)
@@ -239,7 +235,6 @@ class _Request:
 
 
 def _vllm_params(s: Sample, call: GenerateCall) -> Any:
-    """vLLM's SamplingParams for one sample's request."""
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
