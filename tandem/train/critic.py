@@ -20,7 +20,6 @@ from torch import Tensor, nn
 from tandem.algo import ADV_ESTIMATORS, aggregate, gae, masked_mean, masked_var
 from tandem.model import CausalLM
 from tandem.sample import Sample
-from tandem.train import parallel
 from tandem.train.batch import pad_rows
 from tandem.train.worker import TrainWorker
 
@@ -109,21 +108,11 @@ class CriticWorker(TrainWorker):
         chosen = [samples[i] for i in rows]
         m, v_old, g = mask[rows], old[rows], returns[rows]
         counts = self._counts(m)
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = defaultdict(float)
-        plan = self._plan(chosen)
-        for k, part in enumerate(plan):
-            with parallel.gradient_sync(self.module, k == len(plan) - 1 or self.masters is not None):
-                loss, stats = self._value_micro_loss(chosen, part, m, v_old, g, counts)
-                (loss * self.world).backward()  # DDP averages the ranks' gradients: see TrainWorker
-            if self.masters is not None:
-                self.masters.take_grads()
-            for key, value in stats.items():
-                sums[key] += value
-        if self.world > 1:
-            keys = sorted(sums)
-            reduced = self._all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
-            sums.update(zip(keys, reduced.tolist(), strict=True))
+
+        def micro_loss(part: list[int]) -> tuple[Tensor, dict[str, float]]:
+            return self._value_micro_loss(chosen, part, m, v_old, g, counts)
+
+        sums = self._accumulate(chosen, micro_loss)
         sums["critic/grad_norm"] = self._optimizer_step()
         return sums
 

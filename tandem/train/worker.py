@@ -12,7 +12,7 @@ import copy
 import math
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -306,31 +306,40 @@ class TrainWorker:
         # to the mini-batch loss; the pg term counts only the tokens the corrections keep.
         pg_mask = self._pg_mask(b, first)
         counts = {"loss": self._counts(b.mask), "pg": self._counts(pg_mask)}
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = defaultdict(float)
-        if len(b.samples) < self.world:
+        sums = self._accumulate(b.samples, lambda part: self._micro_loss(b, pg_mask, part, counts, source))
+        sums["actor/grad_norm"] = self._optimizer_step()
+        return sums
+
+    def _accumulate(
+        self, samples: list[Sample], micro_loss: Callable[[list[int]], tuple[Tensor, dict[str, float]]]
+    ) -> dict[str, float]:
+        """Backward of `micro_loss(part)` for each of this rank's micro-batches of a mini-batch
+        (`part`: indices into `samples`, [] for a dummy) -> the sums of their metric shares over
+        every rank. The gradients are left for the optimizer step."""
+        if len(samples) < self.world:
             raise TandemError(
-                f"A mini-batch of {len(b.samples)} samples cannot be split over train.num_workers="
+                f"A mini-batch of {len(samples)} samples cannot be split over train.num_workers="
                 f"{self.world} ranks; raise train.mini_batch_size or lower train.num_workers."
             )
-        plan = self._plan(b.samples)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = defaultdict(float)
+        plan = self._plan(samples)
         for k, part in enumerate(plan):
             # With master weights DDP reduces every micro-batch, whose gradients then join the
             # masters' fp32 sum; otherwise DDP and FSDP2 accumulate and reduce with the last.
             with parallel.gradient_sync(self.module, k == len(plan) - 1 or self.masters is not None):
-                loss, stats = self._micro_loss(b, pg_mask, part, counts, source)
+                loss, stats = micro_loss(part)
                 # DDP and FSDP2 average the ranks' gradients; the losses are shares of the whole
                 # mini-batch's, whose gradient is the ranks' sum.
                 (loss * self.world).backward()
             if self.masters is not None:
                 self.masters.take_grads()
-            for k2, v in stats.items():
-                sums[k2] += v
+            for key, v in stats.items():
+                sums[key] += v
         if self.world > 1:
             keys = sorted(sums)
             values = self._all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
             sums.update(zip(keys, values.tolist(), strict=True))
-        sums["actor/grad_norm"] = self._optimizer_step()
         return sums
 
     def _counts(self, mask: Tensor) -> dict[str, float]:
