@@ -178,18 +178,16 @@ class Cluster:
             ).remote(cfg, s.rank, s.threads, keep_ref)
             for s in on["actor_train"]
         ]
-        ref = None
-        if on.get("ref_logp"):
-            s = on["ref_logp"][0]
-            ref = RefActor.options(
-                num_cpus=s.cpus, num_gpus=s.gpus, scheduling_strategy=strategy[s.bundle]
-            ).remote(cfg, s.threads)
-        critic = None
-        if on.get("critic"):
-            s = on["critic"][0]
-            critic = CriticActor.options(
-                num_cpus=s.cpus, num_gpus=s.gpus, scheduling_strategy=strategy[s.bundle]
-            ).remote(cfg, s.threads)
+
+        def single(actor, role: str):
+            """The one actor of a role that has at most one (ref_logp, critic), or None."""
+            if not on.get(role):
+                return None
+            s = on[role][0]
+            where = dict(num_cpus=s.cpus, num_gpus=s.gpus, scheduling_strategy=strategy[s.bundle])
+            return actor.options(**where).remote(cfg, s.threads)
+
+        ref, critic = single(RefActor, "ref_logp"), single(CriticActor, "critic")
         # A killed reward actor is restarted and the calls it held run again (scoring is pure).
         reward = RewardActor.options(num_cpus=0, max_restarts=3, max_task_retries=3).remote(cfg)
         names = {
