@@ -227,10 +227,14 @@ def test_an_abort_between_turns_stops_the_episode_with_its_tool_output_in():
 def test_abort_of_one_sample_stops_only_its_episode():
     w = worker(ONE_CALL)
     samples = episodes(2)
+    partial = Sample(prompt=Prompt(text="2*3="), prompt_ids=PROMPT, group_id=5)  # a re-submitted one
+    partial.extend(script(ONE_CALL)[:3], [-0.1] * 3, [0] * 3)
+    partial.end("abort")
     w.engine.on_step = lambda step: step == 2 and w.abort([samples[1]])
-    w.generate(samples, PARAMS)
+    w.generate([*samples, partial], PARAMS)
     assert samples[0].status is Status.FINISHED and samples[0].response_text == ONE_CALL
     assert samples[1].status is Status.ABORTED and len(samples[1].response_ids) == 2
+    assert partial.status is Status.FINISHED and partial.response_text == ONE_CALL
 
 
 # -- limits -----------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from tandem.agent import AgentLoop, SingleTurn, context_end
 from tandem.rollout.protocol import RolloutEngine, SamplingParams
-from tandem.sample import Sample, Status
+from tandem.sample import Sample
 
 # Extra tokens a stop-string window decodes, for what decoding a window alone gets wrong at its
 # start: a leading space SentencePiece drops, a character whose first bytes fall before the window.
@@ -110,10 +110,10 @@ class RolloutWorker:
         with self._lock:
             abort_all, aborted = self._abort_all, set(self._aborted)
         if abort_all or aborted:
-            for s in samples:
-                if abort_all or s.key in aborted:
-                    s.end("abort")
-            samples = [s for s in samples if s.status is not Status.ABORTED]
+            stopped = [s for s in samples if abort_all or s.key in aborted]
+            for s in stopped:
+                s.end("abort")
+            samples = [s for s in samples if not (abort_all or s.key in aborted)]
         if samples:
             self.engine.generate(samples, params, stop_check=self._stop_check(params))
         return samples
