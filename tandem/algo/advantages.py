@@ -166,8 +166,9 @@ def gae_advantages(
     """rewards (B,), group_ids (B,), mask (B, T), values (B, T) from a critic -> (B, T).
 
     PPO's advantage: A = whiten(GAE(γ, λ)) over the masked tokens of the batch (see `gae`).
-    group_ids and norm_by_std are unused. The critic computes it (the values live there) and hands
-    the result to the policy's trainers in `Sample.token_advantages`.
+    group_ids and norm_by_std are unused. The critic (`tandem.train.critic`) computes the same
+    from the one `gae` pass that also gives its returns, where the values live, and hands it to the
+    policy's trainers in `Sample.token_advantages`.
     """
     r = _float_rewards(rewards, group_ids, mask)
     return masked_whiten(gae(r, values, mask, gamma, lam)[0], mask, eps)

@@ -17,7 +17,7 @@ from collections import defaultdict
 import torch
 from torch import Tensor, nn
 
-from tandem.algo import ADV_ESTIMATORS, aggregate, gae, masked_mean, masked_var
+from tandem.algo import aggregate, gae, masked_mean, masked_var, masked_whiten
 from tandem.model import CausalLM
 from tandem.sample import Sample
 from tandem.train.batch import pad_rows
@@ -44,12 +44,12 @@ class CriticWorker(TrainWorker):
         self._batch: tuple[list[Sample], Tensor, Tensor] | None = None  # (samples, values, returns)
 
     @torch.no_grad()
-    def values(self, samples: list[Sample], model: nn.Module | None = None) -> Tensor:
+    def values(self, samples: list[Sample]) -> Tensor:
         """V(s_t) of every response token -> (B, R_max), 0 past each response's end."""
         width = max(max(len(s.response_ids) for s in samples), 1)
         out = torch.zeros(len(samples), width)
         for part in self._plan(samples):
-            values = self._forward(model or self.compute, [samples[i] for i in part or [0]], width)
+            values = self._forward(self.compute, [samples[i] for i in part or [0]], width)
             if part:
                 out[part] = values.cpu()
         return self._all_reduce(out)
@@ -66,10 +66,8 @@ class CriticWorker(TrainWorker):
         values = self.values(samples)
         mask = _response_mask(samples, values.shape[1])
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float)
-        groups = torch.tensor([s.group_id for s in samples])
-        estimator = ADV_ESTIMATORS.get("gae")
-        adv = estimator(rewards, groups, mask, values=values, gamma=self.gamma, lam=self.lam)
-        returns = gae(rewards, values, mask, self.gamma, self.lam)[1]
+        raw, returns = gae(rewards, values, mask, self.gamma, self.lam)
+        adv = masked_whiten(raw, mask)  # the `gae` estimator's result, GAE computed once for both
         for s, row in zip(samples, adv, strict=True):
             s.token_advantages = row[: len(s.response_ids)].tolist()
         self._batch = (samples, values, returns)
