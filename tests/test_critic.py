@@ -9,7 +9,7 @@ from tandem.config import AlgoConfig, TrainConfig
 from tandem.errors import TandemError
 from tandem.train import TrainWorker
 from tandem.train.critic import CriticWorker, explained_variance, value_loss, value_model
-from tests.helpers import random_samples, tiny_model
+from helpers import random_samples, tiny_model
 
 
 def test_gae_matches_a_hand_computation():
