@@ -3,13 +3,15 @@ and a critic that fits its returns; the policy's trainer takes the critic's adva
 
 import pytest
 import torch
+import torch.multiprocessing as mp
+from helpers import random_samples, tiny_model
 
 from tandem.algo import ADV_ESTIMATORS, gae, masked_whiten
 from tandem.config import AlgoConfig, TrainConfig
 from tandem.errors import TandemError
+from tandem.sync import free_port, init_world
 from tandem.train import TrainWorker
 from tandem.train.critic import CriticWorker, explained_variance, value_loss, value_model
-from helpers import random_samples, tiny_model
 
 
 def test_gae_matches_a_hand_computation():
@@ -58,8 +60,8 @@ def test_explained_variance():
     assert float(explained_variance(torch.full((1, 3), 7.0), returns, mask)) == pytest.approx(0.0, abs=1e-6)
 
 
-def critic(lr: float = 3e-3) -> CriticWorker:
-    train = TrainConfig(lr=lr, dtype="float32")
+def critic(lr: float = 3e-3, strategy: str = "ddp") -> CriticWorker:
+    train = TrainConfig(lr=lr, dtype="float32", strategy=strategy)
     return CriticWorker(value_model(tiny_model()), AlgoConfig(), train, 0, vf_clip=10.0, gamma=1.0, lam=1.0)
 
 
@@ -121,6 +123,42 @@ def test_a_resumed_critic_continues_bit_for_bit(tmp_path):
     assert torch.equal(resumed.values(samples), expected)
 
 
+def _critic_rank(rank: int, world: int, port: int, strategy: str, out: str) -> None:
+    torch.set_num_threads(1)
+    init_world(rank, world, "127.0.0.1", port, backend="gloo", timeout_s=60)
+    worker = critic(strategy=strategy)
+    worker.parallelize(torch.distributed.group.WORLD)
+    samples = random_samples(4, 4)
+    estimated = worker.estimate(samples)
+    metrics = worker.train_step(samples)
+    result = {
+        "estimated": estimated,
+        "metrics": metrics,
+        "advantages": [s.token_advantages for s in samples],
+        "values": worker.values(samples),
+    }
+    torch.save(result, f"{out}/{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_critic_ranks_equal_one_critic(tmp_path, strategy):
+    """The critic shards like the policy's trainers: two ranks give one worker's values, advantages,
+    loss and (after the update) values, to float noise."""
+    mp.spawn(_critic_rank, args=(2, free_port(), strategy, str(tmp_path)), nprocs=2, join=True)
+    single = critic()
+    samples = random_samples(4, 4)
+    single.estimate(samples)
+    metrics = single.train_step(samples)
+    after = single.values(samples)
+    for r in [torch.load(tmp_path / f"{rank}.pt", weights_only=False) for rank in range(2)]:
+        for got, want in zip(r["advantages"], [s.token_advantages for s in samples], strict=True):
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+        for key in ("critic/vf_loss", "critic/vf_explained_var", "critic/grad_norm"):
+            assert r["metrics"][key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), key
+        torch.testing.assert_close(r["values"], after, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.usefixtures("ray_local")
 def test_a_run_with_a_critic_logs_its_metrics_and_resumes_with_it(tmp_path):
     import json
@@ -138,10 +176,13 @@ def test_a_run_with_a_critic_logs_its_metrics_and_resumes_with_it(tmp_path):
         "data.train_size=200",
         "reward.num_workers=1",
         "algo.adv_estimator=gae",
+        "train.num_workers=2",  # two critic ranks too, sharded, in a world of their own
+        "train.strategy=fsdp2",
         f"run.out_dir={tmp_path}",
     ]
     run_training(load_config(None, [*tiny, "run.steps=2"]))
-    assert (tmp_path / "default" / "checkpoints" / "step_2" / "critic").is_dir()
+    critic_state = tmp_path / "default" / "checkpoints" / "step_2" / "critic"
+    assert (critic_state / "rank_0.pt").is_file() and (critic_state / "rank_1.pt").is_file()  # two ranks
     run_training(load_config(None, [*tiny, "run.steps=3", "run.resume=auto"]))
     lines = (tmp_path / "default" / "metrics.jsonl").read_text().splitlines()
     steps = [r for r in map(json.loads, lines) if "critic/vf_loss" in r]

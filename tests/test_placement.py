@@ -45,6 +45,27 @@ def test_ref_worker_joins_the_trainers_group_when_not_placed():
     assert [s.cpus for s in roles["actor_train"]] == [1] and [s.cpus for s in roles["ref_logp"]] == [1]
 
 
+def test_the_critic_has_as_many_ranks_as_the_trainers_and_shares_their_group():
+    overrides = ["placement.groups=[actor_train,generate]", "placement.ratios=[0.5,0.5]"]
+    gae = [*overrides, "algo.adv_estimator=gae", "train.num_workers=2"]
+    roles = slots_by_role(gae, 8)
+    assert [s.rank for s in roles["critic"]] == [0, 1]
+    assert [s.cpus for s in roles["critic"]] == [1, 1] == [s.cpus for s in roles["actor_train"]]
+    assert "critic" not in slots_by_role([*overrides, "train.num_workers=2"], 8)
+    # On GPUs the critic's ranks are an NCCL world of their own: one GPU per rank there too.
+    cuda = ["run.device=cuda", "algo.adv_estimator=gae", "train.num_workers=2"]
+    plan(load_config(None, cuda), 8, 2)
+    with pytest.raises(TandemError, match="the critic's ranks"):
+        plan(
+            load_config(
+                None,
+                [*cuda, "placement.groups=[[actor_train],[critic,generate]]", "placement.ratios=[0.75,0.25]"],
+            ),
+            8,
+            4,
+        )
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [

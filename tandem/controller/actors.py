@@ -197,16 +197,22 @@ class RefActor(_Timed):
 
 
 @ray.remote
-class CriticActor(_Timed):
+class CriticActor(_Timed, _DistMember):
     """PPO's value model (`tandem.train.critic`): values and GAE before the policy's step, its own
-    update beside it."""
+    update beside it. Its ranks form a torch.distributed world of their own (`join`)."""
 
-    def __init__(self, cfg: Config, threads: int):
+    def __init__(self, cfg: Config, rank: int, threads: int):
         torch.set_num_threads(cfg.run.threads or threads)
-        self.name = "critic/0"
+        self.cfg, self.rank, self.name = cfg, rank, f"critic/{rank}"
         self.critic = build_critic(cfg, load_checked_tokenizer(cfg))
 
+    def join(self, *args) -> bool:
+        _DistMember.join(self, *args)
+        self.critic.parallelize(self.dp_group)
+        return True
+
     def estimate(self, samples: list[Sample]) -> tuple[list[Sample], dict[str, float], Span]:
+        """Every rank, each on its share of the values; all get the same advantages."""
         start = time.time()
         metrics = self.critic.estimate(samples)
         return samples, metrics, self._span("values", start)

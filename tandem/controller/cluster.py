@@ -131,7 +131,7 @@ class Cluster:
     slots: list[placement.Slot]
     pg: object = None
     names: dict[str, list[str]] = field(default_factory=dict)  # role -> worker names
-    critic: object | None = None  # PPO's value model (algo.adv_estimator=gae)
+    critics: list = field(default_factory=list)  # PPO's value model's ranks (algo.adv_estimator=gae)
 
     @classmethod
     def start(cls, cfg: Config) -> "Cluster":
@@ -179,15 +179,17 @@ class Cluster:
             for s in on["actor_train"]
         ]
 
-        def single(actor, role: str):
-            """The one actor of a role that has at most one (ref_logp, critic), or None."""
-            if not on.get(role):
-                return None
-            s = on[role][0]
+        critics = [
+            CriticActor.options(
+                num_cpus=s.cpus, num_gpus=s.gpus, scheduling_strategy=strategy[s.bundle]
+            ).remote(cfg, s.rank, s.threads)
+            for s in on.get("critic", [])
+        ]
+        ref = None
+        if on.get("ref_logp"):
+            s = on["ref_logp"][0]
             where = dict(num_cpus=s.cpus, num_gpus=s.gpus, scheduling_strategy=strategy[s.bundle])
-            return actor.options(**where).remote(cfg, s.threads)
-
-        ref, critic = single(RefActor, "ref_logp"), single(CriticActor, "critic")
+            ref = RefActor.options(**where).remote(cfg, s.threads)
         # A killed reward actor is restarted and the calls it held run again (scoring is pure).
         reward = RewardActor.options(num_cpus=0, max_restarts=3, max_task_retries=3).remote(cfg)
         names = {
@@ -195,24 +197,35 @@ class Cluster:
             "train": [f"train/{i}" for i in range(len(trainers))],
             "reward": ["reward/0"],
             **({"ref": ["ref/0"]} if ref is not None else {}),
-            **({"critic": ["critic/0"]} if critic is not None else {}),
+            **({"critic": [f"critic/{i}" for i in range(len(critics))]} if critics else {}),
         }
-        cluster = cls(rollouts, trainers, ref, reward, slots, pg, names, critic)
+        cluster = cls(rollouts, trainers, ref, reward, slots, pg, names, critics)
         cluster._join_world(cfg)
         return cluster
 
     def _join_world(self, cfg: Config) -> None:
+        """The trainers' torch.distributed world (with the rollout workers under the broadcast
+        transport), and the critic's ranks' world of their own; each only where it is needed."""
         broadcast = TRANSPORTS.get(cfg.sync.transport).collective
-        if len(self.trainers) == 1 and not broadcast and cfg.train.strategy != "fsdp2":
-            return
-        members = self.trainers + (self.rollouts if broadcast else [])
-        t = len(self.trainers)
-        sync_ranks = [0, *range(t, t + len(self.rollouts))] if broadcast else []
+        sharded = cfg.train.strategy == "fsdp2"
+        worlds = []
+        if len(self.trainers) > 1 or broadcast or sharded:
+            t, r = len(self.trainers), len(self.rollouts)
+            sync_ranks = [0, *range(t, t + r)] if broadcast else []
+            worlds.append((self.trainers + (self.rollouts if broadcast else []), t, sync_ranks))
+        if len(self.critics) > 1 or (self.critics and sharded):
+            worlds.append((self.critics, len(self.critics), []))
         addr = ray.util.get_node_ip_address()
-        port = free_port()
-        refs = [
-            m.join.remote(rank, len(members), addr, port, t, sync_ranks) for rank, m in enumerate(members)
-        ]
+        refs, ports = [], set()
+        for members, dp_ranks, sync_ranks in worlds:
+            port = free_port()
+            while port in ports:  # two worlds must not meet at one address
+                port = free_port()
+            ports.add(port)
+            refs += [
+                m.join.remote(rank, len(members), addr, port, dp_ranks, sync_ranks)
+                for rank, m in enumerate(members)
+            ]
         ray.get(refs, timeout=cfg.sync.timeout_s + 30)
 
     def close(self) -> None:
@@ -220,7 +233,7 @@ class Cluster:
             ray.get(self.reward.close.remote(), timeout=30)
         except Exception:  # the run is ending either way; a dead pool must not mask the real error
             pass
-        for actor in [*self.rollouts, *self.trainers, self.ref, self.critic, self.reward]:
+        for actor in [*self.rollouts, *self.trainers, self.ref, *self.critics, self.reward]:
             if actor is not None:
                 ray.kill(actor)
         if self.pg is not None:

@@ -150,7 +150,7 @@ class Loop:
         if groups is None:
             return
         batch = [s for g in groups for s in g]
-        self.training = len(self.cluster.trainers) + (self.cluster.critic is not None)
+        self.training = len(self.cluster.trainers) + len(self.cluster.critics)
         self.train_metrics = {}
         if not self.cfg.rollout.free_memory_during_train:
             return self.estimate(batch)
@@ -173,25 +173,30 @@ class Loop:
 
     def estimate(self, batch: list[Sample]) -> None:
         """With a critic (gae), its values and advantages come first; else the step starts now."""
-        if self.cluster.critic is None:
+        if not self.cluster.critics:
             return self.start_train(batch)
-        call = Call("values", "critic/0", batch, self.version)
-        self.pending[self.cluster.critic.estimate.remote(batch)] = call
+        batch_ref = ray.put(batch)
+        for rank, critic in enumerate(self.cluster.critics):  # each computes its share of the values
+            call = Call("values", f"critic/{rank}", batch, self.version, rank)
+            self.pending[critic.estimate.remote(batch_ref)] = call
 
     def on_values(self, call: Call, result) -> None:
+        """Every critic rank returns the same advantages (the values are all-reduced); the step
+        starts with the last one's."""
         batch, metrics, span = result
         self.timeline.add(span)
         self.train_metrics.update(metrics)
-        self.start_train(batch)
+        if not any(c.kind == "values" for c in self.pending.values()):
+            self.start_train(batch)
 
     def start_train(self, batch: list[Sample]) -> None:
         batch_ref = ray.put(batch)
         for rank, trainer in enumerate(self.cluster.trainers):
             call = Call("train", f"train/{rank}", batch, self.version, rank)
             self.pending[trainer.train_step.remote(batch_ref)] = call
-        if self.cluster.critic is not None:  # the value update runs beside the policy's
-            call = Call("train", "critic/0", batch, self.version)
-            self.pending[self.cluster.critic.train_step.remote(batch_ref)] = call
+        for rank, critic in enumerate(self.cluster.critics):  # the value update runs beside the policy's
+            call = Call("train", f"critic/{rank}", batch, self.version, rank)
+            self.pending[critic.train_step.remote(batch_ref)] = call
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, logger) -> dict[str, float]:

@@ -2,8 +2,9 @@
 
 Task names follow the seeds' pull request: `generate` (rollout workers), `actor_train` (train
 workers, which also compute π_old, so `logp` goes with them), `ref_logp` (the reference worker),
-`critic` (PPO's value model, with algo.adv_estimator=gae). Left out of `placement.groups`, the
-reference worker and the critic share the train workers' group.
+`critic` (PPO's value model, with algo.adv_estimator=gae: as many ranks as the train workers, sharded
+the same way). Left out of `placement.groups`, the reference worker and the critic share the train
+workers' group.
 
 run.device=cpu (and an `auto` not yet resolved): a task group shares `ratio × cpus`; each actor in
 it gets an equal part as its own placement-group bundle (so groups can span nodes) and as many torch
@@ -49,7 +50,7 @@ def role_counts(cfg: Config) -> dict[str, int]:
         "generate": cfg.rollout.num_workers,
         "actor_train": cfg.train.num_workers,
         "ref_logp": 1 if cfg.algo.kl_coef > 0 else 0,
-        "critic": 1 if cfg.algo.adv_estimator == "gae" else 0,
+        "critic": cfg.train.num_workers if cfg.algo.adv_estimator == "gae" else 0,
     }
 
 
@@ -160,7 +161,8 @@ def _colocated_on_gpus(counts: dict[str, int], total_cpus: float, total_gpus: fl
 def _check_nccl(cfg: Config, slots: list[Slot]) -> None:
     """NCCL refuses a communicator with two ranks on one GPU; catch it here, not at the first step."""
     train = [s for s in slots if s.role == "actor_train"]
-    worlds = {"the train workers (train.num_workers)": train}
+    critic = [s for s in slots if s.role == "critic"]
+    worlds = {"the train workers (train.num_workers)": train, "the critic's ranks": critic}
     if TRANSPORTS.get(cfg.sync.transport).collective:
         rollouts = [s for s in slots if s.role == "generate"]
         worlds["train rank 0 and the rollout workers (sync.transport=broadcast)"] = train[:1] + rollouts

@@ -25,16 +25,14 @@ def save_checkpoint(loop: "Loop", name: str) -> Path:
     (under fsdp2 the weights are gathered from all shards, the optimizer state stays sharded);
     the driver adds its own state and each engine's sampling stream."""
     tmp = loop.checkpoints.begin(name)
-    saves = [t.save.remote(str(tmp)) for t in loop.cluster.trainers]
-    if loop.cluster.critic is not None:
-        saves.append(loop.cluster.critic.save.remote(str(tmp)))
+    saves = [t.save.remote(str(tmp)) for t in [*loop.cluster.trainers, *loop.cluster.critics]]
+    workers = [*loop.cluster.names["train"], *loop.cluster.names.get("critic", [])]
     streams = [r.rng_state.remote() for r in loop.cluster.rollouts]
     try:
-        for rank, ref in enumerate(saves):
+        for worker, ref in zip(workers, saves, strict=True):
             try:
                 loop.timeline.add(ray.get(ref, timeout=loop.cfg.run.timeout_s))
             except ray.exceptions.RayActorError as e:
-                worker = f"train/{rank}" if rank < len(loop.cluster.trainers) else "critic/0"
                 raise loop.died(worker, f"while saving {name}", e) from None
         write_driver_state(tmp, {**driver_state(loop), "engine_rngs": _engine_streams(loop, streams)})
         save_config(loop.cfg, tmp / "config.yaml")
@@ -82,9 +80,7 @@ def resume_from(loop: "Loop", path: Path) -> None:
     its weights (before anything generates) and sampling streams, the groups that were in
     flight go back into the queue."""
     state = read_driver_state(path)
-    loads = [t.load.remote(str(path)) for t in loop.cluster.trainers]
-    if loop.cluster.critic is not None:
-        loads.append(loop.cluster.critic.load.remote(str(path)))
+    loads = [t.load.remote(str(path)) for t in [*loop.cluster.trainers, *loop.cluster.critics]]
     versions = ray.get(loads, timeout=loop.cfg.run.timeout_s)
     if set(versions) != {state["version"]}:
         raise TandemError(f"{path}: the trainers hold versions {versions}, driver.pt {state['version']}.")

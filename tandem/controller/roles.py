@@ -241,12 +241,13 @@ def total_updates(cfg: Config) -> int:
 
 def build_critic(cfg: Config, tokenizer) -> CriticWorker:
     """PPO's value model (algo.adv_estimator=gae): the decoder of critic.path (default: the policy's
-    checkpoint) under a fresh value head, trained like the policy (train.*) at critic.lr. One worker."""
+    checkpoint) under a fresh value head, trained like the policy (train.*: its ranks, strategy and
+    dtype) at critic.lr. One rank of the critic's data-parallel group (`parallelize`)."""
     torch.manual_seed(cfg.run.seed)
     device = check_runnable(cfg.run.device, cfg.train.dtype)
     path = resolve_model_path(cfg.critic.path or cfg.model.path)
     decoder = load_model(path, dtype=torch.float32, device=device)
-    train = dataclasses.replace(cfg.train, lr=cfg.critic.lr, num_workers=1, strategy="ddp", offload="none")
+    train = dataclasses.replace(cfg.train, lr=cfg.critic.lr)
     return CriticWorker(
         value_model(decoder),
         cfg.algo,
