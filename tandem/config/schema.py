@@ -152,9 +152,9 @@ class AlgoConfig:
 
 @dataclass
 class CriticConfig:
-    """The value model of algo.adv_estimator=gae (PPO): its own worker (placement task `critic`)
-    and optimizer; the rest of its training (dtype, device, micro-batches, betas, grad_clip,
-    epochs, mini_batch_size) follows `train`."""
+    """The value model of algo.adv_estimator=gae (PPO): its own workers (placement task `critic`)
+    and optimizer; the rest of its training (ranks, strategy, dtype, device, micro-batches, betas,
+    grad_clip, epochs, mini_batch_size) follows `train`."""
 
     path: str = ""  # the checkpoint its decoder starts from; "" = the policy's (model.path)
     lr: float = 1e-3  # 10x the policy's, as verl's PPO examples
