@@ -31,6 +31,10 @@ class RunConfig:
     # Where the train workers, the reference worker and the built-in engines run: auto | cpu | cuda.
     # auto = cuda when the Ray cluster has GPUs (the driver decides once, before any actor starts).
     device: str = "auto"
+    # Bit-reproducible runs (docs/determinism.md): every RNG seeded from run.seed, each request its
+    # own sampling seed, deterministic torch algorithms, the batch-invariant forward in engines and
+    # trainers, a fixed pipeline schedule. sync and one_step_off only.
+    deterministic: bool = False
 
 
 @dataclass

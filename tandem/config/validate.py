@@ -72,6 +72,8 @@ def validate(cfg: Config) -> None:
         f"needs run.mode=sync (it is {cfg.run.mode!r}): a sleeping engine cannot generate while the "
         "trainer trains, which is what the other modes overlap.",
     )
+    if cfg.run.deterministic:
+        _check_deterministic(cfg)
     _check(cfg.run.save_every >= 0, "run.save_every", "must be >= 0 (0 = only the final checkpoint).")
     _check(cfg.run.keep_checkpoints >= 0, "run.keep_checkpoints", "must be >= 0 (0 = keep all).")
     _check(cfg.train.warmup_steps >= 0, "train.warmup_steps", "must be >= 0.")
@@ -273,4 +275,33 @@ def _check_agent(cfg: Config) -> None:
         "rollout.length_tail_alpha",
         f"needs rollout.agent=single_turn (it is {r.agent!r}): decoding past EOS turns stop strings "
         "off, so no tool call would ever end a turn.",
+    )
+
+
+def _check_deterministic(cfg: Config) -> None:
+    """The settings a bit-reproducible run cannot have, each refused with the reason."""
+    _check(
+        cfg.run.mode != "async",
+        "run.deterministic",
+        "cannot be reproduced with run.mode=async: streaming trains on whichever groups finish first, "
+        "and with rollout.on_update=continue or abort a weight update lands at whatever token the "
+        "engine has reached; both depend on timing. Use run.mode=sync or one_step_off "
+        "(generate_ahead_steps=k gives async's overlap on a fixed schedule).",
+    )
+    _check(
+        cfg.rollout.engine != "vllm",
+        "run.deterministic",
+        "needs a built-in engine (rollout.engine=builtin or paged): vLLM's kernels are not batch-invariant, "
+        "so its logprobs differ from the trainer's.",
+    )
+    _check(
+        not cfg.rollout.compile,
+        "run.deterministic",
+        "cannot use rollout.compile=true: Inductor's fused kernels round differently from the trainer's.",
+    )
+    _check(
+        not cfg.algo.filter_groups or cfg.run.mode == "sync",
+        "run.deterministic",
+        "with algo.filter_groups needs run.mode=sync: in one_step_off the prompts that replace dropped "
+        "groups start under whichever version is published when the drop is seen.",
     )

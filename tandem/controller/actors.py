@@ -22,6 +22,7 @@ from tandem.controller.roles import (
     save_checkpoint,
 )
 from tandem.controller.timeline import Span
+from tandem.determinism import make_deterministic
 from tandem.devices import DTYPES
 from tandem.reward import RewardPool
 from tandem.reward.shaping import overlong_penalty
@@ -47,6 +48,14 @@ def _transport(actor, plan: BucketPlan):
     return factory(plan, actor.name, group=group, src_rank=0, timeout_s=actor.cfg.sync.timeout_s)
 
 
+def _set_up_process(cfg: Config, threads: int) -> None:
+    """An actor's process, before it builds anything: its torch threads (placement's share unless
+    run.threads), and with run.deterministic seeded RNGs and deterministic algorithms."""
+    torch.set_num_threads(cfg.run.threads or threads)
+    if cfg.run.deterministic:
+        make_deterministic(cfg.run.seed)
+
+
 class _Timed:
     name = "worker"
 
@@ -70,7 +79,7 @@ class _DistMember:
 @ray.remote(concurrency_groups={"gen": 1, "weights": 1})
 class RolloutActor(_Timed, _DistMember):
     def __init__(self, cfg: Config, rank: int, threads: int):
-        torch.set_num_threads(cfg.run.threads or threads)
+        _set_up_process(cfg, threads)
         self.cfg, self.name = cfg, f"rollout/{rank}"
         self.worker, _ = build_rollout(cfg, rank)
         self.params = self.worker.engine.named_weights()
@@ -130,7 +139,7 @@ class RolloutActor(_Timed, _DistMember):
 @ray.remote
 class TrainActor(_Timed, _DistMember):
     def __init__(self, cfg: Config, rank: int, threads: int, keep_ref: bool):
-        torch.set_num_threads(cfg.run.threads or threads)
+        _set_up_process(cfg, threads)
         self.cfg, self.rank, self.name = cfg, rank, f"train/{rank}"
         self.tokenizer = load_checked_tokenizer(cfg)
         self.trainer = build_trainer(cfg, self.tokenizer, keep_ref=keep_ref)
@@ -186,7 +195,7 @@ class TrainActor(_Timed, _DistMember):
 @ray.remote
 class RefActor(_Timed):
     def __init__(self, cfg: Config, threads: int):
-        torch.set_num_threads(cfg.run.threads or threads)
+        _set_up_process(cfg, threads)
         self.name = "ref/0"
         model = load_policy(cfg, cfg.train.dtype)  # frozen: the compute dtype loses nothing to rounding
         self.worker = RefWorker(model, cfg.train.micro_batch_tokens, cfg.rollout.temperature)
@@ -202,7 +211,7 @@ class CriticActor(_Timed, _DistMember):
     update beside it. Its ranks form a torch.distributed world of their own (`join`)."""
 
     def __init__(self, cfg: Config, rank: int, threads: int):
-        torch.set_num_threads(cfg.run.threads or threads)
+        _set_up_process(cfg, threads)
         self.cfg, self.rank, self.name = cfg, rank, f"critic/{rank}"
         self.critic = build_critic(cfg, load_checked_tokenizer(cfg))
 
