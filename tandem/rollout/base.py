@@ -30,9 +30,11 @@ class Generation(Protocol):
 
     def stop(self, keys: set[tuple[int, int]]) -> None: ...  # those samples end now, ABORTED (again: no-op)
 
-    def swap(self, apply: Callable[[], int | None]) -> None: ...  # "continue": apply() under the live rows
-
     def close(self) -> None: ...  # write every sample back; one that has not ended is ABORTED
+
+    def swap(self, apply: Callable[[], int | None]) -> None:
+        """ "continue": apply() under the live rows; their cached keys stay as the old weights made them."""
+        apply()
 
 
 class Engine:
@@ -87,6 +89,12 @@ class Engine:
 
     def _after_update(self) -> None:
         """Runs once an update's weights are in `named_weights()`, before its version is served."""
+
+    def _on_sleep(self) -> None:
+        """Runs before `memory` is freed: drop what points into it."""
+
+    def _on_wake(self) -> None:
+        """Runs once `memory` is back (its contents undefined)."""
 
     def rng_state(self) -> Tensor | None:
         return None  # this engine cannot restore the stream unseeded requests draw from
@@ -198,7 +206,8 @@ class Engine:
         if self.asleep:
             return {"memory/engine_bytes": 0.0, "perf/sleep_s": 0.0, "perf/wake_s": 0.0}
         start = time.perf_counter()
-        freed = self._release()
+        self._on_sleep()
+        freed = self.memory.free()
         if self.device.type == "cuda":  # hand the memory back to the driver, for another process
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -211,20 +220,14 @@ class Engine:
         if not self.asleep:
             return
         start = time.perf_counter()
-        self._restore()
+        self.memory.restore()
+        self._on_wake()
         self.asleep, self._needs_push = False, True
         self.last_wake_s = time.perf_counter() - start
 
     def engine_bytes(self) -> int:
         """Bytes of the weights and KV cache this engine holds now (0 asleep)."""
         return self.memory.nbytes
-
-    def _release(self) -> int:
-        """Free the weights and KV cache -> bytes freed."""
-        return self.memory.free()
-
-    def _restore(self) -> None:
-        self.memory.restore()
 
 
 class Storages:
@@ -233,10 +236,7 @@ class Storages:
     module holding a view, needs no re-wiring after a wake."""
 
     def __init__(self, tensors: Iterable[Tensor]):
-        unique = {}
-        for t in tensors:
-            storage = t.untyped_storage()
-            unique.setdefault(storage.data_ptr(), storage)
+        unique = {(s := t.untyped_storage()).data_ptr(): s for t in tensors}  # views share a storage
         self.storages = list(unique.values())
         self.sizes = [s.nbytes() for s in self.storages]
 

@@ -70,10 +70,8 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks={num_blocks}; must be at least 1")
-        if block_size < 1:
-            raise ValueError(f"block_size={block_size}; must be at least 1")
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks={num_blocks}, block_size={block_size}; both must be at least 1")
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
         self._ref = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
@@ -174,16 +172,13 @@ class BlockManager:
     def append(self, seq_id: Hashable, token_id: int) -> BlockCopy | None:
         """Reserve the slot of one more token (`slots(seq_id, n - 1)`, n the new length) -> the
         block copy to make first, if any."""
-        seq = self._seq(seq_id)
-        copy = None
+        seq, copy = self._seq(seq_id), None
         if len(seq.token_ids) % self.block_size == 0:
             seq.table.append(self._take())
         elif self._ref[seq.table[-1]] > 1:
-            dst = self._take()  # first, so an OutOfBlocks leaves the state as it was
-            src = seq.table[-1]
-            self._ref[src] -= 1
-            seq.table[-1] = dst
-            copy = BlockCopy(src, dst)
+            copy = BlockCopy(seq.table[-1], self._take())  # take first: an OutOfBlocks changes nothing
+            self._ref[copy.src] -= 1
+            seq.table[-1] = copy.dst
         seq.token_ids.append(token_id)
         return copy
 
@@ -222,11 +217,9 @@ class BlockManager:
         # Last block first, so a prompt's tail is evicted before its head, which more prompts share.
         for b in reversed(seq.table):
             self._ref[b] -= 1
-            if self._ref[b] > 0:
-                continue
-            if b in self._hash_of:
+            if self._ref[b] == 0 and b in self._hash_of:
                 self._evictable[b] = None
-            else:
+            elif self._ref[b] == 0:
                 self._free.append(b)
 
     def reset_prefix_cache(self) -> None:

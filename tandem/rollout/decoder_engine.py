@@ -15,7 +15,7 @@ from tandem.rollout.base import Engine, Storages
 
 class DecoderEngine(Engine):
     """An engine on `model`; `named_weights()` are its live parameters. `seed` seeds the generator
-    that requests without a `Sample.seed` draw from; `compile`: see `inference_model`."""
+    that requests without a `Sample.seed` draw from; `compile`: see `BuiltinEngine`."""
 
     def __init__(
         self,
@@ -29,7 +29,11 @@ class DecoderEngine(Engine):
         compile: bool,
     ):
         super().__init__(eos_token_ids, version, on_update, on_step)
-        self.model = inference_model(model, compile)
+        # One matmul for q/k/v and one for gate/up per layer; the parameters keep their names.
+        self.model = fuse_projections(model.eval().requires_grad_(False))
+        if compile:  # decode steps through torch.compile
+            check_compiler(self.model)
+            self.model.compile_decode()
         self.pad_token_id = pad_token_id
         # On the model's device: a sampling draw must come from a generator of the noise's device.
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -47,16 +51,6 @@ class DecoderEngine(Engine):
 
     def set_rng_state(self, state: Tensor) -> None:
         self.generator.set_state(state)
-
-
-def inference_model(model: CausalLM, compile: bool = False) -> CausalLM:
-    """`model` in eval mode without gradients, with one matmul for q/k/v and one for gate/up per
-    layer (parameters keep their names); `compile` runs its decode steps through torch.compile."""
-    model = fuse_projections(model.eval().requires_grad_(False))
-    if compile:
-        check_compiler(model)
-        model.compile_decode()
-    return model
 
 
 def model_tensors(model: CausalLM) -> Iterator[Tensor]:

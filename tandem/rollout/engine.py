@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from tandem.model import CausalLM, KVCache
+from tandem.rollout.base import Generation
 from tandem.rollout.call import GenerateCall
 from tandem.rollout.decoder_engine import DecoderEngine
 from tandem.rollout.sampler import exponential_noise, sample_next, seen_tokens
@@ -69,7 +70,7 @@ class BuiltinEngine(DecoderEngine):
         return logits[expand], mask.sum(-1)[expand], cache
 
 
-class _Batches:
+class _Batches(Generation):
     """The `Generation` of one call: its samples in batches of `max_batch_size`, one after another,
     each prefilled once and then decoded until every one of its samples has ended."""
 
@@ -100,9 +101,6 @@ class _Batches:
             if s.key in keys:
                 s.end("abort")
         self.waiting = [s for s in self.waiting if s.key not in keys]
-
-    def swap(self, apply: Callable[[], int | None]) -> None:
-        apply()  # the cached keys stay as the old weights computed them
 
     def close(self) -> None:
         if self.batch is not None:
@@ -193,13 +191,9 @@ class _Batch:
     def _noise(self) -> Tensor:
         """Exp(1) noise (L, V) for the L cache rows: a seeded sample's row from its own generator,
         at its response position, so its tokens do not depend on the rest of the batch."""
-        seeds = positions = None
-        samples = self.samples
-        if any(s.seed is not None for s in samples):
-            step = len(self.step_versions)  # every live sample has taken this many new tokens
-            rows = self.rows.tolist()
-            seeds = [None if d else samples[i].seed for i, d in zip(rows, self.done.tolist(), strict=True)]
-            positions = [len(samples[i].response_ids) + step for i in rows]
+        rows, step = self.rows.tolist(), len(self.step_versions)  # each live sample has `step` new tokens
+        seeds = [None if d else self.samples[i].seed for i, d in zip(rows, self.done.tolist(), strict=True)]
+        positions = [len(self.samples[i].response_ids) + step for i in rows]
         shape = tuple(self.logits.shape)
         return exponential_noise(shape, self.logits.device, self.engine.generator, seeds, positions)
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from tandem.model import CausalLM
 from tandem.model.paged_kv import PagedKVCache
-from tandem.rollout.base import Storages
+from tandem.rollout.base import Generation, Storages
 from tandem.rollout.block_manager import BlockManager
 from tandem.rollout.call import GenerateCall
 from tandem.rollout.decoder_engine import DecoderEngine, model_tensors
@@ -70,14 +70,12 @@ class PagedEngine(DecoderEngine):
         self._ids = itertools.count()
         self.memory = Storages([*model_tensors(self.model), *self.runner.cache.k, *self.runner.cache.v])
 
-    def _release(self) -> int:
+    def _on_sleep(self) -> None:
         self.block_manager.reset_prefix_cache()  # the cached keys are gone with the pools
         if self.runner.graphs is not None:  # they point at the memory freed now
             self.runner.graphs.reset()
-        return super()._release()
 
-    def _restore(self) -> None:
-        super()._restore()
+    def _on_wake(self) -> None:
         # Attention reads whole blocks, masked slots included, and a masked NaN still poisons the
         # softmax (0 x NaN): the pools come back zeroed, as they were built.
         for pool in (*self.runner.cache.k, *self.runner.cache.v):
@@ -90,7 +88,7 @@ class PagedEngine(DecoderEngine):
         return _Continuous(self, samples, call)
 
 
-class _Continuous:
+class _Continuous(Generation):
     """The `Generation` of one call: the scheduler's steps until every sequence has ended. A token
     records the version of the weights whose forward gave its logits."""
 
@@ -131,9 +129,6 @@ class _Continuous:
 
     def stop(self, keys: set[tuple[int, int]]) -> None:
         self.scheduler.abort(keys)
-
-    def swap(self, apply: Callable[[], int | None]) -> None:
-        apply()  # the cached keys stay as the old weights computed them
 
     def close(self) -> None:
         self.scheduler.clear()

@@ -1,11 +1,9 @@
-"""VLLMEngine: the `RolloutEngine` contract on vLLM, for machines with a GPU (docs/rollout.md,
-"vLLM backend", says what maps to what).
+"""VLLMEngine: the `RolloutEngine` contract on vLLM, on one GPU (docs/rollout.md, "vLLM backend").
 
-vLLM's `LLMEngine` runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and `generate` steps it,
-one `step()` at a time, on the calling thread: between two steps it honours `abort()` and a pending
-update exactly where the built-in engines do, with no event loop and no second thread. `AsyncLLM`
-always runs vLLM's engine core in a child process, so every weight update would have to cross a
-process boundary (CUDA IPC handles or NCCL), and its steps are not ours to count; in-process, an
+vLLM's `LLMEngine` runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and `generate` steps it
+on the calling thread, honouring `abort()` and updates between steps as the built-in engines do.
+Why not `AsyncLLM`: its engine core always runs in a child process, so every weight update would
+cross a process boundary (CUDA IPC or NCCL) and its steps are not ours to count; in-process, an
 update reaches the model as a plain call (`apply_model`).
 """
 
@@ -23,7 +21,7 @@ from torch import Tensor
 from tandem.devices import DTYPES
 from tandem.errors import TandemError
 from tandem.model import load_model
-from tandem.rollout.base import Engine, Storages
+from tandem.rollout.base import Engine, Generation, Storages
 from tandem.rollout.call import GenerateCall
 from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.sampler import row_seed
@@ -96,8 +94,7 @@ class VLLMEngine(Engine):
             enable_sleep_mode=sleep_mode,
             **(engine_args or {}),
         )
-        self.pad_token_id, self.sleep_mode = pad_token_id, sleep_mode
-        self.logprobs_mode = logprobs_mode
+        self.pad_token_id, self.sleep_mode, self.logprobs_mode = pad_token_id, sleep_mode, logprobs_mode
         device = self.llm.apply_model(lambda model: next(model.parameters()).device)[0]
         # The trainer's layout, filled from the checkpoint vLLM loaded: what the engine serves.
         trainer_layout = load_model(model_path, DTYPES[dtype], device).named_parameters()
@@ -124,15 +121,13 @@ class VLLMEngine(Engine):
     def _begin(self, samples: list[Sample], call: GenerateCall) -> "_Requests":
         return _Requests(self, samples, call)
 
-    def _release(self) -> int:
+    def _on_sleep(self) -> None:
         """vLLM's sleep level 2 drops its weights and KV cache (the next push refills them)."""
         if not self.sleep_mode:
             raise RuntimeError("VLLMEngine.sleep() needs the engine started with sleep_mode=True")
         self.llm.sleep(level=2)
-        return super()._release()
 
-    def _restore(self) -> None:
-        super()._restore()
+    def _on_wake(self) -> None:
         self.llm.wake_up()
 
     def _after_update(self) -> None:
@@ -146,7 +141,7 @@ class VLLMEngine(Engine):
             raise RuntimeError("vLLM did not empty its prefix cache after a weight update")
 
 
-class _Requests:
+class _Requests(Generation):
     """The `Generation` of one call: vLLM steps until every request has ended. vLLM ends responses
     on `params.stop` itself, searching new text only (not a stop string begun in a partial)."""
 
@@ -222,9 +217,8 @@ class _Request:
 
     def take(self, token_ids: Sequence[int], logprobs: Sequence[Any]) -> None:
         """A step's new tokens, and vLLM's logprob dicts for them ({token: Logprob})."""
-        for token, top in zip(token_ids, logprobs, strict=True):
-            self.ids.append(token)
-            self.logprobs.append(top[token].logprob)
+        self.ids += token_ids
+        self.logprobs += [top[token].logprob for token, top in zip(token_ids, logprobs, strict=True)]
 
     def write_back(self, reason: str | None = None) -> None:
         """Append the tokens so far to the sample; with `reason`, the sample ends."""
@@ -244,8 +238,7 @@ def _vllm_params(s: Sample, call: GenerateCall) -> Any:
         # own, from (seed, position), rather than replaying the draws of the response's first tokens.
         seed = row_seed(seed, len(s.response_ids)) & (2**63 - 1)
     params = call.params
-    past_eos = params.past_eos
-    stop = [] if past_eos else list(params.stop)
+    stop = [] if params.past_eos else list(params.stop)
     return VllmSamplingParams(
         n=1,
         temperature=params.temperature,
@@ -257,7 +250,7 @@ def _vllm_params(s: Sample, call: GenerateCall) -> Any:
         stop=stop,
         stop_token_ids=list(call.stop_ids),  # EOS included: tandem's EOS ids decide, as in our engines
         include_stop_str_in_output=params.include_stop_str_in_output,
-        ignore_eos=past_eos,
+        ignore_eos=params.past_eos,
         seed=seed,
         logprobs=0,  # the sampled token's logprob only
         detokenize=bool(stop),  # text is needed only to find stop strings
