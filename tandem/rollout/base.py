@@ -33,7 +33,7 @@ class Generation(Protocol):
     def close(self) -> None: ...  # write every sample back; one that has not ended is ABORTED
 
     def swap(self, apply: Callable[[], int | None]) -> None:
-        """ "continue": apply() under the live rows; their cached keys stay as the old weights made them."""
+        """Under "continue": apply() between two steps; cached keys stay as the old weights made them."""
         apply()
 
 
@@ -61,8 +61,7 @@ class Engine:
         self._version = version
         self._lock = threading.Lock()  # guards the four fields below, shared with other threads
         self._pending: tuple[int, Callable[[], None]] | None = None
-        self._running = False
-        self._abort_requested = False
+        self._running = self._abort_requested = False
         self._aborted: set[tuple[int, int]] = set()  # `Sample.key` of the samples abort() named
         self.asleep = False
         self._needs_push = False  # woke up: the weights hold nothing until an update is applied
@@ -166,9 +165,7 @@ class Engine:
             self._pending = (version, apply)
 
     def apply_pending(self) -> int | None:
-        with self._lock:
-            if self._running:
-                raise RuntimeError("apply_pending() was called while generate() is running")
+        self._check_idle("apply_pending()")
         return self._apply_pending()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
@@ -180,6 +177,11 @@ class Engine:
 
         self.set_pending_update(version, apply)
         self.apply_pending()
+
+    def _check_idle(self, what: str) -> None:
+        with self._lock:
+            if self._running:
+                raise RuntimeError(f"{what} was called while generate() is running")
 
     def _apply_pending(self) -> int | None:
         with self._lock:
@@ -200,9 +202,7 @@ class Engine:
         """While idle: free the weights and the KV cache -> {"memory/engine_bytes": bytes freed,
         "perf/sleep_s": its seconds, "perf/wake_s": the seconds of the wake before it}. The next
         update applied (by generate, `apply_pending` or `load_weights`) wakes it."""
-        with self._lock:
-            if self._running:
-                raise RuntimeError("sleep() was called while generate() is running")
+        self._check_idle("sleep()")
         if self.asleep:
             return {"memory/engine_bytes": 0.0, "perf/sleep_s": 0.0, "perf/wake_s": 0.0}
         start = time.perf_counter()

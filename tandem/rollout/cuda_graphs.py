@@ -31,7 +31,7 @@ class DecodeGraphs:
         self.buckets = [b for b in BUCKETS if b <= max_num_seqs]  # larger batches: eager
         self.device = cache.k[0].device
         self.max_blocks = 0
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.pool = None  # the graphs share one memory pool: they never run at the same time
         self.rope: tuple[Tensor, Tensor] | None = None  # the RoPE table the graphs read
         self.num_steps = 0  # decode steps served here (replayed, or run eagerly without capture)
@@ -62,12 +62,12 @@ class DecodeGraphs:
         host = (ids + [0] * pad, slots + [scratch_slot] * pad, rows, context + [1] * pad)
         for buffer, values in zip((self.ids, self.slots, self.tables, self.context), host, strict=True):
             buffer[:bucket].copy_(torch.tensor(values, dtype=torch.long).view(buffer[:bucket].shape))
-        if bucket not in self.graphs:
-            self.graphs[bucket] = self._record(bucket)
-        graph, logits = self.graphs[bucket]
-        if graph is None:
+        if not self.capture:
             logits = self._forward(bucket)
         else:
+            if bucket not in self.graphs:
+                self.graphs[bucket] = self._record(bucket)
+            graph, logits = self.graphs[bucket]
             graph.replay()
         self.num_steps += 1
         return logits[:b]
@@ -94,10 +94,8 @@ class DecodeGraphs:
         token_mask = torch.ones(n, 1, dtype=torch.bool, device=self.device)
         return self.model(self.ids[:n], batch.positions(), token_mask, batch)[:, -1]
 
-    def _record(self, bucket: int) -> tuple[torch.cuda.CUDAGraph | None, Tensor]:
-        """-> (the graph, its output buffer); (None, unused) when not capturing."""
-        if not self.capture:
-            return None, torch.empty(0)
+    def _record(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        """-> (the graph, its output buffer)."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm up off the capture: lazy initialisations happen here

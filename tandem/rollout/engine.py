@@ -1,10 +1,6 @@
-"""The built-in engine: batched generation with a KV cache on the one tandem decoder.
-
-Each sample's prompt and any partial response it already has are left-padded so every row decodes
-at the same cache slot; rows that finish leave the batch (the cache is compacted) once enough of
-them have, so short answers stop costing compute. The generate call and what happens between two
-steps are `Engine`'s skeleton; docs/rollout.md states which version each token records.
-"""
+"""The built-in engine: static batches with a KV cache on the one tandem decoder. Each prompt (and
+partial response) is left-padded so every row decodes at the same cache slot; finished rows leave
+the batch (the cache is compacted) once enough have, so short answers stop costing compute."""
 
 from collections.abc import Callable
 

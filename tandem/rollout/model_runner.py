@@ -121,30 +121,27 @@ class ModelRunner:
         m = max(map(len, tables))
         # Padded Python lists, then one tensor each: a decode step has a row per running sequence,
         # and a small tensor per row costs more than the row's whole share of the forward.
-        ids, slots, block_tables = [], [], []
-        for (seq, start, end), table in zip(new, tables, strict=True):
+        ids, slots = [], []
+        for seq, start, end in new:
             pad = t - (end - start)
             ids.append(seq.token_ids[start:end] + [0] * pad)
             slots.append(self.bm.slots(seq.seq_id, start, end) + [-1] * pad)
-            block_tables.append(table + [-1] * (m - len(table)))
-        ids, slots, block_tables = (torch.tensor(x, dtype=torch.long) for x in (ids, slots, block_tables))
-        context = torch.tensor([end for _, _, end in new])
-        query = torch.tensor([end - start for _, start, end in new])
+        tables = [table + [-1] * (m - len(table)) for table in tables]
         to = self.device
-        batch = PagedBatch(self.cache, slots.to(to), block_tables.to(to), context.to(to), query.to(to))
-        return batch, ids.to(to)
+        ids, slots, tables = (torch.tensor(x, dtype=torch.long, device=to) for x in (ids, slots, tables))
+        context = torch.tensor([end for _, _, end in new], device=to)
+        query = torch.tensor([end - start for _, start, end in new], device=to)
+        return PagedBatch(self.cache, slots, tables, context, query), ids
 
     def sample(
         self, logits: Tensor, rows: list[Sequence], params: SamplingParams, generator: torch.Generator
     ) -> tuple[list[int], list[float]]:
         """logits (R, V) of `rows` -> each row's next token and its logprob (`sample_next`). A
         seeded sample draws from its own stream at its response position, as BuiltinEngine does."""
-        noise = None
+        noise = seen = None
         if params.temperature > 0:
-            seeds = [seq.sample.seed for seq in rows]
-            positions = [len(seq.response_ids) for seq in rows]
+            seeds, positions = [seq.sample.seed for seq in rows], [len(seq.response_ids) for seq in rows]
             noise = exponential_noise(tuple(logits.shape), logits.device, generator, seeds, positions)
-        seen = None
         if params.repetition_penalty != 1.0:
             seen = seen_tokens([seq.token_ids for seq in rows], logits.shape[-1], logits.device)
         tokens, logprobs = sample_next(logits, params, noise, seen)

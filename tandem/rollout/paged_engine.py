@@ -1,11 +1,9 @@
-"""PagedEngine: the built-in engine with continuous batching over a paged KV cache.
+"""PagedEngine: `BuiltinEngine`'s contract with continuous batching over a paged KV cache.
 
-Same contract and semantics as `BuiltinEngine` (docs/rollout.md); what differs is inside:
-sequences join and leave the batch at every step (`Scheduler`), their keys live in fixed-size
-blocks (`BlockManager`, `PagedKVCache`) shared by the samples of a group and, through the prefix
-cache, by requests with the same leading tokens, and a sequence that finds no memory is preempted
-and recomputed later instead of failing. Every applied update resets the prefix cache, so keys
-computed on old weights are never handed to a new sequence.
+Sequences join and leave the batch at every step (`Scheduler`); their keys live in fixed-size
+blocks (`BlockManager`, `PagedKVCache`) shared by a group's samples and, through the prefix cache,
+by requests with the same leading tokens; a sequence that finds no memory is preempted and
+recomputed later instead of failing.
 """
 
 import itertools

@@ -82,9 +82,8 @@ class Scheduler:
         self._chunk_turn = True
         if self.partial is None and (step := self._admit()):
             return step
-        decode, copies = self._reserve_decode()
-        if decode:
-            return Step(decode=decode, copies=copies)
+        if (step := self._reserve_decode()).decode:
+            return step
         # Every running sequence was preempted: finish the partial prompt, or recompute them.
         if self.partial is not None:
             return self._next_chunk()
@@ -164,25 +163,22 @@ class Scheduler:
             self.running.extend(group)
         return step if step.prefill else None
 
-    def _reserve_decode(self) -> tuple[list[Sequence], list[BlockCopy]]:
-        """Reserve each running sequence's next slot, preempting the newest when blocks run out."""
-        queue, scheduled, copies = list(self.running), [], []
+    def _reserve_decode(self) -> Step:
+        """A decode step: each running sequence's next slot reserved, the newest preempted (freed,
+        back to the front of the waiting queue) while blocks run out."""
+        queue, step = list(self.running), Step()
         while queue:
             seq = queue.pop(0)
             while not self.bm.can_append(seq.seq_id):
                 victim = queue.pop() if queue else seq
-                self._preempt(victim)
+                self.bm.free(victim.seq_id)
+                self.waiting.appendleft(victim)
+                self.num_preemptions += 1
                 if victim is seq:
                     break
             else:
-                copy = self.bm.append(seq.seq_id, seq.token_ids[-1])
-                if copy is not None:
-                    copies.append(copy)
-                scheduled.append(seq)
-        self.running = scheduled
-        return scheduled, copies
-
-    def _preempt(self, seq: Sequence) -> None:
-        self.bm.free(seq.seq_id)
-        self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+                if (copy := self.bm.append(seq.seq_id, seq.token_ids[-1])) is not None:
+                    step.copies.append(copy)
+                step.decode.append(seq)
+        self.running = list(step.decode)
+        return step

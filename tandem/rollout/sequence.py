@@ -1,9 +1,5 @@
-"""Sequence: one `Sample` while the paged engine generates it.
-
-Thin on purpose: the `Sample` stays the record. A sequence holds what the scheduler and the model
-runner need while it runs (every token so far, the new tokens' logprobs and versions), and
-`write_back` appends the new tokens to the sample when the call ends.
-"""
+"""Sequence: one `Sample` while the paged engine generates it. Thin on purpose: the `Sample` stays
+the record, and `write_back` appends the new tokens to it when the call ends."""
 
 from dataclasses import dataclass, field
 

@@ -108,12 +108,11 @@ class RolloutWorker:
         """One engine call: the agent's `turn`. After `abort()` it starts none: the samples come
         back ABORTED with what they have (and only those `abort(samples)` named, for them)."""
         with self._lock:
-            abort_all, aborted = self._abort_all, set(self._aborted)
-        if abort_all or aborted:
-            stopped = [s for s in samples if abort_all or s.key in aborted]
-            for s in stopped:
+            aborted = {s.key for s in samples if self._abort_all or s.key in self._aborted}
+        for s in samples:
+            if s.key in aborted:
                 s.end("abort")
-            samples = [s for s in samples if not (abort_all or s.key in aborted)]
+        samples = [s for s in samples if s.key not in aborted]
         if samples:
             self.engine.generate(samples, params, stop_check=self._stop_check(params))
         return samples
