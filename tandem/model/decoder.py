@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tandem.model import batch_invariant as bi
 from tandem.model.config import ModelConfig
 from tandem.model.kv_cache import KVCache
 from tandem.model.logprobs import Targets, score_tokens
@@ -56,6 +57,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.fused: tuple[Tensor, Tensor | None] | None = None  # q|k|v weight, bias: fuse_projections
+        self.batch_invariant = False  # set by CausalLM.batch_invariant
 
     def forward(
         self,
@@ -70,7 +72,10 @@ class Attention(nn.Module):
         -> (B, T, E)."""
         b, t, _ = x.shape
         h, kv, d = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
-        if self.fused is not None:
+        if self.batch_invariant:  # one fixed-shape matmul whether fused (engine) or not (trainer)
+            qkv = bi.linear(x, *(self.fused or _stacked([self.q_proj, self.k_proj, self.v_proj])))
+            q, k, v = qkv.view(b, t, -1, d).split([h, kv, kv], dim=2)
+        elif self.fused is not None:
             qkv = F.linear(x, *self.fused).view(b, t, -1, d)  # (B, T, H + 2 Hkv, D)
             q, k, v = qkv.split([h, kv, kv], dim=2)
         else:
@@ -84,6 +89,13 @@ class Attention(nn.Module):
         v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(layer, k, v)
+        if self.batch_invariant:
+            out = (
+                mask.attend(q, k, v, bi.attention)
+                if isinstance(mask, Segments)
+                else bi.attention(q, k, v, mask)
+            )
+            return bi.linear(out.transpose(1, 2).reshape(b, t, -1), self.o_proj.weight, self.o_proj.bias)
         if isinstance(mask, Segments):
             out = mask.attend(q, k, v)
         elif t == 1:
@@ -120,8 +132,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.fused: tuple[Tensor, Tensor | None] | None = None  # gate|up weight, bias: fuse_projections
+        self.batch_invariant = False  # set by CausalLM.batch_invariant
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.batch_invariant:
+            gate_up = self.fused or _stacked([self.gate_proj, self.up_proj])
+            return bi.mlp(x, *gate_up, self.down_proj.weight, self.down_proj.bias)
         if self.fused is not None:
             gate, up = F.linear(x, *self.fused).chunk(2, dim=-1)
         else:
@@ -168,6 +184,22 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self._rope: tuple[Tensor, Tensor] | None = None  # built on first use, on the model's device
         self._decode_layers = None  # torch.compile'd `_layers` for one-token forwards: compile_decode()
+        self._batch_invariant = False
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a token's logits are bit-identical whatever else is in the batch and whichever
+        path computes them (full sequence padded or packed, prefill, chunked prefill, decode on
+        either cache): matmuls, the MLP and attention go through `tandem.model.batch_invariant`.
+        Off by default (the faster kernels); a decode compiled by `compile_decode` runs eagerly
+        while it is on."""
+        return self._batch_invariant
+
+    @batch_invariant.setter
+    def batch_invariant(self, on: bool) -> None:
+        self._batch_invariant = bool(on)
+        for layer in self.model.layers:
+            layer.self_attn.batch_invariant = layer.mlp.batch_invariant = bool(on)
 
     def compile_decode(self) -> "CausalLM":
         """Run every one-token forward (a decode step) through `torch.compile` from now on.
@@ -222,6 +254,12 @@ class CausalLM(nn.Module):
             return self._run(input_ids, positions, token_mask, None, targets)
         if cache is not None and not isinstance(cache, KVCache):
             return self._run(input_ids, positions, cache.attention_mask(token_mask), cache, targets)
+        if cache is not None and self.batch_invariant:  # keys at their positions, not left-padded
+            cache.append_mask(token_mask)
+            view = cache.at_positions(positions, token_mask)
+            out = self._run(input_ids, positions, view.attention_mask(token_mask), view, targets)
+            cache.advance(input_ids.shape[1])
+            return out
         if cache is not None:
             cache.append_mask(token_mask)
             key_mask = cache.key_mask[:, : cache.length + input_ids.shape[1]]
@@ -255,14 +293,19 @@ class CausalLM(nn.Module):
             mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         if targets is not None:
             hidden = self._backbone(input_ids, cos, sin, mask, cache).flatten(0, 1)[targets.index]  # (N, E)
-            return score_tokens(hidden, self.lm_head.weight, targets.tokens, targets.temperature)
-        compiled = self._decode_layers is not None and input_ids.shape[1] == 1
+            return score_tokens(
+                hidden, self.lm_head.weight, targets.tokens, targets.temperature, self.batch_invariant
+            )
+        compiled = self._decode_layers is not None and input_ids.shape[1] == 1 and not self.batch_invariant
         return (self._decode_layers if compiled else self._layers)(input_ids, cos, sin, mask, cache)
 
     def _layers(
         self, input_ids: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: KVCache | BatchCache | None
     ) -> Tensor:
-        return self.lm_head(self._backbone(input_ids, cos, sin, mask, cache)).float()
+        hidden = self._backbone(input_ids, cos, sin, mask, cache)
+        if self.batch_invariant:
+            return bi.linear(hidden, self.lm_head.weight).float()
+        return self.lm_head(hidden).float()
 
     def _backbone(
         self,
@@ -298,6 +341,14 @@ def fuse_projections(model: CausalLM) -> CausalLM:
             attn.fused = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
             mlp.fused = _fuse([mlp.gate_proj, mlp.up_proj])
     return model
+
+
+def _stacked(linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
+    """The linears' weights (and biases) concatenated row-wise, differentiably: an unfused model's
+    batch-invariant forward runs the fused model's matmul, of the same shape."""
+    biases = [lin.bias for lin in linears]
+    bias = None if biases[0] is None else torch.cat(biases)
+    return torch.cat([lin.weight for lin in linears]), bias
 
 
 def _fuse(linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:

@@ -40,8 +40,39 @@ class KVCache:
     def advance(self, steps: int) -> None:
         self.length += steps
 
+    def at_positions(self, positions: Tensor, token_mask: Tensor) -> "PositionedCache":
+        """This cache seen as a `BatchCache` that keeps each row's key at position p in slot p
+        (the batch-invariant forward's layout: no left padding in front of a row's keys)."""
+        return PositionedCache(self, positions, token_mask)
+
     def keep(self, rows: Tensor) -> None:
         """Keep only `rows` (1-D index tensor) of the batch."""
         self.k = [k[:, rows] for k in self.k]
         self.v = [v[:, rows] for v in self.v]
         self.key_mask = self.key_mask[rows]
+
+
+class PositionedCache:
+    """A `tandem.model.decoder.BatchCache` over a KVCache whose row b holds its token at position p
+    in slot p: positions (B, T) of the forward's tokens, token_mask (B, T) which are real (only
+    those are written; a padding token attends to the keys up to its clamped position)."""
+
+    def __init__(self, cache: KVCache, positions: Tensor, token_mask: Tensor):
+        self.cache, self.positions = cache, positions
+        self.rows, self.cols = token_mask.nonzero(as_tuple=True)  # (N,) each: the real tokens
+        self.slots = positions[self.rows, self.cols]  # (N,)
+        self.width = min(int(positions.max()) + 1, cache.max_len)
+
+    def attention_mask(self, token_mask: Tensor) -> Tensor:
+        """-> (B, 1, T, S) bool: the token at position p sees slots 0..p."""
+        slots = torch.arange(self.width, device=self.positions.device)
+        return (slots[None, None, :] <= self.positions[:, :, None])[:, None]
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """k, v (B, Hkv, T, D) -> every key and value of the rows (B, Hkv, S, D), S = longest position + 1."""
+        for store, new in ((self.cache.k[layer], k), (self.cache.v[layer], v)):
+            store[:, self.rows, self.slots] = new[self.rows, :, self.cols].transpose(0, 1)  # (Hkv, N, D)
+        end = self.width
+        return self.cache.k[layer][:, :, :end].transpose(0, 1), self.cache.v[layer][:, :, :end].transpose(
+            0, 1
+        )

@@ -7,6 +7,8 @@ and attend causally (SDPA's flash kernel on a GPU, two batched matmuls on the CP
 micro-batch by length (as the trainer does) makes those runs long; any order is correct.
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -34,8 +36,11 @@ class Segments:
         """(1, T): each sequence's positions restart at 0."""
         return torch.cat([torch.arange(n, device=device) for n in self.lengths])[None]
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """q (1, H, T, D), k, v (1, Hkv, T, D) -> (1, H, T, D): causal attention within each sequence."""
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, attention: Callable[..., Tensor] | None = None
+    ) -> Tensor:
+        """q (1, H, T, D), k, v (1, Hkv, T, D) -> (1, H, T, D): causal attention within each sequence.
+        attention: `batch_invariant.attention`-like (q, k, v, additive mask) to run each run through."""
         outs = []
         for start, count, length in self.runs:
 
@@ -43,7 +48,10 @@ class Segments:
                 # (1, h, count·L, D) -> (count, h, L, D): a view when the run is contiguous
                 return x[0, :, start : start + count * length].unflatten(1, (count, length)).transpose(0, 1)
 
-            if q.is_cuda:  # flash attention: fast, and no (L x L) scores kept for backward
+            if attention is not None:
+                mask = torch.full((length, length), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+                out = attention(run(q), run(k), run(v), mask[None, None])
+            elif q.is_cuda:  # flash attention: fast, and no (L x L) scores kept for backward
                 out = F.scaled_dot_product_attention(run(q), run(k), run(v), is_causal=True, enable_gqa=True)
             else:
                 out = causal_attention(run(q), run(k), run(v))
