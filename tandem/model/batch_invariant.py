@@ -80,21 +80,25 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     (0 or -inf; masked keys must trail each query's visible ones) -> (B, H, T, D).
 
     softmax(q·kᵀ/√D + mask) · v, the H/Hkv query heads of a key head as the rows of one matmul
-    (padded to a multiple of ROW_TILE), softmax in fp32 over at least MIN_KEYS keys.
+    (padded to a multiple of ROW_TILE), softmax in fp32 over at least MIN_KEYS keys. Batched over
+    (Hkv, B), the caches' head-major layout, so their keys and values are read in place.
     """
     b, h, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     if s < MIN_KEYS:  # zero keys, masked: their exp is 0 and their values are multiplied by it
         k, v = (F.pad(x, (0, 0, 0, MIN_KEYS - s)) for x in (k, v))
         mask = F.pad(mask, (0, MIN_KEYS - s), value=float("-inf"))
-    n = (h // hkv) * t  # rows per key head, in Hugging Face's order (head i reads key head i // G)
+    g = h // hkv  # query heads per key head, in Hugging Face's order (head i reads key head i // G)
+    n = g * t
     rows = -(-n // ROW_TILE) * ROW_TILE
-    queries = q.reshape(b, hkv, n, d)
+    queries = q.reshape(b, hkv, n, d).transpose(0, 1)  # (Hkv, B, G·T, D)
     if rows != n:
         queries = F.pad(queries, (0, 0, 0, rows - n))
-    scores = torch.matmul(queries, k.transpose(-1, -2))[:, :, :n]  # (B, Hkv, G·T, S)
-    scores = scores.unflatten(2, (h // hkv, t)).float() * (1 / math.sqrt(d)) + mask[:, :, None]
-    probs = scores.softmax(-1).to(v.dtype).flatten(2, 3)  # (B, Hkv, G·T, S)
+    keys, values = k.transpose(0, 1), v.transpose(0, 1)  # (Hkv, B, S, D)
+    scores = torch.matmul(queries, keys.transpose(-1, -2))[:, :, :n]  # (Hkv, B, G·T, S)
+    scores = scores.unflatten(2, (g, t)).float() * (1 / math.sqrt(d)) + mask.transpose(0, 1)[:, :, None]
+    probs = scores.softmax(-1).to(v.dtype).flatten(2, 3)  # (Hkv, B, G·T, S)
     if rows != n:
         probs = F.pad(probs, (0, 0, 0, rows - n))
-    return torch.matmul(probs, v)[:, :, :n].reshape(b, h, t, d)
+    out = torch.matmul(probs, values)[:, :, :n]  # (Hkv, B, G·T, D)
+    return out.unflatten(2, (g, t)).permute(1, 0, 2, 3, 4).reshape(b, h, t, d)
