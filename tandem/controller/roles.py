@@ -207,9 +207,12 @@ def pad_token_id(tokenizer) -> int:
 
 
 def load_policy(cfg: Config, dtype: str) -> CausalLM:
-    """The checkpoint at model.path on run.device (resolved: cpu or cuda) in `dtype`."""
+    """The checkpoint at model.path on run.device (resolved: cpu or cuda) in `dtype`; with
+    run.deterministic its forward is batch-invariant, in the engines and the trainers alike."""
     device = check_runnable(cfg.run.device, dtype)
-    return load_model(resolve_model_path(cfg.model.path), dtype=DTYPES[dtype], device=device)
+    model = load_model(resolve_model_path(cfg.model.path), dtype=DTYPES[dtype], device=device)
+    model.batch_invariant = cfg.run.deterministic
+    return model
 
 
 def build_trainer(cfg: Config, tokenizer, keep_ref: bool = True) -> TrainWorker:
@@ -247,6 +250,7 @@ def build_critic(cfg: Config, tokenizer) -> CriticWorker:
     device = check_runnable(cfg.run.device, cfg.train.dtype)
     path = resolve_model_path(cfg.critic.path or cfg.model.path)
     decoder = load_model(path, dtype=torch.float32, device=device)
+    decoder.batch_invariant = cfg.run.deterministic
     train = dataclasses.replace(cfg.train, lr=cfg.critic.lr)
     return CriticWorker(
         value_model(decoder),
