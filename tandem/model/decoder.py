@@ -304,7 +304,7 @@ class CausalLM(nn.Module):
     ) -> Tensor:
         hidden = self._backbone(input_ids, cos, sin, mask, cache)
         if self.batch_invariant:
-            return bi.linear(hidden, self.lm_head.weight).float()
+            return bi.linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
         return self.lm_head(hidden).float()
 
     def _backbone(
