@@ -95,3 +95,38 @@ def test_one_step_off_with_two_engines_repeats_bit_for_bit(tmp_path):
 )
 def test_runs_repeat_bit_for_bit(tmp_path, overrides):
     _repeats(tmp_path, overrides)
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["invariant", "default"])
+def test_a_greedy_request_gets_one_completion_in_any_batch(on):
+    """One greedy request submitted 100 times among random others, in batches of 1 to 32, on the
+    built-in and the paged engine: with the batch-invariant forward every copy returns the same
+    tokens. (bench/determinism.py does 1,000 on the default model.) The default kernels, in bf16 on
+    a model with near-tied logits, do not (xfail keeps it visible)."""
+    import random
+
+    import torch
+    from helpers import tiny_model
+
+    from tandem.rollout import BuiltinEngine, PagedEngine, SamplingParams, make_groups
+    from tandem.sample import Prompt
+
+    rng = random.Random(0)
+    model = tiny_model(std=0.3).to(torch.bfloat16).eval().requires_grad_(False)
+    model.batch_invariant = on
+    engines = [BuiltinEngine(model, [2], 0, max_batch_size=64), PagedEngine(model, [2], 0, block_size=4)]
+    target = [rng.randrange(3, 50) for _ in range(12)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    seen = set()
+    for copy in range(300):
+        others = [
+            [rng.randrange(3, 50) for _ in range(rng.randint(1, 30))] for _ in range(rng.randint(0, 63))
+        ]
+        at = rng.randint(0, len(others))
+        rows = others[:at] + [target] + others[at:]
+        samples = make_groups([Prompt(text="")] * len(rows), rows, n=1)
+        engines[copy % 2].generate(samples, params)
+        seen.add(tuple(samples[at].response_ids))
+    if not on and len(seen) == 1:
+        pytest.xfail("the default kernels happened to agree on this model")
+    assert (len(seen) == 1) == on, len(seen)
