@@ -75,6 +75,7 @@ def _repeats(tmp_path: Path, overrides: list[str]) -> None:
     assert first[1] == second[1]  # the final weights, hashed
 
 
+@pytest.mark.slow  # two runs on Ray: 1.5 minutes, kept out of the fast set's 10
 @pytest.mark.usefixtures("ray_local")
 def test_one_step_off_with_two_engines_repeats_bit_for_bit(tmp_path):
     """Two rollout workers that take whichever call comes next, two generations ahead: without
