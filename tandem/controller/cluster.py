@@ -159,37 +159,23 @@ class Cluster:
             s.bundle: PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=s.bundle)
             for s in slots
         }
+
+        def placed(actor, s: placement.Slot, **options):
+            """`actor` on its slot's bundle, with the slot's CPUs and GPUs."""
+            where = dict(num_cpus=s.cpus, num_gpus=s.gpus, scheduling_strategy=strategy[s.bundle])
+            return actor.options(**where, **options)
+
         # A killed rollout worker is restarted by Ray (and re-synced by the controller); with the
         # broadcast transport it could not rejoin the torch.distributed world, so it is not.
         restarts = 0 if TRANSPORTS.get(cfg.sync.transport).collective else 1
         rollouts = [
-            RolloutActor.options(
-                num_cpus=s.cpus,
-                num_gpus=s.gpus,
-                scheduling_strategy=strategy[s.bundle],
-                max_restarts=restarts,
-            ).remote(cfg, s.rank, s.threads)
+            placed(RolloutActor, s, max_restarts=restarts).remote(cfg, s.rank, s.threads)
             for s in on["generate"]
         ]
         keep_ref = not on.get("ref_logp")
-        trainers = [
-            TrainActor.options(
-                num_cpus=s.cpus, num_gpus=s.gpus, scheduling_strategy=strategy[s.bundle]
-            ).remote(cfg, s.rank, s.threads, keep_ref)
-            for s in on["actor_train"]
-        ]
-
-        critics = [
-            CriticActor.options(
-                num_cpus=s.cpus, num_gpus=s.gpus, scheduling_strategy=strategy[s.bundle]
-            ).remote(cfg, s.rank, s.threads)
-            for s in on.get("critic", [])
-        ]
-        ref = None
-        if on.get("ref_logp"):
-            s = on["ref_logp"][0]
-            where = dict(num_cpus=s.cpus, num_gpus=s.gpus, scheduling_strategy=strategy[s.bundle])
-            ref = RefActor.options(**where).remote(cfg, s.threads)
+        trainers = [placed(TrainActor, s).remote(cfg, s.rank, s.threads, keep_ref) for s in on["actor_train"]]
+        critics = [placed(CriticActor, s).remote(cfg, s.rank, s.threads) for s in on.get("critic", [])]
+        ref = next((placed(RefActor, s).remote(cfg, s.threads) for s in on.get("ref_logp", [])), None)
         # A killed reward actor is restarted and the calls it held run again (scoring is pure).
         reward = RewardActor.options(num_cpus=0, max_restarts=3, max_task_retries=3).remote(cfg)
         names = {
