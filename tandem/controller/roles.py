@@ -206,11 +206,12 @@ def pad_token_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def load_policy(cfg: Config, dtype: str) -> CausalLM:
-    """The checkpoint at model.path on run.device (resolved: cpu or cuda) in `dtype`; with
-    run.deterministic its forward is batch-invariant, in the engines and the trainers alike."""
+def load_policy(cfg: Config, dtype: str, path: str = "") -> CausalLM:
+    """The checkpoint at `path` (default model.path) on run.device (resolved: cpu or cuda) in
+    `dtype`; with run.deterministic its forward is batch-invariant, in the engines, the trainers
+    and the critic alike."""
     device = check_runnable(cfg.run.device, dtype)
-    model = load_model(resolve_model_path(cfg.model.path), dtype=DTYPES[dtype], device=device)
+    model = load_model(resolve_model_path(path or cfg.model.path), dtype=DTYPES[dtype], device=device)
     model.batch_invariant = cfg.run.deterministic
     return model
 
@@ -247,10 +248,8 @@ def build_critic(cfg: Config, tokenizer) -> CriticWorker:
     checkpoint) under a fresh value head, trained like the policy (train.*: its ranks, strategy and
     dtype) at critic.lr. One rank of the critic's data-parallel group (`parallelize`)."""
     torch.manual_seed(cfg.run.seed)
-    device = check_runnable(cfg.run.device, cfg.train.dtype)
-    path = resolve_model_path(cfg.critic.path or cfg.model.path)
-    decoder = load_model(path, dtype=torch.float32, device=device)
-    decoder.batch_invariant = cfg.run.deterministic
+    check_runnable(cfg.run.device, cfg.train.dtype)
+    decoder = load_policy(cfg, "float32", cfg.critic.path)
     train = dataclasses.replace(cfg.train, lr=cfg.critic.lr)
     return CriticWorker(
         value_model(decoder),
@@ -259,7 +258,7 @@ def build_critic(cfg: Config, tokenizer) -> CriticWorker:
         pad_token_id(tokenizer),
         total_updates=total_updates(cfg),
         seed=cfg.run.seed,
-        device=device,
+        device=decoder.lm_head.weight.device,
         dtype=DTYPES[cfg.train.dtype],
         vf_clip=cfg.critic.vf_clip,
         gamma=cfg.algo.gamma,
