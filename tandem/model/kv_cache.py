@@ -72,7 +72,7 @@ class PositionedCache:
         """k, v (B, Hkv, T, D) -> every key and value of the rows (B, Hkv, S, D), S = longest position + 1."""
         for store, new in ((self.cache.k[layer], k), (self.cache.v[layer], v)):
             store[:, self.rows, self.slots] = new[self.rows, :, self.cols].transpose(0, 1)  # (Hkv, N, D)
-        end = self.width
-        return self.cache.k[layer][:, :, :end].transpose(0, 1), self.cache.v[layer][:, :, :end].transpose(
-            0, 1
+        keys, values = (
+            store[layer][:, :, : self.width].transpose(0, 1) for store in (self.cache.k, self.cache.v)
         )
+        return keys, values
