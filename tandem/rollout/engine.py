@@ -187,10 +187,12 @@ class _Batch:
     def _noise(self) -> Tensor:
         """Exp(1) noise (L, V) for the L cache rows: a seeded sample's row from its own generator,
         at its response position, so its tokens do not depend on the rest of the batch."""
+        shape = tuple(self.logits.shape)
+        if all(s.seed is None for s in self.samples):  # one draw from the shared stream, every step
+            return exponential_noise(shape, self.logits.device, self.engine.generator)
         rows, step = self.rows.tolist(), len(self.step_versions)  # each live sample has `step` new tokens
         seeds = [None if d else self.samples[i].seed for i, d in zip(rows, self.done.tolist(), strict=True)]
         positions = [len(self.samples[i].response_ids) + step for i in rows]
-        shape = tuple(self.logits.shape)
         return exponential_noise(shape, self.logits.device, self.engine.generator, seeds, positions)
 
     def _stop_strings(self, at: Tensor, n: int) -> Tensor:
