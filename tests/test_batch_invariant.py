@@ -8,6 +8,7 @@ With the mode off these equalities fail (the default kernels pick their reductio
 `test_mode_off_is_not_batch_invariant` keeps that visible.
 """
 
+import copy
 import random
 
 import pytest
@@ -236,3 +237,33 @@ def test_engine_logprobs_equal_the_trainers_bit_for_bit(dtype):
             got = torch.tensor(s.logprobs)
             assert torch.equal(got, row[: len(got)]), f"engine {i} ({type(engine).__name__})"
     assert engines[-1].num_preemptions > 0
+
+
+@pytest.mark.parametrize(
+    "train", [dict(mini_batch_size=8), dict(epochs=2)], ids=["2 mini-batches", "2 epochs"]
+)
+def test_exact_behaviour_skips_the_recompute_and_trains_as_the_recompute_does(train):
+    """With several updates per step π_old is not π_θ of one forward, but on tokens the trainer's
+    version sampled it is μ bit for bit: `exact_behaviour` takes μ and never recomputes, and the
+    weights come out exactly as a trainer that recomputes gets them; mismatch/* is exactly 0."""
+    samples = engine_samples(BuiltinEngine(model_in(torch.bfloat16), [EOS], 0, seed=1), 4, 4, seed=0)
+    for s in samples:
+        s.reward = float(s.response_ids[0] % 2)
+    workers = []
+    for exact in (True, False):
+        cfg = TrainConfig(micro_batch_tokens=300, **train)
+        w = TrainWorker(tiny_model(std=0.3), AlgoConfig(corrections=["tis"]), cfg, 0, dtype=torch.bfloat16,
+                        exact_behaviour=exact)  # fmt: skip
+        w.compute.batch_invariant = True
+        workers.append(w)
+    calls = []
+    recompute = workers[0].compute_logprobs
+    workers[0].compute_logprobs = lambda *a, **k: calls.append(1) or recompute(*a, **k)
+    m_exact, m_recomputed = (w.train_step(copy.deepcopy(samples)) for w in workers)
+    assert calls == [] and m_exact["actor/old_logprob_source/behaviour"] == 1.0
+    assert m_recomputed["actor/old_logprob_source/recompute"] == 1.0
+    assert m_exact["mismatch/kl"] == 0.0 and m_exact["mismatch/logprob_abs_diff_max"] == 0.0
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        assert m_exact[key] == m_recomputed[key], key
+    for (name, a), (_, b) in zip(*(w.named_weights() for w in workers), strict=True):
+        assert torch.equal(a, b), name

@@ -234,7 +234,16 @@ def build_trainer(cfg: Config, tokenizer, keep_ref: bool = True) -> TrainWorker:
         keep_ref=keep_ref,
         device=policy.lm_head.weight.device,
         dtype=DTYPES[cfg.train.dtype],
+        exact_behaviour=exact_behaviour(cfg),
     )
+
+
+def exact_behaviour(cfg: Config) -> bool:
+    """Whether the engines' logprobs equal the trainer's bit for bit on tokens its version sampled:
+    the batch-invariant forward on both sides (run.deterministic; vLLM is refused there), in the
+    same dtype, and the raw logprobs the trainer recomputes (not the processed ones)."""
+    r = cfg.rollout
+    return cfg.run.deterministic and r.dtype == cfg.train.dtype and r.logprobs_mode == "raw"
 
 
 def total_updates(cfg: Config) -> int:

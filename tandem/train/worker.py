@@ -1,7 +1,8 @@
 """The train worker: π_old when needed, advantages, and the policy update on one device.
 
 One `train_step` is one RL step: π_old is recomputed for the batch unless the step is exactly
-on-policy (then π_old is π_θ detached, from the same forward) or a correction replaces it;
+on-policy (then π_old is π_θ detached, from the same forward), the engine's logprobs are known to
+equal it (`exact_behaviour`: then π_old is μ), or a correction replaces it;
 advantages come from the rewards; each mini-batch is split into micro-batches by a token budget,
 packed without padding, and its gradients accumulated, so the result does not depend on the split.
 With data parallelism (`parallelize`) every rank gets the whole batch and works on its shard of
@@ -70,9 +71,13 @@ class TrainWorker:
         keep_ref: bool = True,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        exact_behaviour: bool = False,
     ):
         """model: fp32 weights (they become the master weights); dtype: the compute dtype.
-        keep_ref=False: a ref worker fills `Sample.ref_logprobs`, so no frozen copy is kept here."""
+        keep_ref=False: a ref worker fills `Sample.ref_logprobs`, so no frozen copy is kept here.
+        exact_behaviour: the engine's logprobs of tokens sampled by this trainer's current version
+        equal its own bit for bit (run.deterministic, the same dtype, raw logprobs), so a step on
+        such tokens takes μ as π_old, whatever its mini-batches and epochs, and never recomputes."""
         if any(p.dtype != torch.float32 for p in model.parameters()):
             raise TandemError("The trainer keeps fp32 master weights: load the policy in float32.")
         self.device, self.dtype = torch.device(device), dtype
@@ -108,6 +113,7 @@ class TrainWorker:
         self.correction_options = dict(
             cap=algo.correction_cap, low=algo.mis_low, high=algo.mis_high, delta=algo.opsm_delta
         )
+        self.exact_behaviour = exact_behaviour
         self.dp_group, self.rank, self.world = None, 0, 1
 
     def _make_optimizer(self) -> None:
@@ -205,7 +211,7 @@ class TrainWorker:
         mask = pad_rows([s.loss_mask for s in samples], width)
         behaviour = pad_rows([s.logprobs for s in samples], width)
         versions = pad_rows([s.versions for s in samples], width)
-        source = "policy" if self._on_policy(samples) else self.old_source
+        source = self._step_source(samples)
         # bypass (π_old = μ), interpolated π_prox and an exactly on-policy step need no forward of their own.
         start = time.perf_counter()
         old = self.compute_logprobs(samples) if source == "recompute" else None
@@ -229,6 +235,8 @@ class TrainWorker:
                 )
                 for k, v in self._update(batch, source, first=updates == 0).items():
                     sums[k] += v
+                if updates == 0:  # π_θ of the step-start weights on these rows: π_old
+                    first_rows, first_theta = rows, self._theta[rows].clone()
                 updates += 1
         self.version += 1
         metrics = {k: v / updates for k, v in sums.items()}
@@ -245,13 +253,24 @@ class TrainWorker:
                     "critic/advantages/min": float(valid.min()),
                 }
             )
-        # π_old held against μ: the recompute, or (on-policy) π_θ of the one update's forwards.
-        # Without either (bypass, interpolate) there is nothing to compare: no mismatch/*.
-        if source == "policy":
-            old = self._all_reduce(self._theta)  # each row is non-zero on one rank only
+        # π_old held against μ: the recompute, or, where π_old is exactly on-policy (π_θ or an exact
+        # μ), π_θ of the first update's forwards, on its rows. Without either (bypass, interpolate)
+        # there is nothing to compare: no mismatch/*.
+        if source == "policy" or (source == "behaviour" and self.old_source == "recompute"):
+            old = self._all_reduce(first_theta)  # each row is non-zero on one rank only
+            behaviour, mask = behaviour[first_rows], mask[first_rows]
         if old is not None:
             metrics.update(mismatch_metrics(old, behaviour, mask))
         return metrics
+
+    def _step_source(self, samples: list[Sample]) -> str:
+        """Where this step's π_old comes from: "policy" (π_θ detached) when the step is exactly
+        on-policy with one update; "behaviour" (μ) when every token was sampled by this version and
+        μ is exact (`exact_behaviour`); else the configured source (`self.old_source`)."""
+        if self._on_policy(samples):
+            return "policy"
+        exact = self.exact_behaviour and self.old_source == "recompute" and self._sampled_now(samples)
+        return "behaviour" if exact else self.old_source
 
     def _on_policy(self, samples: list[Sample]) -> bool:
         """True when π_old is exactly π_θ at the step's only update: every token was sampled by this
@@ -261,8 +280,14 @@ class TrainWorker:
             and self.cfg.epochs == 1
             and (self.cfg.mini_batch_size or len(samples)) >= len(samples)
             and not any(n in MASKING for n in self.algo.corrections)
-            and all(len(s.versions) == len(s.response_ids) for s in samples)
-            and all(v == self.version for s in samples for v in s.versions)
+            and self._sampled_now(samples)
+        )
+
+    def _sampled_now(self, samples: list[Sample]) -> bool:
+        """Every response token was sampled by this trainer's current version."""
+        return all(
+            len(s.versions) == len(s.response_ids) and all(v == self.version for v in s.versions)
+            for s in samples
         )
 
     def _ref_logprobs(self, samples: list[Sample], width: int) -> Tensor | None:
