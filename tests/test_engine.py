@@ -267,6 +267,7 @@ def test_per_sample_caps_and_decoding_past_eos_count_the_response_to_its_first_e
         assert len(s.logprobs) == len(s.versions) == len(s.response_ids)
 
 
+@pytest.mark.slow  # Inductor compiles for about a minute: rollout.compile is opt-in
 @pytest.mark.parametrize("engine_cls", [BuiltinEngine, PagedEngine])
 def test_compiled_decode_gives_the_eager_tokens_and_the_trainers_logprobs(engine_cls):
     """rollout.compile: decode steps through torch.compile. Batches of changing size and cache
