@@ -220,8 +220,9 @@ def engine_samples(engine, count: int, group: int, seed: int):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_engine_logprobs_equal_the_trainers_bit_for_bit(dtype):
     """BuiltinEngine (batches of 1, 3 and 64) and PagedEngine (continuous batching, chunked prefill,
-    a group's shared prompt, the prefix cache, preemption) sample 64 responses; the TrainWorker's
-    recompute (fp32 masters, compute in `dtype`) gives exactly their behaviour logprobs."""
+    a group's shared prompt, the prefix cache, preemption, the CUDA graphs' decode) sample 64
+    responses; the TrainWorker's recompute (fp32 masters, compute in `dtype`) gives exactly their
+    behaviour logprobs."""
     trainer = TrainWorker(
         tiny_model(std=0.3), AlgoConfig(), TrainConfig(micro_batch_tokens=300), 0, dtype=dtype
     )
@@ -229,6 +230,8 @@ def test_engine_logprobs_equal_the_trainers_bit_for_bit(dtype):
     engines = [BuiltinEngine(model_in(dtype), [EOS], 0, max_batch_size=b, seed=b) for b in (1, 3, 64)] + [
         PagedEngine(model_in(dtype), [EOS], 0, block_size=4, max_num_batched_tokens=24, seed=5),
         PagedEngine(model_in(dtype), [EOS], 0, block_size=4, num_kv_blocks=24, max_num_seqs=8, seed=6),
+        # the CUDA graphs' padded, fixed-shape decode (run eagerly on the CPU), bucket-padded rows
+        PagedEngine(model_in(dtype), [EOS], 0, block_size=4, max_num_seqs=6, cuda_graphs=True, seed=7),
     ]
     for i, engine in enumerate(engines):
         samples = engine_samples(engine, 16, 4, seed=i)
@@ -236,7 +239,7 @@ def test_engine_logprobs_equal_the_trainers_bit_for_bit(dtype):
         for s, row in zip(samples, recomputed, strict=True):
             got = torch.tensor(s.logprobs)
             assert torch.equal(got, row[: len(got)]), f"engine {i} ({type(engine).__name__})"
-    assert engines[-1].num_preemptions > 0
+    assert engines[-2].num_preemptions > 0 and engines[-1].runner.graphs.num_steps > 0
 
 
 @pytest.mark.parametrize(
