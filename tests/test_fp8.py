@@ -298,3 +298,49 @@ def test_gpu_fp8_linear_agrees_with_the_dequantised_matmul(scale):
     cosine = F.cosine_similarity(got.float().flatten(), expected.flatten(), dim=0)
     assert cosine > 0.999
     torch.testing.assert_close(got.float(), expected, atol=0.05, rtol=0.05)
+
+
+# ------------------------------------------------------------- the engines' receiving side
+
+
+def fp8_engine(engine_cls, model: CausalLM, scale: str):
+    from tandem.rollout import BuiltinEngine
+
+    kw = dict(max_batch_size=8) if engine_cls is BuiltinEngine else dict(block_size=4, num_kv_blocks=64)
+    return engine_cls(model, [2], 0, seed=1, quantization="fp8", fp8_scale=scale, **kw)
+
+
+def greedy(engine) -> list[tuple[list[int], list[float]]]:
+    from tandem.rollout import SamplingParams, make_groups
+    from tandem.sample import Prompt
+
+    prompts = [[5, 9, 11, 20], [7, 7, 30], [40, 3, 8, 9, 10]]
+    samples = make_groups([Prompt(text="p")] * 3, prompts, 2)
+    engine.generate(samples, SamplingParams(temperature=0.0, max_new_tokens=6))
+    return [(s.response_ids, s.logprobs) for s in samples]
+
+
+@pytest.mark.parametrize("engine", ["builtin", "paged"])
+@pytest.mark.parametrize("scale", SCALES)
+def test_an_fp8_engine_quantises_each_push_and_its_sleep_frees_the_fp8_copy(engine, scale):
+    """rollout.quantization=fp8: after a push the engine serves the new weights in fp8 (exactly what
+    an engine built on them serves), its sleep frees the fp8 copy with the weights, and after wake +
+    push it answers as before, bit for bit."""
+    from tandem.rollout import BuiltinEngine, PagedEngine
+
+    cls = {"builtin": BuiltinEngine, "paged": PagedEngine}[engine]
+    old, new = CausalLM(CFG), CausalLM(CFG)
+    init_weights(old, 0, std=0.1)
+    init_weights(new, 1, std=0.1)
+    pushed, built = fp8_engine(cls, deepcopy(old), scale), fp8_engine(cls, deepcopy(new), scale)
+    assert isinstance(pushed.model.model.layers[0].self_attn.q_proj, Fp8Linear)
+    before = greedy(pushed)
+    pushed.load_weights(new.named_parameters(), version=1)
+    after = greedy(pushed)
+    assert after == greedy(built) and after != before
+    held = pushed.engine_bytes()
+    fp8_bytes = sum(b.nbytes for b in pushed.model.buffers())
+    assert fp8_bytes > 0 and pushed.sleep()["memory/engine_bytes"] == held
+    assert pushed.engine_bytes() == 0  # the fp8 copy and the weights alike
+    pushed.load_weights(new.named_parameters(), version=2)
+    assert greedy(pushed) == after

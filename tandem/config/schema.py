@@ -42,6 +42,9 @@ class ModelSection:
     # A Hugging Face checkpoint directory, or "builtin:<task>" for a warm start shipped with tandem.
     path: str = "builtin:addition"
     tokenizer: str = ""  # default: the model's directory
+    # MoE models: the router's logits, softmax and top-k in float32 whatever the compute dtype (the
+    # seeds' advice: bf16 routing flips near-tied experts), or in the compute dtype ("model").
+    router_dtype: str = "float32"
 
 
 @dataclass
@@ -75,6 +78,11 @@ class RolloutConfig:
     vllm_enforce_eager: bool = False  # vllm engine: no CUDA graphs (starts faster, decodes slower)
     # paged engine on cuda: decode steps replayed from CUDA graphs, one per batch-size bucket
     cuda_graphs: bool = True
+    # none | fp8: the built-in engines' linear weights in float8 e4m3, 128x128 blocks with one scale
+    # each, quantised on receiving every weight push (docs/fp8.md); fp8_scale: fp32 | ue8m0 (powers
+    # of two, as DeepGEMM's scales).
+    quantization: str = "none"
+    fp8_scale: str = "fp32"
     # Sleep while the trainer trains: the engine frees its weights and KV cache before each train
     # step and re-allocates them for the next push (run.mode=sync only). null = auto: on when the
     # run is sync on cuda with rollout and training on the same GPUs (docs/rollout.md).
@@ -150,6 +158,9 @@ class AlgoConfig:
     # train step; past that the run stops with an error rather than loop forever.
     filter_groups: bool = False
     max_filter_rounds: int = 10
+    # MoE models, rollout routing replay (R3): the engine records the experts it chose for every
+    # token and layer, and the trainer's forward uses exactly those (docs/moe.md).
+    routing_replay: bool = False
     gamma: float = 1.0  # gae's discount
     lam: float = 1.0  # gae's λ
 

@@ -63,6 +63,8 @@ def validate(cfg: Config) -> None:
     _check(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1.")
     _check(cfg.rollout.max_batch_size >= 1, "rollout.max_batch_size", "must be >= 1.")
     _check(cfg.rollout.max_num_batched_tokens >= 1, "rollout.max_num_batched_tokens", "must be >= 1.")
+    _one_of(cfg.model.router_dtype, ("float32", "model"), "model.router_dtype", "router dtype")
+    _check_quantization(cfg)
     _check_agent(cfg)
     if cfg.rollout.engine == "vllm":
         _check_vllm(cfg)
@@ -275,6 +277,31 @@ def _check_agent(cfg: Config) -> None:
         "rollout.length_tail_alpha",
         f"needs rollout.agent=single_turn (it is {r.agent!r}): decoding past EOS turns stop strings "
         "off, so no tool call would ever end a turn.",
+    )
+
+
+def _check_quantization(cfg: Config) -> None:
+    r = cfg.rollout
+    _one_of(r.quantization, ("none", "fp8"), "rollout.quantization", "rollout quantization")
+    _one_of(r.fp8_scale, ("fp32", "ue8m0"), "rollout.fp8_scale", "FP8 scale format")
+    _check(
+        r.quantization == "none" or r.engine != "vllm",
+        "rollout.quantization",
+        "=fp8 is the built-in engines' blockwise FP8 (rollout.engine=builtin or paged); for vLLM pass "
+        "its own quantization through its engine arguments.",
+    )
+    _check(
+        r.quantization == "none" or not cfg.run.deterministic,
+        "rollout.quantization",
+        "=fp8 cannot run with run.deterministic=true: the batch-invariant kernels multiply the "
+        "high-precision weights, so the fp8 copy would be bypassed (and an fp8 engine cannot match "
+        "the trainer's logprobs bit for bit anyway).",
+    )
+    _check(
+        not cfg.algo.routing_replay or r.engine != "vllm",
+        "algo.routing_replay",
+        "needs a built-in engine (rollout.engine=builtin or paged): they record the experts each token "
+        "was routed to; the vLLM adapter does not.",
     )
 
 

@@ -158,6 +158,8 @@ def _on_tandem_model(engine_cls, cfg: Config, tokenizer, seed: int, **engine_kw)
         seed=seed,
         on_update=r.on_update,
         compile=r.compile,
+        quantization=r.quantization,
+        fp8_scale=r.fp8_scale,
         **engine_kw,
     )
 
@@ -241,9 +243,10 @@ def build_trainer(cfg: Config, tokenizer, keep_ref: bool = True) -> TrainWorker:
 def exact_behaviour(cfg: Config) -> bool:
     """Whether the engines' logprobs equal the trainer's bit for bit on tokens its version sampled:
     the batch-invariant forward on both sides (run.deterministic; vLLM is refused there), in the
-    same dtype, and the raw logprobs the trainer recomputes (not the processed ones)."""
+    same dtype and unquantised, and the raw logprobs the trainer recomputes (not the processed ones)."""
     r = cfg.rollout
-    return cfg.run.deterministic and r.dtype == cfg.train.dtype and r.logprobs_mode == "raw"
+    same = r.dtype == cfg.train.dtype and r.quantization == "none"
+    return cfg.run.deterministic and same and r.logprobs_mode == "raw"
 
 
 def total_updates(cfg: Config) -> int:

@@ -1,5 +1,5 @@
-"""What the built-in engines share: their copy of tandem's decoder (fused for inference, optionally
-compiled), its sampling generator, and the tensors sleeping frees."""
+"""What the built-in engines share: their copy of tandem's decoder (fused for inference, or its
+linear weights in FP8; optionally compiled), its sampling generator, and the tensors sleeping frees."""
 
 import os
 import shutil
@@ -10,12 +10,18 @@ from torch import Tensor
 
 from tandem.errors import TandemError
 from tandem.model import CausalLM, fuse_projections
+from tandem.model.fp8 import quantize_model, requantize
 from tandem.rollout.base import Engine, Storages
 
 
 class DecoderEngine(Engine):
     """An engine on `model`; `named_weights()` are its live parameters. `seed` seeds the generator
-    that requests without a `Sample.seed` draw from; `compile`: see `BuiltinEngine`."""
+    that requests without a `Sample.seed` draw from; `compile`: see `BuiltinEngine`.
+
+    quantization="fp8": the linear weights of attention and MLPs (experts included) multiply as
+    float8 e4m3 in 128x128 blocks with `fp8_scale` scales (`tandem.model.fp8`); the parameters keep
+    the pushed high-precision values by name and are quantised again after every update.
+    """
 
     def __init__(
         self,
@@ -27,10 +33,18 @@ class DecoderEngine(Engine):
         on_update: str,
         on_step: Callable[[int], None] | None,
         compile: bool,
+        quantization: str = "none",
+        fp8_scale: str = "fp32",
     ):
         super().__init__(eos_token_ids, version, on_update, on_step)
-        # One matmul for q/k/v and one for gate/up per layer; the parameters keep their names.
-        self.model = fuse_projections(model.eval().requires_grad_(False))
+        self.model = model.eval().requires_grad_(False)
+        self.quantized = quantization == "fp8"
+        if self.quantized:  # each projection its own fp8 matmul (a fused weight would bypass them)
+            quantize_model(self.model, fp8_scale)
+        elif quantization == "none":  # one matmul for q/k/v and one for gate/up; the names stay
+            fuse_projections(self.model)
+        else:
+            raise ValueError(f"quantization={quantization!r}; valid: none, fp8")
         if compile:  # decode steps through torch.compile
             check_compiler(self.model)
             self.model.compile_decode()
@@ -46,6 +60,10 @@ class DecoderEngine(Engine):
     def named_weights(self) -> dict[str, Tensor]:
         return dict(self.model.named_parameters())
 
+    def _after_update(self) -> None:
+        if self.quantized:
+            requantize(self.model)
+
     def rng_state(self) -> Tensor:
         return self.generator.get_state()
 
@@ -54,8 +72,10 @@ class DecoderEngine(Engine):
 
 
 def model_tensors(model: CausalLM) -> Iterator[Tensor]:
-    """Every tensor of the weights: parameters and the fused projections (they share storage)."""
+    """Every tensor of the weights: parameters, buffers (an fp8 copy) and the fused projections
+    (they share the parameters' storage)."""
     yield from model.parameters()
+    yield from model.buffers()
     for layer in model.model.layers:
         for fused in (layer.self_attn.fused, layer.mlp.fused):
             yield from (t for t in fused or () if t is not None)

@@ -23,6 +23,7 @@ class BuiltinEngine(DecoderEngine):
     on_update, on_step: see `Engine`; a step is a prefill or a decode step of the current batch.
     compile: run decode steps through torch.compile (`CausalLM.compile_decode`); the first calls
         compile for tens of seconds, later steps run faster (docs/rollout.md, "Speed").
+    quantization, fp8_scale: see `DecoderEngine`.
     """
 
     def __init__(
@@ -36,8 +37,21 @@ class BuiltinEngine(DecoderEngine):
         on_update: str = "drain",
         on_step: Callable[[int], None] | None = None,
         compile: bool = False,
+        quantization: str = "none",
+        fp8_scale: str = "fp32",
     ):
-        super().__init__(model, eos_token_ids, pad_token_id, seed, version, on_update, on_step, compile)
+        super().__init__(
+            model,
+            eos_token_ids,
+            pad_token_id,
+            seed,
+            version,
+            on_update,
+            on_step,
+            compile,
+            quantization,
+            fp8_scale,
+        )
         self.max_batch_size = max_batch_size
 
     def _begin(self, samples: list[Sample], call: GenerateCall) -> "_Batches":

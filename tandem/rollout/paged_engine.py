@@ -30,7 +30,7 @@ class PagedEngine(DecoderEngine):
     group_sharing / prefix_caching: prefill a group's prompt once / reuse computed prompt blocks
     across requests; off only to measure what they buy (bench/engine.py).
     cuda_graphs: decode steps through `DecodeGraphs` (on the CPU, its fixed-shape forward eagerly).
-    seed, version, on_update, on_step, compile: as `BuiltinEngine`'s.
+    seed, version, on_update, on_step, compile, quantization, fp8_scale: as `BuiltinEngine`'s.
     """
 
     def __init__(
@@ -51,10 +51,23 @@ class PagedEngine(DecoderEngine):
         group_sharing: bool = True,
         compile: bool = False,
         cuda_graphs: bool = False,
+        quantization: str = "none",
+        fp8_scale: str = "fp32",
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={max_num_batched_tokens}")
-        super().__init__(model, eos_token_ids, pad_token_id, seed, version, on_update, on_step, compile)
+        super().__init__(
+            model,
+            eos_token_ids,
+            pad_token_id,
+            seed,
+            version,
+            on_update,
+            on_step,
+            compile,
+            quantization,
+            fp8_scale,
+        )
         if kv_budget_mb is not None:
             block_bytes = PagedKVCache.block_bytes(model.cfg, block_size, self.model.lm_head.weight.dtype)
             num_kv_blocks = int(kv_budget_mb * 2**20) // block_bytes
@@ -80,6 +93,7 @@ class PagedEngine(DecoderEngine):
             pool.zero_()
 
     def _after_update(self) -> None:
+        super()._after_update()
         self.block_manager.reset_prefix_cache()  # keys of the old weights serve no new request
 
     def _begin(self, samples: list[Sample], call: GenerateCall) -> "_Continuous":
