@@ -1,14 +1,30 @@
 """ModelConfig: the decoder's shape, read from and written to a Hugging Face `config.json`."""
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tandem.errors import TandemError
 from tandem.model.rope import check_scaling
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
+# Mixture-of-experts fields written back to config.json, per family (the rest are tandem's own).
+MOE_FIELDS = {
+    "qwen2_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                  "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size"),
+    "qwen3_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                  "decoder_sparse_step", "mlp_only_layers"),
+    "mixtral": ("num_local_experts", "num_experts_per_tok"),
+}  # fmt: skip
 
 
 @dataclass
@@ -16,7 +32,10 @@ class ModelConfig:
     """The Llama / Qwen2 / Qwen3 family differ only in these switches.
 
     qwen2: bias on q/k/v only. qwen3: q/k RMSNorm over the head dim, `attention_bias` on all four
-    projections. llama: `attention_bias` on all four, optional `mlp_bias`.
+    projections. llama: `attention_bias` on all four, optional `mlp_bias`. The MoE variants
+    (qwen2_moe, qwen3_moe, mixtral: attention as qwen2, qwen3, llama) replace the MLP of the layers
+    `tandem.model.experts.moe_layers` names with `num_experts` routed experts (`num_experts_per_tok`
+    per token, `moe_intermediate_size` wide), Qwen2-MoE's with a gated shared expert beside them.
     """
 
     model_type: str = "qwen2"
@@ -41,6 +60,15 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    num_experts: int = 0  # 0 = dense
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # qwen2_moe; 0 = no shared expert
+    norm_topk_prob: bool = False  # renormalise the top-k weights (mixtral always does)
+    decoder_sparse_step: int = 1  # every step-th layer is sparse...
+    mlp_only_layers: list[int] = field(default_factory=list)  # ...except these
+    # Not in config.json: the run's model.router_dtype. float32 | model (the compute dtype).
+    router_dtype: str = "float32"
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> "ModelConfig":
@@ -56,6 +84,7 @@ class ModelConfig:
         rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
         heads = hf["num_attention_heads"]
         attention_bias = bool(hf.get("attention_bias", False))
+        family = {"qwen2_moe": "qwen2", "qwen3_moe": "qwen3", "mixtral": "llama"}.get(model_type, model_type)
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -70,19 +99,23 @@ class ModelConfig:
             rope_scaling=_rope_scaling(hf, rope, source),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=True if model_type == "qwen2" else attention_bias,
-            o_bias=False if model_type == "qwen2" else attention_bias,
+            qkv_bias=True if family == "qwen2" else attention_bias,
+            o_bias=False if family == "qwen2" else attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)) if model_type == "llama" else False,
-            qk_norm=model_type == "qwen3",
+            qk_norm=family == "qwen3",
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
+            **(_moe_fields(hf, source) if model_type in MOE_TYPES else {}),
         )
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json that `transformers.AutoConfig` reads back into the same model."""
-        internal = ("qkv_bias", "o_bias", "mlp_bias", "qk_norm", "rope_scaling")
-        hf = {k: v for k, v in asdict(self).items() if k not in internal}
+        internal = ("qkv_bias", "o_bias", "mlp_bias", "qk_norm", "rope_scaling", "router_dtype")
+        moe = (*MOE_FIELDS["qwen2_moe"], "num_local_experts")
+        hf = {k: v for k, v in asdict(self).items() if k not in internal and k not in moe}
+        for name in MOE_FIELDS.get(self.model_type, ()):
+            hf[name] = self.num_experts if name == "num_local_experts" else getattr(self, name)
         hf["architectures"] = [ARCHITECTURES[self.model_type]]
         hf["hidden_act"] = "silu"
         # Both spellings: transformers>=5 reads rope_parameters, older versions rope_theta and rope_scaling.
@@ -91,7 +124,7 @@ class ModelConfig:
             hf["rope_parameters"] = {**self.rope_scaling, "rope_theta": self.rope_theta}
             hf["rope_scaling"] = dict(self.rope_scaling)
         hf["torch_dtype"] = "float32"
-        if self.model_type != "qwen2":
+        if self.model_type not in ("qwen2", "qwen2_moe"):
             hf["attention_bias"] = self.o_bias
         if self.model_type == "llama":
             hf["mlp_bias"] = self.mlp_bias
@@ -109,6 +142,38 @@ class ModelConfig:
         if not isinstance(hf, dict):
             raise TandemError(f"{file} must hold a JSON object, not a {type(hf).__name__}.")
         return cls.from_hf(hf, source=str(file))
+
+
+def _moe_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """The MoE fields of an MoE config.json, checked; TandemError naming what tandem cannot run."""
+    for name in ("router_jitter_noise",):  # Mixtral's: multiplies the input by noise in training
+        if hf.get(name):
+            raise TandemError(
+                f"{source}: {name}={hf[name]} is not supported: it makes the training forward random "
+                "(the trainer's logprobs would differ from the engine's on every token). Set it to 0."
+            )
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    per_token = hf.get("num_experts_per_tok")
+    for name, value in (("num_experts", experts), ("num_experts_per_tok", per_token)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise TandemError(f"{source}: {name} is {value!r}; an MoE model needs a positive integer.")
+    if per_token > experts:
+        raise TandemError(f"{source}: num_experts_per_tok={per_token} exceeds the {experts} experts.")
+    mixtral = hf["model_type"] == "mixtral"
+    if mixtral and hf.get("sliding_window"):
+        raise TandemError(
+            f"{source}: sliding_window={hf['sliding_window']} is not supported; tandem's attention is "
+            "full causal attention on every layer."
+        )
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=per_token,
+        moe_intermediate_size=hf["intermediate_size"] if mixtral else hf["moe_intermediate_size"],
+        shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0) or 0,
+        norm_topk_prob=True if mixtral else bool(hf.get("norm_topk_prob", False)),
+        decoder_sparse_step=1 if mixtral else hf.get("decoder_sparse_step", 1) or 1,
+        mlp_only_layers=[] if mixtral else list(hf.get("mlp_only_layers") or []),
+    )
 
 
 def _rope_scaling(hf: dict[str, Any], rope: dict[str, Any], source: str) -> dict[str, Any] | None:

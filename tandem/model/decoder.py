@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from tandem.model import batch_invariant as bi
 from tandem.model.config import ModelConfig
+from tandem.model.experts import SparseMoE, moe_layers
 from tandem.model.kv_cache import KVCache
 from tandem.model.logprobs import Targets, score_tokens
 from tandem.model.rope import apply_rope, check_positions, rope_table
@@ -146,10 +147,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Attention, then the feed-forward: the dense `MLP`, or the layer's `SparseMoE` (registered as
+    `block_sparse_moe` in Mixtral, as its checkpoints name it; `mlp` reaches either)."""
+
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        if index in moe_layers(cfg):
+            setattr(self, "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp", SparseMoE(cfg, index))
+        else:
+            self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -165,12 +172,16 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, layer, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    @property
+    def mlp(self) -> "MLP | SparseMoE":
+        return self._modules["mlp" if "mlp" in self._modules else "block_sparse_moe"]  # type: ignore[return-value]
+
 
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -339,7 +350,8 @@ def fuse_projections(model: CausalLM) -> CausalLM:
         linked = attn.fused is not None and attn.fused[0].data_ptr() == attn.q_proj.weight.data_ptr()
         if not linked:
             attn.fused = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-            mlp.fused = _fuse([mlp.gate_proj, mlp.up_proj])
+            if isinstance(mlp, MLP):  # experts run as they are
+                mlp.fused = _fuse([mlp.gate_proj, mlp.up_proj])
     return model
 
 
