@@ -14,7 +14,6 @@ It blocks on `ray.wait` (never sleep-polls) with a timeout that names what it wa
 """
 
 import math
-import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -28,10 +27,13 @@ from tandem.config import Config
 from tandem.controller.checkpoint import Checkpoints
 from tandem.controller.cluster import Cluster
 from tandem.controller.dynamic_sampling import DynamicSampling
+from tandem.controller.lengths import TailLengths
 from tandem.controller.resume import resume_from, save_checkpoint
 from tandem.controller.roles import Data, sampling_params
-from tandem.controller.stats import agent_stats, rollout_stats
+from tandem.controller.slots import RolloutSlots
+from tandem.controller.stats import rollout_stats
 from tandem.controller.timeline import Timeline
+from tandem.controller.validation import Validation
 from tandem.determinism import request_seed
 from tandem.errors import TandemError
 from tandem.rollout import make_groups
@@ -45,7 +47,6 @@ STEP_COUNTERS = {
     "reward/errors": 0.0,
     "reward/timeouts": 0.0,
 }
-QUEUED_PER_WORKER = 2  # generate calls handed to one rollout worker at a time (one runs, one waits)
 
 
 @dataclass
@@ -75,14 +76,13 @@ class Loop:
         self.buffer = RolloutBuffer(cfg.rollout.batch_size, staleness, whole_batches=r.mode != "async")
         self.params = sampling_params(cfg, cfg.rollout.temperature)
         self.params.decode_past_eos = cfg.rollout.length_tail_alpha > 0
-        self.lengths = random.Random(cfg.run.seed)
         self.val_params = sampling_params(cfg, cfg.rollout.val_temperature)
+        self.lengths = TailLengths(cfg.rollout.length_tail_alpha, cfg.rollout.max_new_tokens, r.seed)
         self.version = self.published = 0
         self.pending: dict[Any, Call] = {}
         self.work: deque[tuple[str, list[Sample], int]] = deque()  # (kind, samples, version) to generate
-        self.queued = [0] * len(cluster.rollouts)  # generate calls outstanding per rollout worker
-        self.syncing = [False] * len(cluster.rollouts)  # a worker being re-synced gets no work
-        self.resync_tries = [0] * len(cluster.rollouts)
+        self.slots = RolloutSlots(len(cluster.rollouts))
+        self.validation = Validation(data.val_prompts, data.val_ids, len(cluster.rollouts), self.seeded)
         self.groups: dict[int, list[Sample]] = {}  # finished samples of groups still generating
         self.next_group = 0
         self.training = 0  # train ranks (and the critic) still running the current step
@@ -90,10 +90,6 @@ class Loop:
         self.receiving: dict[int, int] = {}  # version -> rollout workers yet to ack it
         self.last_handle: Any = None  # the latest push's handle, for re-syncing a restarted worker
         self.undelivered: deque[tuple[int, Any]] = deque()  # (version, handle) pushed, not yet received
-        self.val_due: list[int] = []  # versions to validate once published
-        self.val_samples: dict[int, list[Sample]] = {}
-        self.val_left: dict[int, int] = {}
-        self.val_metrics: dict[int, dict[str, float]] = {}  # by the version validated
         self.last_metrics: dict[str, float] = {}
         self.sampling = None  # DAPO's dynamic sampling (algo.filter_groups)
         if cfg.algo.filter_groups:
@@ -111,13 +107,13 @@ class Loop:
         """Start as many new groups as the buffer allows, in chunks for the rollout workers."""
         b, n = self.cfg.rollout.batch_size, self.cfg.rollout.n
         room = self.room()
-        chunk = self.cfg.rollout.chunk_groups if self.cfg.run.mode == "async" else -(-b // len(self.queued))
+        workers = len(self.cluster.rollouts)
+        chunk = self.cfg.rollout.chunk_groups if self.cfg.run.mode == "async" else -(-b // workers)
         while room > 0:
             prompts, ids = self.data.train.next_batch(min(chunk, room))
             samples = self.seeded(make_groups(prompts, ids, n, first_group=self.next_group))
             if self.params.decode_past_eos:
-                for s in samples:
-                    s.max_new_tokens = self.heavy_tailed_length()
+                self.lengths.assign(samples)
             for g in range(len(prompts)):
                 self.buffer.start(self.next_group + g, self.published)
             self.next_group += len(prompts)
@@ -139,24 +135,14 @@ class Loop:
                 s.seed = request_seed(self.cfg.run.seed, s.group_id, s.index)
         return samples
 
-    def heavy_tailed_length(self) -> int:
-        """A Pareto(alpha) length with scale 4 tokens, capped at rollout.max_new_tokens."""
-        u = 1.0 - self.lengths.random()  # (0, 1]
-        draw = 4 * u ** (-1 / self.cfg.rollout.length_tail_alpha)
-        return min(self.cfg.rollout.max_new_tokens, math.ceil(draw))
-
     def dispatch(self) -> None:
         """Hand queued work to rollout workers with a free slot, least loaded first."""
-        while self.work:
-            free = [i for i, q in enumerate(self.queued) if q < QUEUED_PER_WORKER and not self.syncing[i]]
-            if not free:
-                return
-            i = min(free, key=lambda j: self.queued[j])
+        while self.work and (i := self.slots.pick()) is not None:
             kind, samples, version = self.work.popleft()
             params = self.val_params if kind == "val" else self.params
             ref = self.cluster.rollouts[i].generate.remote(samples, params, kind)
             self.pending[ref] = Call(kind, f"rollout/{i}", samples, version, rank=i)
-            self.queued[i] += 1
+            self.slots.took(i)
 
     def maybe_train(self) -> None:
         if self.training or self.version >= self.cfg.run.steps:
@@ -233,14 +219,15 @@ class Loop:
         return self.summary()
 
     def finished(self) -> bool:
-        return self.version >= self.cfg.run.steps and not self.pending and not self.work and not self.val_due
+        done = self.version >= self.cfg.run.steps
+        return done and not self.pending and not self.work and not self.validation.due
 
     def wait(self) -> tuple[Any, Call]:
         if not self.pending:  # nothing can arrive: a bug in the loop, never a reason to hang
             raise TandemError(
                 f"The controller has nothing in flight at version {self.version} (published "
-                f"{self.published}): queued work {len(self.work)}, syncing {self.syncing}, "
-                f"queued calls {self.queued}, buffer {self.buffer.stats()}, receiving {self.receiving}."
+                f"{self.published}): queued work {len(self.work)}, {self.slots}, buffer "
+                f"{self.buffer.stats()}, receiving {self.receiving}."
             )
         ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=self.cfg.run.timeout_s)
         if not ready:
@@ -265,7 +252,7 @@ class Loop:
     def on_generate(self, call: Call, result) -> None:
         samples, span = result
         self.timeline.add(span)
-        self.queued[call.rank] -= 1
+        self.slots.returned(call.rank)
         partial = [s for s in samples if s.status == Status.ABORTED]
         if partial:  # re-submitted as prompt + partial response, ahead of new prompts
             self.step_extra["rollout/aborted"] += len(partial)
@@ -380,16 +367,13 @@ class Loop:
         self.receiving[version] -= 1
         if self.receiving[version] == 0 and version > self.published:
             self.published = version
-            for v in [v for v in self.val_due if v <= self.published]:
-                self.val_due.remove(v)
-                self.start_validation(v)
+            self.start_validations()
 
     def on_resync(self, call: Call, span) -> None:
         self.timeline.add(span)
         if call.version < self.version:  # pushed while it restarted: its push went to the dead
             return self.resync(call.rank)  # process, and this re-sync brought an older version
-        self.syncing[call.rank] = False
-        self.resync_tries[call.rank] = 0
+        self.slots.resynced(call.rank)
 
     def resync(self, i: int) -> None:
         """Bring restarted rollout worker `i` the newest weights; it gets no work until then."""
@@ -400,48 +384,27 @@ class Loop:
 
     # -- validation: prompts at the front of the rollout queue, never in training data ------------
     def request_validation(self, version: int) -> None:
-        if self.data.val_prompts:
-            self.val_due.append(version)
-            if version <= self.published:
-                self.val_due.remove(version)
-                self.start_validation(version)
+        self.validation.request(version)
+        self.start_validations()
 
-    def start_validation(self, version: int) -> None:
-        samples = self.seeded(
-            make_groups(self.data.val_prompts, self.data.val_ids, n=1, first_group=-len(self.data.val_ids))
-        )
-        per = -(-len(samples) // len(self.cluster.rollouts))
-        chunks = [samples[i : i + per] for i in range(0, len(samples), per)]
-        self.val_samples[version], self.val_left[version] = [], len(chunks)
-        for c in reversed(chunks):
-            self.work.appendleft(("val", c, version))
+    def start_validations(self) -> None:
+        for version, chunks in self.validation.ready(self.published):
+            for c in reversed(chunks):
+                self.work.appendleft(("val", c, version))
 
     def on_val(self, call: Call, result) -> None:
         samples, span = result
         self.timeline.add(span)
-        self.queued[call.rank] -= 1
-        version = call.version
-        self.val_samples[version].extend(samples)
-        self.val_left[version] -= 1
-        if self.val_left[version] == 0:
-            del self.val_left[version]
-            batch = self.val_samples.pop(version)
+        self.slots.returned(call.rank)
+        batch = self.validation.returned(call.version, samples)
+        if batch is not None:
             ref = self.cluster.reward.score.remote(batch, "val_reward")
-            self.pending[ref] = Call("val_reward", "reward/0", version=version)
+            self.pending[ref] = Call("val_reward", "reward/0", version=call.version)
 
     def on_val_reward(self, call: Call, result) -> None:
         samples, metrics, span = result
         self.timeline.add(span)
-        acc = sum(s.reward for s in samples) / len(samples)
-        versions = [v for s in samples for v in s.versions]
-        self.val_metrics[call.version] = {
-            "val/accuracy": acc,
-            "val/response_length/mean": sum(len(s.response_ids) for s in samples) / len(samples),
-            "val/reward_errors": metrics.get("reward/errors", 0.0) + metrics.get("reward/timeouts", 0.0),
-            "val/version": float(min(versions) if versions else call.version),
-            **agent_stats(samples, "val/agent"),  # e.g. val/agent/tool_use/mean: held-out tool use
-        }
-        self.logger.log(call.version, self.val_metrics[call.version])
+        self.logger.log(call.version, self.validation.scored(call.version, samples, metrics))
 
     # -- steps, failures, the end ------------------------------------------------------------------
     def log_step(self, batch: list[Sample], train: dict[str, float]) -> None:
@@ -479,17 +442,15 @@ class Loop:
         if call.kind == "sleep":
             self.slept(call)  # it frees nothing now, and wakes with its restart
         if call.kind in ("generate", "val"):
-            self.queued[i] -= 1
+            self.slots.returned(i)
             self.work.appendleft((call.kind, call.samples, call.version))
         if call.kind == "receive":
             self.received(call.version)  # the re-sync below brings it the newest weights
-        if self.syncing[i] and call.kind != "resync":
+        if self.slots.syncing[i] and call.kind != "resync":
             return  # a re-sync is already on its way
-        if not self.syncing[i]:
+        if not self.slots.syncing[i]:
             self.step_extra["rollout/restarts"] += 1
-        self.syncing[i] = True
-        self.resync_tries[i] += 1
-        if self.resync_tries[i] > 3:
+        if not self.slots.restarting(i):
             raise self.died(call.worker, "and could not be restarted", error)
         self.resync(i)
 
@@ -522,7 +483,7 @@ class Loop:
             "perf/run_samples_per_s": trained / wall,
             "reward/failed_fraction": self.rewards["failed"] / max(self.rewards["scored"], 1.0),
         }
-        val = self.val_metrics
+        val = self.validation.metrics
         if 0 in val and self.cfg.run.steps in val:
             start, end = val[0]["val/accuracy"], val[self.cfg.run.steps]["val/accuracy"]
             out.update(

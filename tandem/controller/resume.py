@@ -68,7 +68,7 @@ def driver_state(loop: "Loop") -> dict[str, Any]:
         "loader": loop.data.train.state_dict(),
         "buffer": loop.buffer.state_dict(),
         "in_flight": in_flight,
-        "val_metrics": loop.val_metrics,
+        "val_metrics": loop.validation.metrics,
         "rewards": loop.rewards,
         "lengths": loop.lengths.getstate(),
         "filter": loop.sampling.state_dict() if loop.sampling else None,
@@ -85,7 +85,7 @@ def resume_from(loop: "Loop", path: Path) -> None:
     if set(versions) != {state["version"]}:
         raise TandemError(f"{path}: the trainers hold versions {versions}, driver.pt {state['version']}.")
     loop.version = loop.first_version = state["version"]
-    loop.next_group, loop.val_metrics = state["next_group"], state["val_metrics"]
+    loop.next_group, loop.validation.metrics = state["next_group"], state["val_metrics"]
     loop.rewards = state["rewards"]
     loop.lengths.setstate(state["lengths"])
     if loop.sampling and state.get("filter"):
