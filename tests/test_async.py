@@ -140,7 +140,7 @@ def test_data_parallel_train_workers_and_broadcast_weights(tmp_path):
 def test_after_a_push_the_engine_holds_the_trainers_weights_bit_for_bit(transport, strategy):
     from helpers import random_samples
 
-    from tandem.controller.cluster import Cluster
+    from tandem.controller.cluster import RayCluster
 
     workers = 2 if strategy == "fsdp2" else 1  # fsdp2: every tensor is gathered from two shards
     cfg = load_config(
@@ -154,7 +154,7 @@ def test_after_a_push_the_engine_holds_the_trainers_weights_bit_for_bit(transpor
             "sync.consume_bucket_mb=0.5",
         ],
     )
-    cluster = Cluster.start(cfg)
+    cluster = RayCluster.start(cfg)
     try:
         trainers, rollout = cluster.trainers, cluster.rollouts[0]
 

@@ -1,4 +1,5 @@
-"""Start (or join) Ray, reserve the placement, and create the run's actors.
+"""The loop's cluster on Ray: start (or join) Ray, reserve the placement, create the run's actors,
+and run the loop's calls on them (`tandem.controller.protocol.Cluster`).
 
 Ray starts locally by itself; `ray.address=auto` joins a running cluster. Each actor gets its own
 bundle of one placement group (`tandem.controller.placement`), so roles land on the CPUs their task
@@ -11,7 +12,9 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -21,6 +24,7 @@ from tandem import devices
 from tandem.config import Config
 from tandem.controller import placement
 from tandem.controller.actors import CriticActor, RefActor, RewardActor, RolloutActor, TrainActor
+from tandem.controller.protocol import CallFailed, Done, Handle, WorkerDied
 from tandem.errors import TandemError
 from tandem.sync import TRANSPORTS, free_port
 
@@ -123,7 +127,9 @@ def check_resources(cfg: Config, have: dict[str, float]) -> None:
 
 
 @dataclass
-class Cluster:
+class RayCluster:
+    """The run's actors, by role, and the loop's calls on them (`tandem.controller.protocol.Cluster`)."""
+
     rollouts: list  # RolloutActor handles
     trainers: list  # TrainActor handles, rank 0 first
     ref: object | None
@@ -134,7 +140,7 @@ class Cluster:
     critics: list = field(default_factory=list)  # PPO's value model's ranks (algo.adv_estimator=gae)
 
     @classmethod
-    def start(cls, cfg: Config) -> "Cluster":
+    def start(cls, cfg: Config) -> "RayCluster":
         start_ray(cfg)
         have = ray.cluster_resources()
         check_resources(cfg, have)
@@ -213,6 +219,49 @@ class Cluster:
                 for rank, m in enumerate(members)
             ]
         ray.get(refs, timeout=cfg.sync.timeout_s + 30)
+
+    # -- the loop's calls: the one place that waits on Ray ------------------------------------------
+    def actor(self, worker: str):
+        """The actor named "<role>/<rank>"."""
+        role, rank = worker.split("/")
+        if role == "reward":
+            return self.reward
+        if role == "ref":
+            return self.ref
+        return {"rollout": self.rollouts, "train": self.trainers, "critic": self.critics}[role][int(rank)]
+
+    def submit(self, worker: str, method: str, *args: Any, until_restarted: bool = False) -> Handle:
+        call = getattr(self.actor(worker), method)
+        if until_restarted:  # Ray answers "unavailable" while the actor restarts; retry until it is back
+            call = call.options(max_task_retries=-1)
+        return call.remote(*args)
+
+    def share(self, obj: Any) -> Any:
+        return ray.put(obj)
+
+    def wait_next(self, handles: Collection[Handle], timeout_s: float) -> Done | None:
+        ready, _ = ray.wait(list(handles), num_returns=1, timeout=timeout_s)
+        if not ready:
+            return None
+        try:
+            return Done(ready[0], ray.get(ready[0]))
+        except ray.exceptions.RayActorError as e:
+            return Done(ready[0], error=WorkerDied(str(e)))
+        except ray.exceptions.RayTaskError as e:
+            return Done(ready[0], error=CallFailed(str(e)))
+
+    def get(self, handles: list[Handle], timeout_s: float) -> list[Any]:
+        try:
+            return ray.get(handles, timeout=timeout_s)
+        except ray.exceptions.RayActorError as e:
+            raise WorkerDied(str(e)) from None
+        except ray.exceptions.RayTaskError as e:
+            raise CallFailed(str(e)) from None
+        except ray.exceptions.GetTimeoutError as e:
+            raise TimeoutError(str(e)) from None
+
+    def now(self) -> float:
+        return time.time()
 
     def close(self) -> None:
         try:

@@ -1,8 +1,8 @@
-"""The controller: one event loop drives every mode over Ray actors.
+"""The controller: one event loop drives every mode over a cluster (`tandem.controller.protocol`).
 
 The driver holds no model. It admits prompt groups into generation as the rollout buffer allows
 (`tandem.buffer`: the staleness rule and the version fence), and reacts to whatever finishes next:
-generated samples go to the reward actor (then the ref worker), rewarded groups into the buffer,
+generated samples go to the reward worker (then the ref worker), rewarded groups into the buffer,
 a full batch to the train workers, new weights out to the rollout workers, validation prompts to
 the rollout workers ahead of training prompts. Modes only change the admission:
 
@@ -10,24 +10,21 @@ the rollout workers ahead of training prompts. Modes only change the admission:
     one_step_off  max_staleness=k (generate_ahead_steps), whole batches: batch n+k generates while n trains
     async         max_staleness=k, groups stream in chunks of rollout.chunk_groups
 
-It blocks on `ray.wait` (never sleep-polls) with a timeout that names what it waited for.
+It blocks on the cluster's `wait_next` (never sleep-polls) with a timeout that names what it waited
+for. The cluster is Ray's actors (`RayCluster`) or simulated workers on a virtual clock (`tandem.sim`).
 """
 
 import math
-import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import ray
 
 from tandem.buffer import RolloutBuffer
 from tandem.config import Config
+from tandem.controller.calls import GENERATING, Call, Kind
 from tandem.controller.checkpoint import Checkpoints
-from tandem.controller.cluster import Cluster
 from tandem.controller.dynamic_sampling import DynamicSampling
 from tandem.controller.lengths import TailLengths
+from tandem.controller.protocol import Cluster, Done, Handle, WorkerDied
 from tandem.controller.resume import resume_from, save_checkpoint
 from tandem.controller.roles import Data, sampling_params
 from tandem.controller.slots import RolloutSlots
@@ -49,17 +46,6 @@ STEP_COUNTERS = {
 }
 
 
-@dataclass
-class Call:
-    """An ObjectRef the loop waits on, and what it was for."""
-
-    kind: str  # generate | val | reward | val_reward | ref | sleep | values | train | send | receive
-    worker: str
-    samples: list[Sample] = field(default_factory=list)
-    version: int = -1
-    rank: int = 0  # rollout worker index for generate / val / receive
-
-
 class Stopped(Exception):
     """SIGINT / SIGTERM: the run saved a checkpoint at a step boundary and stops."""
 
@@ -71,32 +57,33 @@ class Stopped(Exception):
 class Loop:
     def __init__(self, cfg: Config, data: Data, cluster: Cluster):
         self.cfg, self.data, self.cluster = cfg, data, cluster
-        r = cfg.run
+        r, rollouts = cfg.run, cluster.names["rollout"]
         staleness = {"sync": 0, "one_step_off": r.generate_ahead_steps, "async": r.max_staleness}[r.mode]
         self.buffer = RolloutBuffer(cfg.rollout.batch_size, staleness, whole_batches=r.mode != "async")
         self.params = sampling_params(cfg, cfg.rollout.temperature)
         self.params.decode_past_eos = cfg.rollout.length_tail_alpha > 0
         self.val_params = sampling_params(cfg, cfg.rollout.val_temperature)
         self.lengths = TailLengths(cfg.rollout.length_tail_alpha, cfg.rollout.max_new_tokens, r.seed)
-        self.version = self.published = 0
-        self.pending: dict[Any, Call] = {}
-        self.work: deque[tuple[str, list[Sample], int]] = deque()  # (kind, samples, version) to generate
-        self.slots = RolloutSlots(len(cluster.rollouts))
-        self.validation = Validation(data.val_prompts, data.val_ids, len(cluster.rollouts), self.seeded)
+        self.collective = TRANSPORTS.get(cfg.sync.transport).collective  # broadcast: no restarts
+        self.version = self.published = 0  # the trainers' version; the one every rollout worker holds
+        self.pending: dict[Handle, Call] = {}  # everything in flight
+        self.work: deque[tuple[Kind, list[Sample], int]] = deque()  # (kind, samples, version) to generate
+        self.slots = RolloutSlots(len(rollouts))
+        self.validation = Validation(data.val_prompts, data.val_ids, len(rollouts), self.seeded)
         self.groups: dict[int, list[Sample]] = {}  # finished samples of groups still generating
         self.next_group = 0
         self.training = 0  # train ranks (and the critic) still running the current step
         self.train_metrics: dict[str, float] = {}  # the ranks' (all-reduced, equal) and the critic's
         self.receiving: dict[int, int] = {}  # version -> rollout workers yet to ack it
-        self.last_handle: Any = None  # the latest push's handle, for re-syncing a restarted worker
-        self.undelivered: deque[tuple[int, Any]] = deque()  # (version, handle) pushed, not yet received
+        self.last_handle: Handle = None  # the latest push's handle, for re-syncing a restarted worker
+        self.undelivered: deque[tuple[int, Handle]] = deque()  # (version, handle) pushed, not yet received
         self.last_metrics: dict[str, float] = {}
         self.sampling = None  # DAPO's dynamic sampling (algo.filter_groups)
         if cfg.algo.filter_groups:
             self.sampling = DynamicSampling(cfg.rollout.batch_size, cfg.algo.max_filter_rounds)
         self.step_extra = self.counters()
         self.rewards = {"scored": 0.0, "failed": 0.0}  # training samples, over the run
-        self.timeline = Timeline(cluster.names)
+        self.timeline = Timeline(cluster.names, start=cluster.now())
         self.on_step = None  # a callback(version) after each train step (tests use it)
         self.checkpoints = Checkpoints(Path(r.out_dir) / r.name, r.keep_checkpoints)
         self.first_version = 0  # the version this process started from (a resume's checkpoint)
@@ -107,7 +94,7 @@ class Loop:
         """Start as many new groups as the buffer allows, in chunks for the rollout workers."""
         b, n = self.cfg.rollout.batch_size, self.cfg.rollout.n
         room = self.room()
-        workers = len(self.cluster.rollouts)
+        workers = len(self.cluster.names["rollout"])
         chunk = self.cfg.rollout.chunk_groups if self.cfg.run.mode == "async" else -(-b // workers)
         while room > 0:
             prompts, ids = self.data.train.next_batch(min(chunk, room))
@@ -120,7 +107,7 @@ class Loop:
             room -= len(prompts)
             if self.sampling:
                 self.step_extra["filter/extra_prompts"] += self.sampling.refilled(len(prompts))
-            self.work.append(("generate", samples, self.published))
+            self.work.append((Kind.GENERATE, samples, self.published))
 
     def room(self) -> int:
         """Groups that may start now, under the published version."""
@@ -139,10 +126,22 @@ class Loop:
         """Hand queued work to rollout workers with a free slot, least loaded first."""
         while self.work and (i := self.slots.pick()) is not None:
             kind, samples, version = self.work.popleft()
-            params = self.val_params if kind == "val" else self.params
-            ref = self.cluster.rollouts[i].generate.remote(samples, params, kind)
-            self.pending[ref] = Call(kind, f"rollout/{i}", samples, version, rank=i)
+            params = self.val_params if kind == Kind.VAL else self.params
+            worker = self.cluster.names["rollout"][i]
+            self.call(Call(kind, worker, samples, version, i), "generate", samples, params, kind.value)
             self.slots.took(i)
+
+    def call(self, call: Call, method: str, *args, until_restarted: bool = False) -> Handle:
+        """`call.worker.method(*args)`, in flight until its result comes back to `on_<kind>`."""
+        handle = self.cluster.submit(call.worker, method, *args, until_restarted=until_restarted)
+        self.pending[handle] = call
+        return handle
+
+    def call_role(self, role: str, kind: Kind, method: str, batch: list[Sample], *args) -> list[Handle]:
+        """The same call on every rank of `role`, at the current version."""
+        workers = enumerate(self.cluster.names.get(role, []))
+        calls = [Call(kind, w, batch, self.version, rank) for rank, w in workers]
+        return [self.call(c, method, *args) for c in calls]
 
     def maybe_train(self) -> None:
         if self.training or self.version >= self.cfg.run.steps:
@@ -153,12 +152,11 @@ class Loop:
         # In group order, not finishing order: the trainers' micro-batches, and so their rounding,
         # are then the same whichever worker finished first.
         batch = [s for g in sorted(groups, key=lambda g: g[0].group_id) for s in g]
-        self.training = len(self.cluster.trainers) + len(self.cluster.critics)
+        self.training = len(self.cluster.names["train"]) + len(self.cluster.names.get("critic", []))
         self.train_metrics = {}
         if not self.cfg.rollout.free_memory_during_train:
             return self.estimate(batch)
-        for i, r in enumerate(self.cluster.rollouts):  # the engines free the device first
-            self.pending[r.sleep.remote()] = Call("sleep", f"rollout/{i}", batch, self.version, i)
+        self.call_role("rollout", Kind.SLEEP, "sleep", batch)  # the engines free the device first
 
     def on_sleep(self, call: Call, result) -> None:
         metrics, span = result
@@ -171,17 +169,15 @@ class Loop:
 
     def slept(self, call: Call) -> None:
         """A rollout worker is done with its sleep call: the train step starts after the last one."""
-        if not any(c.kind == "sleep" for c in self.pending.values()):
+        if not any(c.kind == Kind.SLEEP for c in self.pending.values()):
             self.estimate(call.samples)
 
     def estimate(self, batch: list[Sample]) -> None:
         """With a critic (gae), its values and advantages come first; else the step starts now."""
-        if not self.cluster.critics:
+        if not self.cluster.names.get("critic"):
             return self.start_train(batch)
-        batch_ref = ray.put(batch)
-        for rank, critic in enumerate(self.cluster.critics):  # each computes its share of the values
-            call = Call("values", f"critic/{rank}", batch, self.version, rank)
-            self.pending[critic.estimate.remote(batch_ref)] = call
+        # each critic rank computes its share of the values
+        self.call_role("critic", Kind.VALUES, "estimate", batch, self.cluster.share(batch))
 
     def on_values(self, call: Call, result) -> None:
         """Every critic rank returns the same advantages (the values are all-reduced); the step
@@ -189,24 +185,20 @@ class Loop:
         batch, metrics, span = result
         self.timeline.add(span)
         self.train_metrics.update(metrics)
-        if not any(c.kind == "values" for c in self.pending.values()):
+        if not any(c.kind == Kind.VALUES for c in self.pending.values()):
             self.start_train(batch)
 
     def start_train(self, batch: list[Sample]) -> None:
-        batch_ref = ray.put(batch)
-        for rank, trainer in enumerate(self.cluster.trainers):
-            call = Call("train", f"train/{rank}", batch, self.version, rank)
-            self.pending[trainer.train_step.remote(batch_ref)] = call
-        for rank, critic in enumerate(self.cluster.critics):  # the value update runs beside the policy's
-            call = Call("train", f"critic/{rank}", batch, self.version, rank)
-            self.pending[critic.train_step.remote(batch_ref)] = call
+        shared = self.cluster.share(batch)
+        self.call_role("train", Kind.TRAIN, "train_step", batch, shared)
+        self.call_role("critic", Kind.TRAIN, "train_step", batch, shared)  # beside the policy's update
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, logger) -> dict[str, float]:
         """Train up to run.steps versions; `logger.log(step, metrics)` gets each step's and
         validation's metrics, `logger.log_batch(step, group_ids)` the groups each step trained."""
         self.logger = logger
-        self.started = self.step_start = time.time()
+        self.started = self.step_start = self.cluster.now()
         if self.version == 0 or self.validates(self.version):
             self.request_validation(self.version)
         while not self.finished():
@@ -214,39 +206,34 @@ class Loop:
             self.dispatch()
             self.maybe_train()
             self.deliver()
-            ref, call = self.wait()
-            self.handle(ref, call)
+            self.handle(*self.wait())
         return self.summary()
 
     def finished(self) -> bool:
         done = self.version >= self.cfg.run.steps
         return done and not self.pending and not self.work and not self.validation.due
 
-    def wait(self) -> tuple[Any, Call]:
+    def wait(self) -> tuple[Done, Call]:
         if not self.pending:  # nothing can arrive: a bug in the loop, never a reason to hang
             raise TandemError(
                 f"The controller has nothing in flight at version {self.version} (published "
                 f"{self.published}): queued work {len(self.work)}, {self.slots}, buffer "
                 f"{self.buffer.stats()}, receiving {self.receiving}."
             )
-        ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=self.cfg.run.timeout_s)
-        if not ready:
-            waiting = ", ".join(
-                sorted({f"{c.kind} on {c.worker} (version {c.version})" for c in self.pending.values()})
-            )
+        done = self.cluster.wait_next(self.pending, self.cfg.run.timeout_s)
+        if done is None:
+            waiting = ", ".join(sorted({str(c) for c in self.pending.values()}))
             raise TandemError(
                 f"Nothing finished in run.timeout_s={self.cfg.run.timeout_s:g} s; waiting for: {waiting}."
             )
-        return ready[0], self.pending.pop(ready[0])
+        return done, self.pending.pop(done.handle)
 
-    def handle(self, ref: Any, call: Call) -> None:
-        try:
-            result = ray.get(ref)
-        except ray.exceptions.RayActorError as e:
-            return self.on_worker_died(call, e)
-        except ray.exceptions.RayTaskError as e:
-            raise TandemError(f"{call.kind} on {call.worker} (version {call.version}) failed:\n{e}") from None
-        getattr(self, f"on_{call.kind}")(call, result)
+    def handle(self, done: Done, call: Call) -> None:
+        if isinstance(done.error, WorkerDied):
+            return self.on_worker_died(call, done.error)
+        if done.error is not None:
+            raise TandemError(f"{call} failed:\n{done.error}") from None
+        getattr(self, f"on_{call.kind.value}")(call, done.result)
 
     # -- handlers, one per kind of call ------------------------------------------------------------
     def on_generate(self, call: Call, result) -> None:
@@ -256,7 +243,7 @@ class Loop:
         partial = [s for s in samples if s.status == Status.ABORTED]
         if partial:  # re-submitted as prompt + partial response, ahead of new prompts
             self.step_extra["rollout/aborted"] += len(partial)
-            self.work.appendleft(("generate", partial, call.version))
+            self.work.appendleft((Kind.GENERATE, partial, call.version))
         done = []
         for s in samples:
             if s.status == Status.FINISHED:
@@ -268,7 +255,7 @@ class Loop:
             self.score(done, call.version)
 
     def score(self, samples: list[Sample], version: int) -> None:
-        self.pending[self.cluster.reward.score.remote(samples)] = Call("reward", "reward/0", samples, version)
+        self.call(Call(Kind.REWARD, "reward/0", samples, version), "score", samples)
 
     def on_reward(self, call: Call, result) -> None:
         samples, metrics, span = result
@@ -282,8 +269,8 @@ class Loop:
             self.step_extra["filter/dropped_groups"] += dropped
             if not samples:
                 return
-        if self.cluster.ref is not None:
-            self.pending[self.cluster.ref.score.remote(samples)] = Call("ref", "ref/0", samples, call.version)
+        if self.cluster.names.get("ref"):
+            self.call(Call(Kind.REF, "ref/0", samples, call.version), "score", samples)
         else:
             self.finish_groups(samples)
 
@@ -327,12 +314,10 @@ class Loop:
 
     def push_weights(self) -> None:
         # Every train rank takes part (under fsdp2 each tensor is gathered from all shards); rank 0 sends.
-        sends = [t.send_weights.remote(self.version) for t in self.cluster.trainers]
-        for rank, ref in enumerate(sends):
-            self.pending[ref] = Call("send", f"train/{rank}", version=self.version)
-        # The object store's receivers take the send's result (Ray hands it over once the send is
-        # done); broadcast receivers must run while the send runs, so they take none.
-        self.last_handle = None if TRANSPORTS.get(self.cfg.sync.transport).collective else sends[0]
+        sends = self.call_role("train", Kind.SEND, "send_weights", [], self.version)
+        # The object store's receivers take the send's result (the cluster hands it over once the
+        # send is done); broadcast receivers must run while the send runs, so they take none.
+        self.last_handle = None if self.collective else sends[0]
         self.undelivered.append((self.version, self.last_handle))
         self.deliver()
 
@@ -345,14 +330,14 @@ class Loop:
             if self.cfg.run.deterministic and (self.room() > 0 or self.generating_before(version)):
                 return
             self.undelivered.popleft()
-            self.receiving[version] = len(self.cluster.rollouts)
-            for i, r in enumerate(self.cluster.rollouts):
-                ref = r.receive_weights.remote(handle, version)
-                self.pending[ref] = Call("receive", f"rollout/{i}", version=version, rank=i)
+            self.receiving[version] = len(self.cluster.names["rollout"])
+            for i, worker in enumerate(self.cluster.names["rollout"]):
+                call = Call(Kind.RECEIVE, worker, version=version, rank=i)
+                self.call(call, "receive_weights", handle, version)
 
     def generating_before(self, version: int) -> bool:
         """Generate or validation calls under weights older than `version`, queued or running."""
-        running = (c.version for c in self.pending.values() if c.kind in ("generate", "val"))
+        running = (c.version for c in self.pending.values() if c.kind in GENERATING)
         return any(v < version for _, _, v in self.work) or any(v < version for v in running)
 
     def on_send(self, call: Call, result) -> None:
@@ -377,10 +362,8 @@ class Loop:
 
     def resync(self, i: int) -> None:
         """Bring restarted rollout worker `i` the newest weights; it gets no work until then."""
-        # Ray retries the call while the actor restarts (it answers "unavailable" until it is back).
-        resync = self.cluster.rollouts[i].receive_weights.options(max_task_retries=-1)
-        ref = resync.remote(self.last_handle, self.version)
-        self.pending[ref] = Call("resync", f"rollout/{i}", version=self.version, rank=i)
+        call = Call(Kind.RESYNC, self.cluster.names["rollout"][i], version=self.version, rank=i)
+        self.call(call, "receive_weights", self.last_handle, self.version, until_restarted=True)
 
     # -- validation: prompts at the front of the rollout queue, never in training data ------------
     def request_validation(self, version: int) -> None:
@@ -390,7 +373,7 @@ class Loop:
     def start_validations(self) -> None:
         for version, chunks in self.validation.ready(self.published):
             for c in reversed(chunks):
-                self.work.appendleft(("val", c, version))
+                self.work.appendleft((Kind.VAL, c, version))
 
     def on_val(self, call: Call, result) -> None:
         samples, span = result
@@ -398,8 +381,7 @@ class Loop:
         self.slots.returned(call.rank)
         batch = self.validation.returned(call.version, samples)
         if batch is not None:
-            ref = self.cluster.reward.score.remote(batch, "val_reward")
-            self.pending[ref] = Call("val_reward", "reward/0", version=call.version)
+            self.call(Call(Kind.VAL_REWARD, "reward/0", version=call.version), "score", batch, "val_reward")
 
     def on_val_reward(self, call: Call, result) -> None:
         samples, metrics, span = result
@@ -408,7 +390,7 @@ class Loop:
 
     # -- steps, failures, the end ------------------------------------------------------------------
     def log_step(self, batch: list[Sample], train: dict[str, float]) -> None:
-        now = time.time()
+        now = self.cluster.now()
         wall = now - self.step_start
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch)
         metrics = {
@@ -436,17 +418,17 @@ class Loop:
 
     def on_worker_died(self, call: Call, error: Exception) -> None:
         """A dead rollout worker is restarted by Ray: re-sync its weights, re-submit its prompts."""
-        if not call.worker.startswith("rollout/") or TRANSPORTS.get(self.cfg.sync.transport).collective:
-            raise self.died(call.worker, f"during {call.kind} (version {call.version})", error)
+        if not call.worker.startswith("rollout/") or self.collective:
+            raise self.died(call.worker, f"during {call.kind.value} (version {call.version})", error)
         i = call.rank
-        if call.kind == "sleep":
+        if call.kind == Kind.SLEEP:
             self.slept(call)  # it frees nothing now, and wakes with its restart
-        if call.kind in ("generate", "val"):
+        if call.kind in GENERATING:
             self.slots.returned(i)
             self.work.appendleft((call.kind, call.samples, call.version))
-        if call.kind == "receive":
+        if call.kind == Kind.RECEIVE:
             self.received(call.version)  # the re-sync below brings it the newest weights
-        if self.slots.syncing[i] and call.kind != "resync":
+        if self.slots.syncing[i] and call.kind != Kind.RESYNC:
             return  # a re-sync is already on its way
         if not self.slots.syncing[i]:
             self.step_extra["rollout/restarts"] += 1
@@ -476,7 +458,7 @@ class Loop:
         resume_from(self, path)
 
     def summary(self) -> dict[str, float]:
-        wall = time.time() - self.started
+        wall = self.cluster.now() - self.started
         trained = (self.cfg.run.steps - self.first_version) * self.cfg.rollout.batch_size * self.cfg.rollout.n
         out = {
             "critic/score/mean_final": self.last_metrics.get("critic/score/mean", math.nan),

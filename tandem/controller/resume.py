@@ -8,10 +8,10 @@ What a checkpoint holds and how resuming works: docs/resume.md.
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import ray
-
 from tandem.config import save_config
+from tandem.controller.calls import Kind
 from tandem.controller.checkpoint import read_driver_state, write_driver_state
+from tandem.controller.protocol import CallFailed, WorkerDied
 from tandem.errors import TandemError
 from tandem.rollout import make_groups
 from tandem.sample import Sample, Status
@@ -25,30 +25,31 @@ def save_checkpoint(loop: "Loop", name: str) -> Path:
     (under fsdp2 the weights are gathered from all shards, the optimizer state stays sharded);
     the driver adds its own state and each engine's sampling stream."""
     tmp = loop.checkpoints.begin(name)
-    saves = [t.save.remote(str(tmp)) for t in [*loop.cluster.trainers, *loop.cluster.critics]]
-    workers = [*loop.cluster.names["train"], *loop.cluster.names.get("critic", [])]
-    streams = [r.rng_state.remote() for r in loop.cluster.rollouts]
+    cluster, timeout = loop.cluster, loop.cfg.run.timeout_s
+    workers = [*cluster.names["train"], *cluster.names.get("critic", [])]
+    saves = [cluster.submit(w, "save", str(tmp)) for w in workers]
+    streams = [cluster.submit(w, "rng_state") for w in cluster.names["rollout"]]
     try:
-        for worker, ref in zip(workers, saves, strict=True):
+        for worker, handle in zip(workers, saves, strict=True):
             try:
-                loop.timeline.add(ray.get(ref, timeout=loop.cfg.run.timeout_s))
-            except ray.exceptions.RayActorError as e:
+                loop.timeline.add(*cluster.get([handle], timeout))
+            except WorkerDied as e:
                 raise loop.died(worker, f"while saving {name}", e) from None
         write_driver_state(tmp, {**driver_state(loop), "engine_rngs": _engine_streams(loop, streams)})
         save_config(loop.cfg, tmp / "config.yaml")
         return loop.checkpoints.commit(tmp, name)
-    except (ray.exceptions.RayTaskError, OSError) as e:  # e.g. a full disk
+    except (CallFailed, OSError) as e:  # e.g. a full disk
         raise TandemError(
             f"Writing checkpoint {name} failed; the previous one ({loop.checkpoints.latest()}) is intact: {e}"
         ) from None
 
 
-def _engine_streams(loop: "Loop", refs: list) -> list:
+def _engine_streams(loop: "Loop", handles: list) -> list:
     out = []
-    for ref in refs:
+    for handle in handles:
         try:
-            out.append(ray.get(ref, timeout=loop.cfg.run.timeout_s))
-        except ray.exceptions.RayActorError:  # a dead worker restarts with a fresh stream
+            out.extend(loop.cluster.get([handle], loop.cfg.run.timeout_s))
+        except WorkerDied:  # a dead worker restarts with a fresh stream
             out.append(None)
     return out
 
@@ -59,7 +60,7 @@ def driver_state(loop: "Loop") -> dict[str, Any]:
     rewarded) as the driver last saw it: fresh, a partial response, or finished."""
     in_flight = [s for _, samples, _ in loop.work for s in samples if s.group_id >= 0]
     for call in loop.pending.values():
-        if call.kind in ("generate", "reward", "ref"):
+        if call.kind in (Kind.GENERATE, Kind.REWARD, Kind.REF):
             in_flight += call.samples
     in_flight += [s for group in loop.groups.values() for s in group]
     return {
@@ -80,8 +81,9 @@ def resume_from(loop: "Loop", path: Path) -> None:
     its weights (before anything generates) and sampling streams, the groups that were in
     flight go back into the queue."""
     state = read_driver_state(path)
-    loads = [t.load.remote(str(path)) for t in [*loop.cluster.trainers, *loop.cluster.critics]]
-    versions = ray.get(loads, timeout=loop.cfg.run.timeout_s)
+    cluster, timeout = loop.cluster, loop.cfg.run.timeout_s
+    workers = [*cluster.names["train"], *cluster.names.get("critic", [])]
+    versions = cluster.get([cluster.submit(w, "load", str(path)) for w in workers], timeout)
     if set(versions) != {state["version"]}:
         raise TandemError(f"{path}: the trainers hold versions {versions}, driver.pt {state['version']}.")
     loop.version = loop.first_version = state["version"]
@@ -92,10 +94,10 @@ def resume_from(loop: "Loop", path: Path) -> None:
         loop.sampling.load_state_dict(state["filter"])
     loop.data.train.load_state_dict(state["loader"])
     loop.buffer.load_state_dict(state["buffer"])
-    streams = zip(loop.cluster.rollouts, state["engine_rngs"], strict=True)
-    ray.get([r.set_rng_state.remote(s) for r, s in streams if s is not None], timeout=loop.cfg.run.timeout_s)
+    streams = zip(cluster.names["rollout"], state["engine_rngs"], strict=True)
+    cluster.get([cluster.submit(w, "set_rng_state", s) for w, s in streams if s is not None], timeout)
     loop.push_weights()  # synchronously: nothing may generate on the initial weights
-    ray.get(list(loop.pending), timeout=loop.cfg.run.timeout_s)
+    cluster.get(list(loop.pending), timeout)
     loop.pending.clear()
     loop.receiving.clear()
     loop.published = loop.version
@@ -118,6 +120,6 @@ def _requeue(loop: "Loop", saved: list[Sample]) -> None:
         rest = [s for s in ordered if s.status != Status.FINISHED]
         if rest:
             loop.groups[gid] = finished
-            loop.work.append(("generate", rest, loop.version))
+            loop.work.append((Kind.GENERATE, rest, loop.version))
         else:
             loop.score(finished, loop.version)

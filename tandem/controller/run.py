@@ -12,7 +12,7 @@ import ray
 from tandem import devices
 from tandem.config import Config, load_config, save_config
 from tandem.controller.checkpoint import check_compatible, find_resume
-from tandem.controller.cluster import Cluster, start_ray
+from tandem.controller.cluster import RayCluster, start_ray
 from tandem.controller.loop import Loop, Stopped
 from tandem.controller.metrics import MetricsLogger
 from tandem.controller.roles import build_data
@@ -50,7 +50,7 @@ def run_training(cfg: Config, on_step=None) -> dict[str, float]:
     start_ray(cfg)
     cfg = devices.resolve(cfg, ray.cluster_resources().get("GPU", 0))
     save_config(cfg, run_dir / "config.yaml")  # as resolved: device and dtypes concrete
-    cluster = Cluster.start(cfg)
+    cluster = RayCluster.start(cfg)
     loop = Loop(cfg, data, cluster)
     log = None
     try:

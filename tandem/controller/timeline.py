@@ -34,11 +34,12 @@ def _busy(intervals: list[tuple[float, float]]) -> float:
 
 
 class Timeline:
-    def __init__(self, workers: dict[str, list[str]]):
-        """workers: role -> its worker names; a role with no span in a window was idle in all of it."""
+    def __init__(self, workers: dict[str, list[str]], start: float | None = None):
+        """workers: role -> its worker names; a role with no span in a window was idle in all of it.
+        start: the trace's time zero (default now; the simulator's clock starts at 0)."""
         self.workers = workers
         self.spans: list[Span] = []
-        self.start = time.time()
+        self.start = time.time() if start is None else start
 
     def add(self, *spans: Span) -> None:
         self.spans.extend(spans)
