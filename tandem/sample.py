@@ -7,7 +7,10 @@ parallel lists ever need to be kept aligned by hand.
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 @dataclass
@@ -62,6 +65,10 @@ class Sample:
     # Empty under rollout.agent=single_turn. It travels with the sample, so a re-submitted partial
     # episode keeps counting where it stopped.
     agent_stats: dict[str, float] = field(default_factory=dict)
+    # MoE with algo.routing_replay: the experts the engine's forward routed each prompt and response
+    # token to, (len(prompt_ids) + len(response_ids), MoE layers, k) int16, -1 where it ran none
+    # (the last token, never fed back); the trainer's forward uses them (docs/moe.md).
+    routing: "Tensor | None" = None
 
     @property
     def key(self) -> tuple[int, int]:

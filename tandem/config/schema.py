@@ -242,6 +242,43 @@ class SFTConfig:
     num_key_value_heads: int = 2
     intermediate_size: int = 640
     max_position_embeddings: int = 128
+    # A fresh model's family: qwen2 (dense) or qwen3_moe (num_experts experts of
+    # moe_intermediate_size, num_experts_per_tok per token, top-k weights renormalised)
+    model_type: str = "qwen2"
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 320
+
+
+@dataclass
+class SimConfig:
+    """`tandem simulate` (docs/simulate.md): the real loop and buffer on a virtual clock, with
+    simulated workers whose times come from a cost model."""
+
+    # The hardware's figures and the software's achieved fractions of them (a YAML file).
+    calibration: str = "recipes/sim-calibration-h100.yaml"
+    gpus: list[int] = field(default_factory=lambda: [8])  # GPU counts to simulate; [] = CPUs (run.device=cpu)
+    # Runs to compare, each [label, section.key=value ...] on top of the recipe. [] = sync (every
+    # role colocated), one_step_off and async (the recipe's placement).
+    runs: list[list[str]] = field(default_factory=list)
+    baseline: str = "sync"  # the run label speedups are measured against
+    model: str = ""  # a known shape (qwen2.5-7b, ...); "" = model.path's config.json
+    tensor_parallel: int = 1  # GPUs per inference engine: rollout.num_workers = rollout GPUs / this
+    generate_calls: int = 1  # generate calls a rollout worker runs at once (tandem's Ray actor: 1)
+    kv_memory_fraction: float = 0.8  # of an engine's GPU memory for weights and KV cache
+    prompt_tokens: int = 64
+    # Response lengths (tokens, capped at rollout.max_new_tokens): lognormal (length_mean,
+    # length_sigma of its log) | pareto (length_mean, shape length_alpha) | metrics:PATH (a
+    # lognormal fitted to a run's metrics.jsonl). rollout.length_tail_alpha > 0 overrides them.
+    lengths: str = "lognormal"
+    length_mean: float = 512.0
+    length_sigma: float = 1.0
+    length_alpha: float = 2.0
+    warmup_steps: int = 1  # steps left out of the steady-state figures (the pipeline filling)
+    # --search: the rollout's share of the GPUs ([[actor_train], [generate]]) and run.max_staleness
+    # values tried for async.
+    search_ratios: list[float] = field(default_factory=lambda: [0.25, 0.375, 0.5, 0.625, 0.75])
+    search_staleness: list[int] = field(default_factory=lambda: [1, 2, 4])
 
 
 @dataclass
@@ -258,3 +295,4 @@ class Config:
     ray: RayConfig = field(default_factory=RayConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    sim: SimConfig = field(default_factory=SimConfig)

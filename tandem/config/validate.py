@@ -45,6 +45,7 @@ def validate(cfg: Config) -> None:
     _check(cfg.sync.consume_bucket_mb > 0, "sync.consume_bucket_mb", "must be > 0.")
     _check(cfg.sync.timeout_s > 0, "sync.timeout_s", "must be > 0 seconds.")
     _check_placement(cfg)
+    _check_sim(cfg)
     _check(cfg.run.steps >= 1, "run.steps", f"must be >= 1, got {cfg.run.steps}.")
     _check(cfg.run.val_every >= 0, "run.val_every", "must be >= 0 (0 = validate only at start and end).")
     _one_of(cfg.run.device, DEVICES, "run.device", "device")
@@ -124,6 +125,7 @@ def validate(cfg: Config) -> None:
     _check(0 <= cfg.sft.flawed_fraction <= 1, "sft.flawed_fraction", "must be in [0, 1].")
     # Against data.train_size only in run_sft: `tandem train` with a small data.train_size is fine.
     _check(cfg.sft.batch_size >= 1, "sft.batch_size", "must be >= 1.")
+    _one_of(cfg.sft.model_type, ("qwen2", "qwen3_moe"), "sft.model_type", "fresh model family")
     _check(
         cfg.sft.hidden_size % cfg.sft.num_attention_heads == 0,
         "sft.hidden_size",
@@ -331,4 +333,42 @@ def _check_deterministic(cfg: Config) -> None:
         "run.deterministic",
         "with algo.filter_groups needs run.mode=sync: in one_step_off the prompts that replace dropped "
         "groups start under whichever version is published when the drop is seen.",
+    )
+
+
+def _check_sim(cfg: Config) -> None:
+    """`tandem simulate`'s section (docs/simulate.md); its calibration file is checked when read."""
+    s = cfg.sim
+    _check(all(g >= 1 for g in s.gpus), "sim.gpus", f"must be GPU counts >= 1 ([] = CPUs), got {s.gpus}.")
+    for i, run in enumerate(s.runs):
+        _check(
+            len(run) >= 1 and "=" not in run[0],
+            f"sim.runs[{i}]",
+            f"must be [label, section.key=value, ...], got {run}.",
+        )
+    labels = [run[0] for run in s.runs] or ["sync", "one_step_off", "async"]
+    _check(len(set(labels)) == len(labels), "sim.runs", f"has a label twice: {labels}.")
+    _one_of(s.baseline, labels, "sim.baseline", "run label")
+    _check(s.tensor_parallel >= 1, "sim.tensor_parallel", "must be >= 1 (GPUs per engine).")
+    _check(s.generate_calls >= 1, "sim.generate_calls", "must be >= 1.")
+    _check(0 < s.kv_memory_fraction <= 1, "sim.kv_memory_fraction", "must be in (0, 1].")
+    _check(s.prompt_tokens >= 1, "sim.prompt_tokens", "must be >= 1.")
+    _check(
+        s.lengths in ("lognormal", "pareto") or s.lengths.startswith("metrics:"),
+        "sim.lengths",
+        f"is {s.lengths!r}; valid: lognormal, pareto, metrics:PATH (a run's metrics.jsonl).",
+    )
+    _check(s.length_mean > 0, "sim.length_mean", "must be > 0 tokens.")
+    _check(s.length_sigma > 0, "sim.length_sigma", "must be > 0.")
+    _check(s.length_alpha > 1, "sim.length_alpha", "must be > 1 (a Pareto with a finite mean).")
+    _check(s.warmup_steps >= 0, "sim.warmup_steps", "must be >= 0.")
+    _check(
+        bool(s.search_ratios) and all(0 < r < 1 for r in s.search_ratios),
+        "sim.search_ratios",
+        f"must be rollout shares in (0, 1), got {s.search_ratios}.",
+    )
+    _check(
+        bool(s.search_staleness) and all(k >= 0 for k in s.search_staleness),
+        "sim.search_staleness",
+        f"must be max_staleness values >= 0, got {s.search_staleness}.",
     )

@@ -22,6 +22,7 @@ from tandem.devices import DTYPES, check_runnable
 from tandem.errors import TandemError
 from tandem.model import CausalLM, ModelConfig, load_model, resolve_model_path
 from tandem.model.checkpoint import check_checkpoint
+from tandem.model.experts import set_router_dtype
 from tandem.registry import Registry
 from tandem.rollout import (
     BuiltinEngine,
@@ -120,7 +121,13 @@ def build_data(cfg: Config) -> Data:
     if cfg.rollout.engine == "vllm":  # the rollout actors would fail on it; fail here, in seconds
         require_vllm()
     # The weights' names, shapes and dtypes from their headers: a bad file fails here, not in every actor.
-    check_checkpoint(model_dir(cfg))
+    model_cfg = check_checkpoint(model_dir(cfg))
+    if cfg.algo.routing_replay and not model_cfg.num_experts:
+        raise TandemError(
+            f"algo.routing_replay=true replays the experts an MoE model's engine routed each token to, "
+            f"but model.path={cfg.model.path!r} is a dense {model_cfg.model_type} model (no experts). "
+            "Use an MoE checkpoint (qwen2_moe, qwen3_moe, mixtral; builtin:addition-moe) or turn it off."
+        )
     limit, tokenizer, d = prompt_limit(cfg), load_checked_tokenizer(cfg), cfg.data
     train_prompts, train_src = load_split(cfg, d.train_files, "train", d.train_size, cfg.run.seed)
     train_ids = limit.encode(tokenizer, train_prompts, train_src)
@@ -160,6 +167,7 @@ def _on_tandem_model(engine_cls, cfg: Config, tokenizer, seed: int, **engine_kw)
         compile=r.compile,
         quantization=r.quantization,
         fp8_scale=r.fp8_scale,
+        record_routing=cfg.algo.routing_replay,
         **engine_kw,
     )
 
@@ -215,6 +223,7 @@ def load_policy(cfg: Config, dtype: str, path: str = "") -> CausalLM:
     device = check_runnable(cfg.run.device, dtype)
     model = load_model(resolve_model_path(path or cfg.model.path), dtype=DTYPES[dtype], device=device)
     model.batch_invariant = cfg.run.deterministic
+    set_router_dtype(model, cfg.model.router_dtype)
     return model
 
 

@@ -31,6 +31,20 @@ class Routing:
     forced: dict[int, Tensor] = field(default_factory=dict)
     record: bool = False
     chosen: dict[int, Tensor] = field(default_factory=dict)
+    own: dict[int, Tensor] = field(default_factory=dict)  # with `record` and `forced`: its own top-k
+
+    def table(self) -> Tensor:
+        """The recorded experts as one (N, L, k) int16 table, the MoE layers in order."""
+        return torch.stack([self.chosen[i] for i in sorted(self.chosen)], dim=1).to(torch.int16)
+
+    @classmethod
+    def replay(cls, table: Tensor, model: nn.Module, record: bool = False) -> "Routing":
+        """Force the experts of an (N, L, k) table (-1 rows route on their own) on the MoE layers
+        of `model`, the table's L columns in layer order."""
+        layers = sorted(m.layer for m in model.modules() if isinstance(m, SparseMoE))
+        if table.shape[1] != len(layers):
+            raise ValueError(f"a routing table of {table.shape[1]} MoE layers for a model with {len(layers)}")
+        return cls({layer: table[:, j].long() for j, layer in enumerate(layers)}, record)
 
 
 class Expert(nn.Module):
@@ -92,8 +106,10 @@ class SparseMoE(nn.Module):
         experts = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, : self.k]
         forced = self.routing.forced.get(self.layer) if self.routing is not None else None
         if forced is not None:
-            own = (forced < 0).any(-1, keepdim=True)  # (N, 1) rows with no recorded routing
-            experts = torch.where(own, experts, forced.to(experts.device))
+            if self.routing.record:
+                self.routing.own[self.layer] = experts
+            free = (forced < 0).any(-1, keepdim=True)  # (N, 1) rows with no recorded routing
+            experts = torch.where(free, experts, forced.to(experts.device))
         weights = probs.gather(-1, experts).float()
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -105,20 +121,13 @@ class SparseMoE(nn.Module):
         """x (B, T, E) -> (B, T, E)."""
         flat = x.reshape(-1, x.shape[-1])  # (N, E)
         experts, weights = self.route(flat)
-        n, k = experts.shape
-        slots = experts.reshape(-1)  # (N·k,) the expert of each (token, slot)
-        order = torch.sort(slots, stable=True).indices  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(slots, minlength=len(self.experts)).tolist()
-        out = flat.new_empty(n * k, flat.shape[-1])  # each (token, slot)'s expert output
-        start = 0
-        for expert, count in zip(self.experts, counts, strict=True):
-            if count:
-                rows = order[start : start + count]
-                out[rows] = expert(flat[rows // k], self.batch_invariant)
-                start += count
-        out = out.view(n, k, -1) * weights.to(out.dtype)[..., None]
+        if flat.is_cuda and torch.cuda.is_current_stream_capturing():
+            out = self.every_expert(flat, experts)
+        else:
+            out = self.grouped(flat, experts)
+        out = out * weights.to(out.dtype)[..., None]  # (N, k, E)
         combined = out[:, 0]
-        for j in range(1, k):  # slot by slot: a fixed order, whatever the batch
+        for j in range(1, out.shape[1]):  # slot by slot: a fixed order, whatever the batch
             combined = combined + out[:, j]
         if hasattr(self, "shared_expert"):
             shared = self.shared_expert(flat, self.batch_invariant)
@@ -126,6 +135,30 @@ class SparseMoE(nn.Module):
             g = bi.linear(flat, gate.weight) if self.batch_invariant else gate(flat)
             combined = combined + torch.sigmoid(g) * shared
         return combined.view_as(x)
+
+    def grouped(self, flat: Tensor, experts: Tensor) -> Tensor:
+        """flat (N, E), experts (N, k) -> (N, k, E) each (token, slot)'s expert output: the pairs
+        sorted by expert, each expert multiplying its own rows in one matmul."""
+        n, k = experts.shape
+        slots = experts.reshape(-1)  # (N·k,) the expert of each (token, slot)
+        order = torch.sort(slots, stable=True).indices  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(slots, minlength=len(self.experts)).tolist()
+        out = flat.new_empty(n * k, flat.shape[-1])
+        # While gradients are on, an expert with no tokens still runs (on no rows), so every parameter
+        # gets a gradient (zeros) on every rank: DDP fails on an unused one, and FSDP2 would
+        # reduce-scatter the gradients of different experts on different ranks together.
+        train = torch.is_grad_enabled()
+        for expert, rows in zip(self.experts, order.split(counts), strict=True):
+            if len(rows) or train:
+                out[rows] = expert(flat[rows // k], self.batch_invariant)
+        return out.view(n, k, -1)
+
+    def every_expert(self, flat: Tensor, experts: Tensor) -> Tensor:
+        """flat (N, E), experts (N, k) -> (N, k, E) as `grouped`, without its host sync (the token
+        counts), which a CUDA graph cannot record: every expert runs on every token and each
+        (token, slot) takes its expert's row. X/k times the FLOPs, for a recorded decode step's few rows."""
+        every = torch.stack([expert(flat, self.batch_invariant) for expert in self.experts])  # (X, N, E)
+        return every[experts, torch.arange(len(flat), device=flat.device)[:, None]]
 
 
 class routing:  # noqa: N801 (a context manager, used like a function)
@@ -144,6 +177,21 @@ class routing:  # noqa: N801 (a context manager, used like a function)
     def __exit__(self, *exc) -> None:
         for b in self.blocks:
             b.routing = None
+
+
+def set_router_dtype(model: nn.Module, dtype: str) -> None:
+    """model.router_dtype: every MoE layer's router in float32, or in the compute dtype ("model")."""
+    for m in model.modules():
+        if isinstance(m, SparseMoE):
+            m.router_fp32 = dtype == "float32"
+
+
+def agreement(engine: Tensor, trainer: Tensor) -> float:
+    """engine, trainer (N, L, k) experts, -1 rows unknown -> the share of the known token-layer
+    top-k sets that are equal (as sets: the order of the k slots does not count)."""
+    known = (engine >= 0).all(-1)  # (N, L)
+    same = (engine.sort(-1).values == trainer.to(engine.dtype).sort(-1).values).all(-1)
+    return float(same[known].float().mean()) if known.any() else 1.0
 
 
 def moe_layers(cfg: ModelConfig) -> list[int]:

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from tandem.errors import TandemError
 from tandem.model import CausalLM, fuse_projections
+from tandem.model.experts import Routing, moe_layers, routing
 from tandem.model.fp8 import quantize_model, requantize
 from tandem.rollout.base import Engine, Storages
 
@@ -21,6 +22,7 @@ class DecoderEngine(Engine):
     quantization="fp8": the linear weights of attention and MLPs (experts included) multiply as
     float8 e4m3 in 128x128 blocks with `fp8_scale` scales (`tandem.model.fp8`); the parameters keep
     the pushed high-precision values by name and are quantised again after every update.
+    record_routing (an MoE model): every token's experts go to `Sample.routing` (routing replay).
     """
 
     def __init__(
@@ -28,15 +30,19 @@ class DecoderEngine(Engine):
         model: CausalLM,
         eos_token_ids: list[int],
         pad_token_id: int,
-        seed: int,
-        version: int,
-        on_update: str,
-        on_step: Callable[[int], None] | None,
-        compile: bool,
+        seed: int = 0,
+        version: int = 0,
+        on_update: str = "drain",
+        on_step: Callable[[int], None] | None = None,
+        compile: bool = False,
         quantization: str = "none",
         fp8_scale: str = "fp32",
+        record_routing: bool = False,
     ):
         super().__init__(eos_token_ids, version, on_update, on_step)
+        self.moe_layers = moe_layers(model.cfg) if record_routing else []
+        if record_routing and not self.moe_layers:
+            raise ValueError("record_routing needs a mixture-of-experts model; this one has no experts")
         self.model = model.eval().requires_grad_(False)
         self.quantized = quantization == "fp8"
         if self.quantized:  # each projection its own fp8 matmul (a fused weight would bypass them)
@@ -59,6 +65,23 @@ class DecoderEngine(Engine):
 
     def named_weights(self) -> dict[str, Tensor]:
         return dict(self.model.named_parameters())
+
+    def forward(self, *args) -> tuple[Tensor, Tensor | None]:
+        """The model's forward -> (logits, the experts each of its (B, T) tokens used, (B, T, L, k)
+        int16, or None when the engine does not record routing)."""
+        if not self.moe_layers:
+            return self.model(*args), None
+        with routing(self.model, Routing(record=True)) as trace:
+            logits = self.model(*args)
+        return logits, trace.table().view(*logits.shape[:2], len(self.moe_layers), -1)
+
+    def route_table(self, tokens: int) -> Tensor | None:
+        """An empty routing record for a sequence of up to `tokens` tokens: (tokens, L, k) of -1."""
+        if not self.moe_layers:
+            return None
+        return torch.full(
+            (tokens, len(self.moe_layers), self.model.cfg.num_experts_per_tok), -1, dtype=torch.int16
+        )
 
     def _after_update(self) -> None:
         if self.quantized:

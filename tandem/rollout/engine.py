@@ -2,7 +2,7 @@
 partial response) is left-padded so every row decodes at the same cache slot; finished rows leave
 the batch (the cache is compacted) once enough have, so short answers stop costing compute."""
 
-from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -20,10 +20,8 @@ COMPACT_FRACTION = 0.25  # compact the cache once this share of the live rows ha
 class BuiltinEngine(DecoderEngine):
     """Generates on `model` in batches of `max_batch_size` samples, one after another.
 
-    on_update, on_step: see `Engine`; a step is a prefill or a decode step of the current batch.
-    compile: run decode steps through torch.compile (`CausalLM.compile_decode`); the first calls
-        compile for tens of seconds, later steps run faster (docs/rollout.md, "Speed").
-    quantization, fp8_scale: see `DecoderEngine`.
+    options: `DecoderEngine`'s (seed, version, on_update, on_step, compile, quantization,
+    fp8_scale, record_routing); a step is a prefill or a decode step of the current batch.
     """
 
     def __init__(
@@ -32,36 +30,22 @@ class BuiltinEngine(DecoderEngine):
         eos_token_ids: list[int],
         pad_token_id: int,
         max_batch_size: int = 512,
-        seed: int = 0,
-        version: int = 0,
-        on_update: str = "drain",
-        on_step: Callable[[int], None] | None = None,
-        compile: bool = False,
-        quantization: str = "none",
-        fp8_scale: str = "fp32",
+        **options: Any,
     ):
-        super().__init__(
-            model,
-            eos_token_ids,
-            pad_token_id,
-            seed,
-            version,
-            on_update,
-            on_step,
-            compile,
-            quantization,
-            fp8_scale,
-        )
+        super().__init__(model, eos_token_ids, pad_token_id, **options)
         self.max_batch_size = max_batch_size
 
     def _begin(self, samples: list[Sample], call: GenerateCall) -> "_Batches":
         return _Batches(self, samples, call)
 
     @torch.inference_mode()
-    def _prefill(self, samples: list[Sample], max_new_tokens: int) -> tuple[Tensor, Tensor, KVCache]:
+    def _prefill(
+        self, samples: list[Sample], max_new_tokens: int
+    ) -> tuple[Tensor, Tensor, KVCache, list[Tensor] | None]:
         """One left-padded prefill per distinct prompt + partial response, its cache rows copied to
         every sample that shares it (a GRPO group) -> last logits (B, V), next positions (B,), a
-        cache of B rows with room for `max_new_tokens` more."""
+        cache of B rows with room for `max_new_tokens` more, and (recording routing) each sample's
+        routing table, its prefilled tokens' rows filled."""
         unique: dict[tuple[int, ...], int] = {}
         owner = [unique.setdefault((*s.prompt_ids, *s.response_ids), len(unique)) for s in samples]
         u, width = len(unique), max(map(len, unique))
@@ -74,10 +58,17 @@ class BuiltinEngine(DecoderEngine):
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
         dtype = self.model.lm_head.weight.dtype
         cache = KVCache(self.model.cfg, u, width + max_new_tokens, dtype, self.device)
-        logits = self.model(ids, positions, mask, cache)[:, -1]
+        logits, routes = self.forward(ids, positions, mask, cache)
         expand = torch.tensor(owner, device=self.device)
         cache.keep(expand)
-        return logits[expand], mask.sum(-1)[expand], cache
+        tables = None
+        if routes is not None:
+            tables = []
+            for s, o in zip(samples, owner, strict=True):
+                n = len(s.prompt_ids) + len(s.response_ids)
+                tables.append(self.route_table(n + max_new_tokens))
+                tables[-1][:n] = routes[o, width - n :]
+        return logits[:, -1][expand], mask.sum(-1)[expand], cache, tables
 
 
 class _Batches(Generation):
@@ -141,7 +132,7 @@ class _Batch:
         self.step_versions: list[int] = []  # the weights behind step k's logits
         self.stop_ids = torch.tensor(call.stop_ids, dtype=torch.long)
         self.version = engine.version  # of the weights behind `logits`: the prefill's, then each step's
-        self.logits, self.next_pos, self.cache = engine._prefill(samples, s)
+        self.logits, self.next_pos, self.cache, self.routes = engine._prefill(samples, s)
         self.last: Tensor | None = None  # (L,) the tokens sampled last
         self.seen: Tensor | None = None  # (B, V) bool tokens in each prompt + response (penalty)
         if call.params.repetition_penalty != 1.0:
@@ -181,9 +172,13 @@ class _Batch:
         self.version = self.engine.version
         device = self.engine.device
         step_mask = torch.ones(len(tokens), 1, dtype=torch.bool, device=device)
-        self.logits = self.engine.model(
+        logits, routes = self.engine.forward(
             tokens[:, None].to(device), self.next_pos[:, None], step_mask, self.cache
-        )[:, -1]
+        )
+        self.logits = logits[:, -1]
+        if routes is not None:  # row r fed its sample's token at position next_pos[r]
+            for r, (i, pos) in enumerate(zip(self.rows.tolist(), self.next_pos.tolist(), strict=True)):
+                self.routes[i][pos] = routes[r, 0]
         self.next_pos = self.next_pos + 1
 
     @torch.inference_mode()
@@ -197,6 +192,8 @@ class _Batch:
             n = int(self.lengths[i])
             s.extend(self.tokens[i, :n].tolist(), self.logprobs[i, :n].tolist(), self.step_versions[:n])
             s.end("stop" if self.stopped[i] else "length" if n >= int(self.budget[i]) else "abort")
+            if self.routes is not None:
+                s.routing = self.routes[i][: len(s.prompt_ids) + len(s.response_ids)].clone()
 
     def _noise(self) -> Tensor:
         """Exp(1) noise (L, V) for the L cache rows: a seeded sample's row from its own generator,

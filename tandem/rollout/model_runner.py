@@ -5,6 +5,7 @@ into their slots and hands attention every key of each row's blocks (`CausalLM.f
 mask from it). Rows are right-padded: row b computes its last query_lens[b] tokens.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,9 +72,18 @@ class ModelRunner:
     """
 
     def __init__(
-        self, model: CausalLM, block_manager: BlockManager, cuda_graphs: bool = False, max_num_seqs: int = 256
+        self,
+        model: CausalLM,
+        block_manager: BlockManager,
+        cuda_graphs: bool = False,
+        max_num_seqs: int = 256,
+        forward: Callable[..., tuple[Tensor, Tensor | None]] | None = None,
     ):
         self.model, self.bm = model, block_manager
+        # The engine's forward (`DecoderEngine.forward`): logits, and each token's experts when it
+        # records routing; `routes` keeps those of the last step's rows, (B, T, L, k) or None.
+        self.forward = forward or (lambda *args: (model(*args), None))
+        self.routes: Tensor | None = None
         p = next(model.parameters())
         self.device = p.device
         blocks = block_manager.num_blocks + int(cuda_graphs)
@@ -97,7 +107,9 @@ class ModelRunner:
             new = [(g[0], start, end) for g, (start, end) in zip(step.prefill, step.spans, strict=True)]
             self.num_prefill_tokens += sum(end - start for _, start, end in new)
         batch, ids = self._batch(new)
-        logits = self.model(ids, batch.positions(), batch.slot_mapping >= 0, batch)  # (B, T, V)
+        logits, self.routes = self.forward(
+            ids, batch.positions(), batch.slot_mapping >= 0, batch
+        )  # (B, T, V)
         last = logits[torch.arange(len(new), device=self.device), batch.query_lens - 1]  # (B, V)
         if step.decode:
             return last

@@ -7,7 +7,9 @@ recomputed later instead of failing.
 """
 
 import itertools
-from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
 
 from tandem.model import CausalLM
 from tandem.model.paged_kv import PagedKVCache
@@ -16,7 +18,7 @@ from tandem.rollout.block_manager import BlockManager
 from tandem.rollout.call import GenerateCall
 from tandem.rollout.decoder_engine import DecoderEngine, model_tensors
 from tandem.rollout.model_runner import ModelRunner
-from tandem.rollout.scheduler import Scheduler
+from tandem.rollout.scheduler import Scheduler, Step
 from tandem.rollout.sequence import Sequence
 from tandem.sample import Sample
 
@@ -30,7 +32,7 @@ class PagedEngine(DecoderEngine):
     group_sharing / prefix_caching: prefill a group's prompt once / reuse computed prompt blocks
     across requests; off only to measure what they buy (bench/engine.py).
     cuda_graphs: decode steps through `DecodeGraphs` (on the CPU, its fixed-shape forward eagerly).
-    seed, version, on_update, on_step, compile, quantization, fp8_scale: as `BuiltinEngine`'s.
+    options: `DecoderEngine`'s, as `BuiltinEngine` takes them.
     """
 
     def __init__(
@@ -42,39 +44,27 @@ class PagedEngine(DecoderEngine):
         block_size: int = 16,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 8192,
-        seed: int = 0,
-        version: int = 0,
-        on_update: str = "drain",
-        on_step: Callable[[int], None] | None = None,
         kv_budget_mb: float | None = None,
         prefix_caching: bool = True,
         group_sharing: bool = True,
-        compile: bool = False,
         cuda_graphs: bool = False,
-        quantization: str = "none",
-        fp8_scale: str = "fp32",
+        **options: Any,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={max_num_batched_tokens}")
-        super().__init__(
-            model,
-            eos_token_ids,
-            pad_token_id,
-            seed,
-            version,
-            on_update,
-            on_step,
-            compile,
-            quantization,
-            fp8_scale,
-        )
+        super().__init__(model, eos_token_ids, pad_token_id, **options)
         if kv_budget_mb is not None:
             block_bytes = PagedKVCache.block_bytes(model.cfg, block_size, self.model.lm_head.weight.dtype)
             num_kv_blocks = int(kv_budget_mb * 2**20) // block_bytes
             if num_kv_blocks < 1:
                 raise ValueError(f"kv_budget_mb={kv_budget_mb} holds no block of {block_size} tokens")
-        self.block_manager = BlockManager(num_kv_blocks, block_size, prefix_caching)
-        self.runner = ModelRunner(self.model, self.block_manager, cuda_graphs, max_num_seqs)
+        # Recording routing: every token's experts come from a forward of this request (no cached
+        # prefix), run eagerly (a graph's replay would not record).
+        record = bool(self.moe_layers)
+        self.block_manager = BlockManager(num_kv_blocks, block_size, prefix_caching and not record)
+        self.runner = ModelRunner(
+            self.model, self.block_manager, cuda_graphs and not record, max_num_seqs, self.forward
+        )
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.group_sharing = group_sharing
         self.num_preemptions = 0
@@ -107,6 +97,8 @@ class _Continuous(Generation):
     def __init__(self, engine: PagedEngine, samples: list[Sample], call: GenerateCall):
         self.engine, self.call = engine, call
         self.seqs = [Sequence.start(next(engine._ids), s, call.cap(s)) for s in samples]
+        for seq in self.seqs:
+            seq.routes = engine.route_table(seq.max_tokens)
         self.stop_ids = set(call.stop_ids)
         self.scheduler = Scheduler(
             engine.block_manager, engine.max_num_seqs, engine.max_num_batched_tokens, engine.group_sharing
@@ -122,6 +114,8 @@ class _Continuous(Generation):
         step = scheduler.schedule()
         version = engine.version
         logits = engine.runner.run(step)
+        if engine.runner.routes is not None:
+            self._record(step, engine.runner.routes)
         scheduler.computed(step)
         rows = step.rows  # none after a chunk that leaves its prompt unfinished
         if not rows:
@@ -138,6 +132,16 @@ class _Continuous(Generation):
             if seq.stopped or seq.at_cap:
                 scheduler.finish(seq)
         return True
+
+    def _record(self, step: Step, routes: Tensor) -> None:
+        """routes (B, T, L, k): the experts of the tokens each row computed, to their sequences (a
+        prefill group's members share its head's)."""
+        if step.decode:
+            for b, seq in enumerate(step.decode):
+                seq.routes[len(seq) - 1] = routes[b, 0]
+        for b, (group, (start, end)) in enumerate(zip(step.prefill, step.spans, strict=True)):
+            for seq in group:
+                seq.routes[start:end] = routes[b, : end - start]
 
     def stop(self, keys: set[tuple[int, int]]) -> None:
         self.scheduler.abort(keys)

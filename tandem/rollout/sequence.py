@@ -3,6 +3,8 @@ the record, and `write_back` appends the new tokens to it when the call ends."""
 
 from dataclasses import dataclass, field
 
+from torch import Tensor
+
 from tandem.sample import Sample
 
 
@@ -22,6 +24,7 @@ class Sequence:
     new_versions: list[int] = field(default_factory=list)
     stopped: bool = False  # ended on a stop token or stop string
     num_computed: int = 0  # leading tokens whose keys are in the cache, while its prompt is prefilled
+    routes: Tensor | None = None  # (max_tokens, L, k): each computed token's experts, when recorded
 
     @classmethod
     def start(cls, seq_id: int, sample: Sample, cap: int) -> "Sequence":
@@ -52,3 +55,5 @@ class Sequence:
         new = self.token_ids[len(self.token_ids) - len(self.new_logprobs) :]
         self.sample.extend(new, self.new_logprobs, self.new_versions)
         self.sample.end("stop" if self.stopped else "length" if self.at_cap else "abort")
+        if self.routes is not None:
+            self.sample.routing = self.routes[: len(self.token_ids)].clone()

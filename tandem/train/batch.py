@@ -7,6 +7,8 @@ import torch
 from torch import Tensor
 
 from tandem.model import Segments, Targets
+from tandem.model.experts import Routing, agreement
+from tandem.model.experts import routing as routing_context
 from tandem.sample import Sample
 
 
@@ -21,6 +23,10 @@ class Rows:
     size: int  # samples in the micro-batch (one row each of the (b, R) table, a response or not)
     row: Tensor  # (N,) the sample each target belongs to
     col: Tensor  # (N,) its index in that sample's response
+    # Routing replay: the engine's experts of every token of `ids`, flattened, (tokens, L, k), -1
+    # for padding and the unrecorded; None when the samples carry no routing.
+    routing: Tensor | None = None
+    agreement: float | None = None  # set by `score`: the share of top-k sets the router agreed on
 
 
 def packed(samples: list[Sample], device: torch.device | str = "cpu", temperature: float = 1.0) -> Rows:
@@ -33,7 +39,18 @@ def packed(samples: list[Sample], device: torch.device | str = "cpu", temperatur
         starts.append(starts[-1] + n)
     index = [start + len(s.prompt_ids) - 1 + j for s, start in zip(samples, starts, strict=True)
              for j in range(len(s.response_ids))]  # fmt: skip
-    return _rows(samples, ids[None], segments.positions(), segments, index, device, temperature)
+    routing = None
+    if all(s.routing is not None for s in samples):
+        routing = torch.cat([_routing_of(s) for s in samples])
+    return _rows(samples, ids[None], segments.positions(), segments, index, device, temperature, routing)
+
+
+def _routing_of(s: Sample) -> Tensor:
+    """The sample's routing table, one row per prompt + response token."""
+    n = len(s.prompt_ids) + len(s.response_ids)
+    if s.routing.shape[0] != n:
+        raise ValueError(f"sample {s.group_id}/{s.index} has routing for {s.routing.shape[0]} of {n} tokens")
+    return s.routing
 
 
 def padded(
@@ -50,7 +67,13 @@ def padded(
         mask[i, : p + n] = True
         index.extend(i * width + p - 1 + j for j in range(n))
     positions = torch.arange(width).expand_as(ids)
-    return _rows(samples, ids, positions, mask, index, device, temperature)
+    routing = None
+    if all(s.routing is not None for s in samples):
+        routing = torch.full((len(samples), width, *samples[0].routing.shape[1:]), -1, dtype=torch.int16)
+        for i, s in enumerate(samples):
+            routing[i, : len(s.prompt_ids) + len(s.response_ids)] = _routing_of(s)
+        routing = routing.flatten(0, 1)
+    return _rows(samples, ids, positions, mask, index, device, temperature, routing)
 
 
 def _rows(
@@ -61,6 +84,7 @@ def _rows(
     index: list[int],
     device: torch.device | str,
     temperature: float,
+    routing: Tensor | None = None,
 ) -> Rows:
     tokens = [t for s in samples for t in s.response_ids]
     row = [i for i, s in enumerate(samples) for _ in s.response_ids]
@@ -78,12 +102,22 @@ def _rows(
         len(samples),
         torch.tensor(row, dtype=torch.long, device=device),
         torch.tensor(col, dtype=torch.long, device=device),
+        routing,
     )
 
 
 def score(model, rows: Rows, width: int) -> tuple[Tensor, Tensor]:
-    """One forward -> logp, entropy (b, width) fp32 of each response token, 0 past its end."""
-    logp, entropy = model(rows.ids, rows.positions, rows.mask, targets=rows.targets)
+    """One forward -> logp, entropy (b, width) fp32 of each response token, 0 past its end. With
+    `rows.routing` the MoE layers use the engine's experts (routing replay), and `rows.agreement`
+    says how often their own top-k was the same."""
+    if rows.routing is None:
+        logp, entropy = model(rows.ids, rows.positions, rows.mask, targets=rows.targets)
+    else:
+        table = rows.routing.to(rows.ids.device)
+        with routing_context(model, Routing.replay(table, model, record=True)) as trace:
+            logp, entropy = model(rows.ids, rows.positions, rows.mask, targets=rows.targets)
+        own = torch.stack([trace.own[i] for i in sorted(trace.own)], dim=1)
+        rows.agreement = agreement(table, own)
     table = logp.new_zeros(rows.size, width)
     return table.index_put((rows.row, rows.col), logp), table.index_put((rows.row, rows.col), entropy)
 

@@ -24,9 +24,11 @@ from tandem.train.optim import lr_factor
 
 
 def fresh_model(cfg: Config, tokenizer) -> CausalLM:
+    """A new model of the sft section's shape, read as a config.json is (the family's switches:
+    qwen2's q/k/v bias, qwen3_moe's q/k norm and experts)."""
     s = cfg.sft
-    model_cfg = ModelConfig(
-        model_type="qwen2",
+    hf = dict(
+        model_type=s.model_type,
         vocab_size=len(tokenizer),
         hidden_size=s.hidden_size,
         intermediate_size=s.intermediate_size,
@@ -40,7 +42,14 @@ def fresh_model(cfg: Config, tokenizer) -> CausalLM:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    model = CausalLM(model_cfg)
+    if s.model_type == "qwen3_moe":
+        hf.update(
+            num_experts=s.num_experts,
+            num_experts_per_tok=s.num_experts_per_tok,
+            moe_intermediate_size=s.moe_intermediate_size,
+            norm_topk_prob=True,
+        )
+    model = CausalLM(ModelConfig.from_hf(hf, source="the sft section"))
     init_weights(model, cfg.run.seed)
     return model
 

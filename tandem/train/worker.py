@@ -381,7 +381,8 @@ class TrainWorker:
         An empty `idx` is a dummy: a forward and backward of row 0 that add nothing."""
         a = self.algo
         width = b.mask.shape[1]
-        logp, entropy = score(self.module, self._rows([b.samples[i] for i in idx or [0]]), width)
+        rows = self._rows([b.samples[i] for i in idx or [0]])
+        logp, entropy = score(self.module, rows, width)
         if not idx:
             return logp.sum() * 0.0, {}
 
@@ -415,6 +416,8 @@ class TrainWorker:
                 out[f"actor/{key}"] = float((stats[key].detach() * pm).sum()) / pg_tokens
         for key, share in corrected.items():  # shares of this micro-batch's tokens
             out[key] = share * float(m.sum()) / tokens
+        if rows.agreement is not None:  # routing replay: how often the trainer's own router agreed
+            out["mismatch/routing_agreement"] = rows.agreement * float(m.sum()) / tokens
         if b.ref is not None:
             kl = aggregate(
                 a.loss_agg, KL_ESTIMATORS.get(a.kl_estimator)(logp, part(b.ref)), m, **counts["loss"]

@@ -1,0 +1,181 @@
+"""Mixture-of-experts in the one decoder: Qwen2-MoE, Qwen3-MoE and Mixtral checkpoints written by
+transformers compute transformers' logits, the router's precision and tie-break, a fixed-order
+combine (batch-invariant), routing record and replay (R3) through the engines and the trainer."""
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from tandem.config import AlgoConfig, TrainConfig
+from tandem.errors import TandemError
+from tandem.model import CausalLM, ModelConfig, load_model, save_model
+from tandem.model.experts import Routing, SparseMoE, agreement, routing
+from tandem.rollout import BuiltinEngine, PagedEngine, SamplingParams, make_groups
+from tandem.sample import Prompt
+from tandem.train import TrainWorker
+from tandem.train.batch import packed, padded, score
+
+BASE = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
+FAMILIES = {  # each with a dense layer where the family has one, norm_topk_prob both ways
+    "qwen2_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+        mlp_only_layers=[1],
+    ),
+    "qwen3_moe": dict(
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8, norm_topk_prob=True,
+        decoder_sparse_step=2,
+    ),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+}  # fmt: skip
+
+
+def hf_checkpoint(tmp_path, family: str, std: float = 0.2, **extra):
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(family, **BASE, **FAMILIES[family], **extra)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, std)
+    model.save_pretrained(tmp_path / family)
+    return model, tmp_path / family
+
+
+def forward(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
+    b, t = ids.shape
+    return model(ids, torch.arange(t).expand(b, t), torch.ones(b, t, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_checkpoints_load_with_transformers_logits_and_save_back(tmp_path, family):
+    hf, path = hf_checkpoint(tmp_path, family)
+    ours = load_model(path)
+    ids = torch.randint(0, 64, (3, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = hf(ids).logits, forward(ours, ids)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        save_model(ours, tmp_path / "back")
+        back = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+        torch.testing.assert_close(back(ids).logits, want, atol=1e-4, rtol=0)
+    sparse = [i for i, layer in enumerate(ours.model.layers) if isinstance(layer.mlp, SparseMoE)]
+    assert sparse == {"qwen2_moe": [0, 2], "qwen3_moe": [1], "mixtral": [0, 1, 2]}[family]
+
+
+def test_mixtral_keeps_its_checkpoint_names(tmp_path):
+    _, path = hf_checkpoint(tmp_path, "mixtral")
+    names = dict(load_model(path).named_parameters())
+    assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in names
+    assert "model.layers.0.block_sparse_moe.gate.weight" in names
+
+
+@pytest.mark.parametrize(
+    "field, value", [("router_jitter_noise", 0.1), ("sliding_window", 4096), ("num_experts_per_tok", 9)]
+)
+def test_what_the_decoder_does_not_implement_is_refused_by_name(field, value):
+    hf = {"model_type": "mixtral", **BASE, **FAMILIES["mixtral"], field: value}
+    with pytest.raises(TandemError, match=field):
+        ModelConfig.from_hf(hf)
+
+
+def moe_block(router_dtype: str = "float32") -> SparseMoE:
+    cfg = ModelConfig(
+        model_type="qwen3_moe", hidden_size=32, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=16, router_dtype=router_dtype,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    block = SparseMoE(cfg, 0)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return block
+
+
+def test_the_router_runs_in_fp32_or_the_compute_dtype():
+    x = torch.randn(4000, 32).bfloat16()
+    fp32, model = moe_block("float32").bfloat16(), moe_block("model").bfloat16()
+    expected = torch.sort(x.float() @ fp32.gate.weight.float().T, dim=-1, descending=True, stable=True)
+    experts, weights = fp32.route(x)
+    assert torch.equal(experts, expected.indices[:, :2]) and weights.dtype == torch.float32
+    in_bf16, _ = model.route(x)
+    flips = (in_bf16.sort(-1).values != experts.sort(-1).values).any(-1).float().mean()
+    assert 0 < flips < 0.2  # bf16 logits pick another top-2 for some near-tied tokens
+
+
+def test_ties_go_to_the_lower_expert_index():
+    block = moe_block()
+    torch.nn.init.zeros_(block.gate.weight)  # every expert equally likely
+    experts, weights = block.route(torch.randn(5, 32))
+    assert experts.tolist() == [[0, 1]] * 5 and torch.all(weights == 0.125)
+
+
+def test_a_token_gets_the_same_output_in_any_batch_with_the_batch_invariant_forward():
+    block = moe_block().bfloat16()
+    block.batch_invariant = True
+    x = torch.randn(1, 40, 32).bfloat16()
+    alone = block(x[:, :1])
+    for n in (2, 7, 40):
+        assert torch.equal(block(x[:, :n])[:, :1], alone), n
+
+
+def test_replayed_routing_is_used_and_recorded_routing_replays_to_the_same_logits(tmp_path):
+    _, path = hf_checkpoint(tmp_path, "qwen3_moe")
+    model = load_model(path)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), routing(model, Routing(record=True)) as seen:
+        logits = forward(model, ids)
+    table = seen.table()  # (18, 1, 2)
+    with torch.no_grad(), routing(model, Routing.replay(table, model, record=True)) as again:
+        assert torch.equal(forward(model, ids), logits)
+    other = (table + 1) % 6  # every token to other experts
+    with torch.no_grad(), routing(model, Routing.replay(other, model, record=True)) as moved:
+        assert not torch.allclose(forward(model, ids), logits)
+    assert torch.equal(moved.table(), other) and agreement(other, again.table()) == 0.0
+
+
+@pytest.mark.parametrize("engine_cls", [BuiltinEngine, PagedEngine])
+def test_routing_replay_makes_the_trainers_experts_the_engines(tmp_path, engine_cls):
+    """The engine records every token's experts; the trainer's forward then uses exactly those, even
+    where its own router (here: other router weights) would choose others."""
+    _, path = hf_checkpoint(tmp_path, "qwen3_moe", std=0.3)
+    kw = dict(block_size=4) if engine_cls is PagedEngine else {}
+    engine = engine_cls(load_model(path), [2], 0, record_routing=True, seed=1, **kw)
+    samples = make_groups([Prompt(text="p")] * 4, [[5, 6, 7], [8, 9], [10, 11, 12, 13], [3, 3]], 2)
+    engine.generate(samples, SamplingParams(temperature=1.0, max_new_tokens=6))
+    for s in samples:  # every token fed to a forward recorded (the last one needs none)
+        assert s.routing.shape[0] == len(s.prompt_ids) + len(s.response_ids)
+        assert (s.routing[:-1] >= 0).all()
+    trainer = load_model(path)
+    with torch.no_grad():
+        trainer.model.layers[1].mlp.gate.weight.add_(torch.randn(6, 32) * 0.5)  # another router
+    for rows in (packed(samples), padded(samples, 0)):
+        table = rows.routing
+        with torch.no_grad(), routing(trainer, Routing.replay(table, trainer, record=True)) as used:
+            trainer(rows.ids, rows.positions, rows.mask, targets=rows.targets)
+        known = (table >= 0).all(-1)
+        assert torch.equal(used.table()[known], table[known])
+        assert agreement(table, used.table()) == 1.0
+        assert agreement(table, torch.stack([used.own[i] for i in sorted(used.own)], 1)) < 1.0
+        score(trainer, rows, 8)
+        assert rows.agreement is not None and rows.agreement < 1.0
+
+
+def test_a_train_step_replays_and_logs_the_routing_agreement(tmp_path):
+    _, path = hf_checkpoint(tmp_path, "qwen3_moe", std=0.3)
+    engine = BuiltinEngine(load_model(path), [2], 0, record_routing=True, seed=1)
+    samples = make_groups([Prompt(text="p")] * 4, [[5, 6, 7], [8, 9], [10, 11, 12, 13], [3, 3]], 2)
+    engine.generate(samples, SamplingParams(temperature=1.0, max_new_tokens=6))
+    for s in samples:
+        s.reward = float(s.response_ids[0] % 2)
+    worker = TrainWorker(load_model(path), AlgoConfig(routing_replay=True), TrainConfig(), 0)
+    metrics = worker.train_step(copy.deepcopy(samples))
+    assert metrics["mismatch/routing_agreement"] == 1.0  # the same weights route the same
+    assert metrics["mismatch/kl"] < 1e-10
