@@ -179,3 +179,26 @@ def test_a_train_step_replays_and_logs_the_routing_agreement(tmp_path):
     metrics = worker.train_step(copy.deepcopy(samples))
     assert metrics["mismatch/routing_agreement"] == 1.0  # the same weights route the same
     assert metrics["mismatch/kl"] < 1e-10
+
+
+def test_qwen2_moe_without_qkv_bias_loads_and_saves_back(tmp_path):
+    hf, path = hf_checkpoint(tmp_path, "qwen2_moe", qkv_bias=False)
+    ours = load_model(path)
+    assert ours.model.layers[0].self_attn.q_proj.bias is None
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    save_model(ours, tmp_path / "back")
+    with torch.no_grad():
+        want = hf(ids).logits
+        torch.testing.assert_close(forward(ours, ids), want, atol=1e-4, rtol=0)
+        back, info = AutoModelForCausalLM.from_pretrained(tmp_path / "back", output_loading_info=True)
+        assert not any(info.values())  # no weight missing, unexpected or mismatched
+        torch.testing.assert_close(back.eval()(ids).logits, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "field, value", [("layer_types", ["full_attention", "sliding_attention"]), ("decoder_sparse_step", 0)]
+)
+def test_qwen_moe_fields_the_decoder_does_not_implement_are_refused_by_name(field, value):
+    hf = {"model_type": "qwen2_moe", **BASE, **FAMILIES["qwen2_moe"], "num_hidden_layers": 2, field: value}
+    with pytest.raises(TandemError, match=field):
+        ModelConfig.from_hf(hf)

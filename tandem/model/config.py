@@ -99,7 +99,7 @@ class ModelConfig:
             rope_scaling=_rope_scaling(hf, rope, source),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=True if family == "qwen2" else attention_bias,
+            qkv_bias=_qkv_bias(hf, family, attention_bias),
             o_bias=False if family == "qwen2" else attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)) if model_type == "llama" else False,
             qk_norm=family == "qwen3",
@@ -128,6 +128,8 @@ class ModelConfig:
             hf["attention_bias"] = self.o_bias
         if self.model_type == "llama":
             hf["mlp_bias"] = self.mlp_bias
+        if self.model_type == "qwen2_moe":
+            hf["qkv_bias"] = self.qkv_bias
         return hf
 
     @classmethod
@@ -142,6 +144,13 @@ class ModelConfig:
         if not isinstance(hf, dict):
             raise TandemError(f"{file} must hold a JSON object, not a {type(hf).__name__}.")
         return cls.from_hf(hf, source=str(file))
+
+
+def _qkv_bias(hf: dict[str, Any], family: str, attention_bias: bool) -> bool:
+    """Qwen2's q/k/v always have a bias; Qwen2-MoE's only with `qkv_bias` (default true, transformers>=5)."""
+    if hf["model_type"] == "qwen2_moe":
+        return bool(hf.get("qkv_bias", True))
+    return True if family == "qwen2" else attention_bias
 
 
 def _moe_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -165,13 +174,19 @@ def _moe_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
             f"{source}: sliding_window={hf['sliding_window']} is not supported; tandem's attention is "
             "full causal attention on every layer."
         )
+    step = hf.get("decoder_sparse_step", 1)
+    if not mixtral and (not isinstance(step, int) or isinstance(step, bool) or step < 1):
+        raise TandemError(
+            f"{source}: decoder_sparse_step is {step!r}; it must be a positive integer (every "
+            "decoder_sparse_step-th layer is a mixture of experts)."
+        )
     return dict(
         num_experts=experts,
         num_experts_per_tok=per_token,
         moe_intermediate_size=hf["intermediate_size"] if mixtral else hf["moe_intermediate_size"],
         shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0) or 0,
         norm_topk_prob=True if mixtral else bool(hf.get("norm_topk_prob", False)),
-        decoder_sparse_step=1 if mixtral else hf.get("decoder_sparse_step", 1) or 1,
+        decoder_sparse_step=1 if mixtral else step,
         mlp_only_layers=[] if mixtral else list(hf.get("mlp_only_layers") or []),
     )
 
@@ -225,6 +240,12 @@ def _refuse_what_changes_the_computation(hf: dict[str, Any], source: str) -> Non
         raise TandemError(
             f"{source}: hidden_act={act!r} is not supported; tandem's decoder implements SiLU (swish) "
             "MLPs only, as Llama, Qwen2 and Qwen3 use."
+        )
+    kinds = sorted(set(hf.get("layer_types") or ()) - {"full_attention"})
+    if kinds:
+        raise TandemError(
+            f"{source}: layer_types has {', '.join(map(repr, kinds))} layers; tandem's attention is "
+            "full causal attention on every layer, so only 'full_attention' is supported."
         )
     if hf.get("use_sliding_window"):
         raise TandemError(
