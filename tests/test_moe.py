@@ -181,6 +181,21 @@ def test_a_train_step_replays_and_logs_the_routing_agreement(tmp_path):
     assert metrics["mismatch/kl"] < 1e-10
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_checkpoints_with_fused_experts_load(tmp_path, family):
+    """transformers>=5 writes each layer's experts as two 3-D tensors when asked not to write the
+    original format; tandem splits them into its per-expert (the checkpoints') names."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **BASE, **FAMILIES[family])).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.2)
+    hf.save_pretrained(tmp_path, save_original_format=False)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(forward(load_model(tmp_path), ids), hf(ids).logits, atol=1e-4, rtol=0)
+
+
 def test_qwen2_moe_without_qkv_bias_loads_and_saves_back(tmp_path):
     hf, path = hf_checkpoint(tmp_path, "qwen2_moe", qkv_bias=False)
     ours = load_model(path)

@@ -1,6 +1,8 @@
 """Load and save Hugging Face checkpoint directories (config.json + safetensors, sharded or not)."""
 
 import json
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -10,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from tandem.errors import TandemError
 from tandem.model.config import ModelConfig
 from tandem.model.decoder import CausalLM
+from tandem.model.experts import EXPERT_NAMES
 
 INDEX = "model.safetensors.index.json"
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors' names; tandem casts any of them
@@ -50,6 +53,34 @@ def _headers(files: list[Path]) -> dict[str, tuple[tuple[int, ...], str, Path]]:
     return found
 
 
+# transformers>=5 `save_pretrained(save_original_format=False)`: a layer's experts fused in two tensors.
+FUSED = re.compile(r"(model\.layers\.\d+)\.mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)")
+Weight = tuple[tuple[int, ...], Callable[[torch.Tensor], torch.Tensor]]  # shape, how to take it
+
+
+def _as_tandem_names(name: str, shape: tuple[int, ...], cfg: ModelConfig) -> dict[str, Weight]:
+    """A checkpoint's weight -> {tandem's name: (shape, how to take it from the weight)}: the weight
+    itself, except for the fused experts transformers>=5 writes when asked not to write the original
+    format: `experts.gate_up_proj` (X, 2I, E), the gate rows first, and `experts.down_proj`
+    (X, E, I), split into X experts; and Mixtral's under `mlp` where its checkpoints say
+    `block_sparse_moe`."""
+    m = FUSED.fullmatch(name) if cfg.num_experts else None
+    if m is None or (m[2] != "gate.weight" and len(shape) != 3):
+        return {name: (shape, lambda t: t)}
+    block = f"{m[1]}.{'block_sparse_moe' if cfg.model_type == 'mixtral' else 'mlp'}"
+    if m[2] == "gate.weight":  # the router
+        return {f"{block}.gate.weight": (shape, lambda t: t)}
+    gate, up, down = EXPERT_NAMES.get(cfg.model_type, ("gate_proj", "up_proj", "down_proj"))
+    n, rows, cols = shape
+    half = rows // 2
+    parts = [(down, 0, rows)] if m[2] == "experts.down_proj" else [(gate, 0, half), (up, half, rows)]
+    return {
+        f"{block}.experts.{e}.{proj}.weight": ((b - a, cols), lambda t, e=e, a=a, b=b: t[e, a:b])
+        for e in range(n)
+        for proj, a, b in parts
+    }
+
+
 def check_checkpoint(path: str | Path) -> ModelConfig:
     """The checkpoint's config.json and weights agree, read from the safetensors headers alone (no
     tensor is loaded, so the driver can check a large model in milliseconds before any actor
@@ -62,7 +93,11 @@ def check_checkpoint(path: str | Path) -> ModelConfig:
     cfg = ModelConfig.load(path)
     with torch.device("meta"):
         expected = {n: tuple(p.shape) for n, p in CausalLM(cfg).named_parameters()}
-    found = _headers(weight_files(path))
+    found = {
+        tandem_name: (shape, dtype, file)
+        for name, (have, dtype, file) in _headers(weight_files(path)).items()
+        for tandem_name, (shape, _) in _as_tandem_names(name, have, cfg).items()
+    }
     if cfg.tie_word_embeddings:
         found.pop("lm_head.weight", None)  # tied: the embedding is the head
     missing = sorted(set(expected) - set(found))
@@ -87,10 +122,13 @@ def check_checkpoint(path: str | Path) -> ModelConfig:
     return cfg
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def _read_tensors(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights by tandem's names (`_as_tandem_names`)."""
     tensors: dict[str, torch.Tensor] = {}
     for file in weight_files(path):
-        tensors.update(load_file(str(file)))
+        for name, t in load_file(str(file)).items():
+            for tandem_name, (_, take) in _as_tandem_names(name, tuple(t.shape), cfg).items():
+                tensors[tandem_name] = take(t)
     return tensors
 
 
@@ -102,7 +140,7 @@ def load_model(
     cfg = check_checkpoint(path)
     with torch.device("meta"):
         model = CausalLM(cfg)
-    tensors = _read_tensors(path)
+    tensors = _read_tensors(path, cfg)
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
