@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from tandem.config import AlgoConfig, TrainConfig
 from tandem.errors import TandemError
-from tandem.model import CausalLM, ModelConfig, load_model, save_model
+from tandem.model import CausalLM, ModelConfig, fuse_projections, load_model, save_model
 from tandem.model.experts import Routing, SparseMoE, agreement, routing
 from tandem.rollout import BuiltinEngine, PagedEngine, SamplingParams, make_groups
 from tandem.sample import Prompt
@@ -117,10 +117,11 @@ def test_ties_go_to_the_lower_expert_index():
     assert experts.tolist() == [[0, 1]] * 5 and torch.all(weights == 0.125)
 
 
-def test_a_token_gets_the_same_output_in_any_batch_with_the_batch_invariant_forward():
-    block = moe_block().bfloat16()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # a CPU's fp32 GEMMs are batch-dependent
+def test_a_token_gets_the_same_output_in_any_batch_with_the_batch_invariant_forward(dtype):
+    block = moe_block().to(dtype)
     block.batch_invariant = True
-    x = torch.randn(1, 40, 32).bfloat16()
+    x = torch.randn(1, 40, 32).to(dtype)
     alone = block(x[:, :1])
     for n in (2, 7, 40):
         assert torch.equal(block(x[:, :n])[:, :1], alone), n
@@ -217,3 +218,68 @@ def test_qwen_moe_fields_the_decoder_does_not_implement_are_refused_by_name(fiel
     hf = {"model_type": "qwen2_moe", **BASE, **FAMILIES["qwen2_moe"], "num_hidden_layers": 2, field: value}
     with pytest.raises(TandemError, match=field):
         ModelConfig.from_hf(hf)
+
+
+def test_every_expert_gets_a_gradient_even_without_tokens():
+    """DDP fails on a parameter without a gradient, and FSDP2 would reduce-scatter different
+    experts' gradients together when ranks route to different experts: every expert's is there."""
+    block = moe_block()
+    x = torch.randn(1, 5, 32)
+    with routing(block, Routing({0: torch.tensor([[0, 1]] * 5)})):
+        block(x).sum().backward()
+    grads = {name: p.grad for name, p in block.named_parameters()}
+    assert all(g is not None for g in grads.values())
+    assert grads["experts.7.down_proj.weight"].abs().sum() == 0
+    assert grads["experts.1.down_proj.weight"].abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "dtype, batch_invariant", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)]
+)
+def test_the_graph_capturable_path_gives_the_grouped_outputs(dtype, batch_invariant):
+    """`every_expert` (no host sync, for a recorded CUDA graph) computes what `grouped` does; with
+    the batch-invariant forward bit for bit."""
+    block = moe_block().to(dtype)
+    block.batch_invariant = batch_invariant
+    flat = torch.randn(9, 32).to(dtype)
+    experts, _ = block.route(flat)
+    with torch.no_grad():
+        grouped, every = block.grouped(flat, experts), block.every_expert(flat, experts)
+    if block.batch_invariant:
+        assert torch.equal(every, grouped)
+    torch.testing.assert_close(every, grouped, atol=1e-5, rtol=1e-5)
+
+
+def test_a_padded_batch_replays_the_routing_of_its_real_tokens_only(tmp_path):
+    """The decoder's forward takes a (B·T, k) routing per MoE layer in its (B, T) order: -1 rows
+    (padding) route on their own; fuse_projections (the engines') leaves the experts alone."""
+    _, path = hf_checkpoint(tmp_path, "mixtral")
+    model = fuse_projections(load_model(path))
+    assert all(layer.mlp.fused is None for layer in model.model.layers)
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(3))
+    mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    with torch.no_grad(), routing(model, Routing(record=True)) as own:
+        logits = model(ids, torch.arange(6).expand(2, 6), mask)
+    table = own.table().long().view(2, 6, 3, 2)  # (B, T, L, k)
+    table[1, 4:] = -1  # padding: nothing recorded for it
+    table[0, 5] = (table[0, 5] + 1) % 4  # the last real token of row 0 to other experts
+    with torch.no_grad(), routing(model, Routing.replay(table.flatten(0, 1), model, record=True)) as used:
+        again = model(ids, torch.arange(6).expand(2, 6), mask)
+    assert torch.equal(used.table().view(2, 6, 3, 2)[:, :5], own.table().view(2, 6, 3, 2)[:, :5])
+    assert torch.equal(used.table()[5].long(), table[0, 5])
+    # The other tokens keep their experts; only the grouping around them moved (the last bits).
+    torch.testing.assert_close(again[1, :4], logits[1, :4], atol=1e-5, rtol=0)
+    torch.testing.assert_close(again[0, :5], logits[0, :5], atol=1e-5, rtol=0)
+    assert not torch.allclose(again[0, 5], logits[0, 5])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_batch_invariant_switch_reaches_every_moe_layer(tmp_path, dtype):
+    _, path = hf_checkpoint(tmp_path, "mixtral")
+    model = load_model(path, dtype=dtype)
+    model.batch_invariant = True
+    assert all(layer.block_sparse_moe.batch_invariant for layer in model.model.layers)
+    ids = torch.randint(0, 64, (6, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        alone = forward(model, ids[:1])
+        assert torch.equal(forward(model, ids)[:1], alone)
