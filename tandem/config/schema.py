@@ -104,6 +104,7 @@ class RolloutConfig:
     num_workers: int = 1  # rollout workers (Ray actors), each with its own engine
     on_update: str = "drain"  # in-flight requests on a weight update: drain | abort | continue
     chunk_groups: int = 4  # prompt groups per generate call in async mode (smaller = finer streaming)
+    calls_per_worker: int = 2  # generate calls handed to a rollout worker at a time (one runs, one waits)
     # Benchmarks: > 0 keeps each response decoding past its EOS for a Pareto(alpha)-distributed
     # number of tokens (scale 4, capped at max_new_tokens), emulating reasoning models' heavy-tailed
     # lengths; tokens past the first EOS are neither scored nor trained on.
@@ -225,6 +226,9 @@ class SyncConfig:
     produce_bucket_mb: float = 512.0  # the trainer packs weights into buckets of this size
     consume_bucket_mb: float = 128.0  # rollout workers copy staged weights in chunks of this size
     timeout_s: float = 60.0  # a push not delivered in time fails naming the worker and the version
+    # Push the weights every N train steps (verl's trigger_parameter_sync_step), and at the steps
+    # validation runs on. N > 1 needs run.mode=async with run.max_staleness >= N - 1.
+    every: int = 1
 
 
 @dataclass

@@ -44,6 +44,15 @@ def validate(cfg: Config) -> None:
     _check(cfg.sync.produce_bucket_mb > 0, "sync.produce_bucket_mb", "must be > 0.")
     _check(cfg.sync.consume_bucket_mb > 0, "sync.consume_bucket_mb", "must be > 0.")
     _check(cfg.sync.timeout_s > 0, "sync.timeout_s", "must be > 0 seconds.")
+    _check(cfg.sync.every >= 1, "sync.every", "must be >= 1 (train steps between weight pushes).")
+    _check(
+        cfg.sync.every == 1 or (cfg.run.mode == "async" and cfg.run.max_staleness >= cfg.sync.every - 1),
+        "sync.every",
+        f"is {cfg.sync.every}: pushing every N steps needs run.mode=async with run.max_staleness >= N - 1 "
+        f"(got mode {cfg.run.mode!r}, max_staleness {cfg.run.max_staleness}), or the buffer could not "
+        "admit the groups the steps between two pushes train on.",
+    )
+    _check(cfg.rollout.calls_per_worker >= 1, "rollout.calls_per_worker", "must be >= 1.")
     _check_placement(cfg)
     _check_sim(cfg)
     _check(cfg.run.steps >= 1, "run.steps", f"must be >= 1, got {cfg.run.steps}.")

@@ -68,7 +68,7 @@ class Loop:
         self.version = self.published = 0  # the trainers' version; the one every rollout worker holds
         self.pending: dict[Handle, Call] = {}  # everything in flight
         self.work: deque[tuple[Kind, list[Sample], int]] = deque()  # (kind, samples, version) to generate
-        self.slots = RolloutSlots(len(rollouts))
+        self.slots = RolloutSlots(len(rollouts), cfg.rollout.calls_per_worker)
         self.validation = Validation(data.val_prompts, data.val_ids, len(rollouts), self.seeded)
         self.groups: dict[int, list[Sample]] = {}  # finished samples of groups still generating
         self.next_group = 0
@@ -297,7 +297,8 @@ class Loop:
         if self.sampling:
             self.sampling.since_step = 0
         self.log_step(call.samples, self.train_metrics)
-        self.push_weights()
+        if self.pushes(self.version):
+            self.push_weights()
         if self.validates(self.version):
             self.request_validation(self.version)
         saved = None
@@ -311,6 +312,10 @@ class Loop:
     def validates(self, version: int) -> bool:
         every = self.cfg.run.val_every
         return version == self.cfg.run.steps or bool(every and version % every == 0)
+
+    def pushes(self, version: int) -> bool:
+        """Weights go out every sync.every versions, and for the versions validation runs on."""
+        return version % self.cfg.sync.every == 0 or self.validates(version)
 
     def push_weights(self) -> None:
         # Every train rank takes part (under fsdp2 each tensor is gathered from all shards); rank 0 sends.

@@ -1,11 +1,11 @@
 """The rollout workers' slots: generate calls each holds, and which are being re-synced after a restart."""
 
-QUEUED_PER_WORKER = 2  # generate calls handed to one rollout worker at a time (one runs, one waits)
 MAX_RESYNC_TRIES = 3  # a restarted worker whose re-sync fails more often ends the run
 
 
 class RolloutSlots:
-    def __init__(self, workers: int, per_worker: int = QUEUED_PER_WORKER):
+    def __init__(self, workers: int, per_worker: int):
+        """per_worker: generate calls handed to one worker at a time (rollout.calls_per_worker)."""
         self.per_worker = per_worker
         self.queued = [0] * workers  # generate / val calls outstanding per worker
         self.syncing = [False] * workers  # a worker being re-synced gets no work
