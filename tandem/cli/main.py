@@ -1,4 +1,4 @@
-"""`tandem train | sft | eval | generate | data make` — the command line.
+"""`tandem train | sft | eval | generate | data make | simulate` — the command line.
 
 A TandemError (bad config, bad data, unknown name, a bad flag) prints as one paragraph and exits
 with 2, as does a file-system error about a path; anything else is a bug and keeps its traceback.
@@ -137,6 +137,34 @@ def cmd_data_make(ns: argparse.Namespace) -> None:
     print(f"wrote {make_dataset(ns.task, ns.out, n=ns.n, seed=ns.seed, split=ns.split)}")
 
 
+def cmd_simulate(ns: argparse.Namespace) -> None:
+    from tandem.sim import compare, search
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    recipe, overrides = split_args(ns.args)
+    result = compare(recipe, overrides, progress=say)
+    print(result.table())
+    figures = result.figures()
+    if ns.search:
+        print("\nbest split and staleness bound for async (--search):")
+        for best in search(recipe, overrides, progress=say):
+            print(best.line())
+            figures |= best.figures()
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(figures, f, indent=2)
+
+
+def add_simulate(sub) -> None:
+    s = sub.add_parser("simulate", help="the loop on a virtual clock: modes, splits, speedups")
+    s.add_argument("args", nargs="*", help="[recipe.yaml] [section.key=value ...] (sim.* among them)")
+    s.add_argument("--search", action="store_true", help="also find the split and staleness bound for async")
+    s.add_argument("--json", help="write the figures as one flat JSON object")
+    s.set_defaults(fn=cmd_simulate)
+
+
 def parser() -> argparse.ArgumentParser:
     p = Parser(prog="tandem", description="Asynchronous RL post-training for language models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -169,6 +197,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--split", choices=["train", "test"], default="train")
     m.set_defaults(fn=cmd_data_make)
+    add_simulate(sub)
     return p
 
 

@@ -1,0 +1,180 @@
+"""The cost model: how long each simulated call takes, from the model's shape and the hardware's figures.
+
+All times are full-speed seconds (a worker sharing its devices beyond their capacity runs slower:
+`tandem.sim.cluster`). One formula per kind of work, the same for every configuration:
+
+    decode step   max(W / (d·BW·e), 2·P·n / (d·F·m_dec)) + C·kv / (d·BW·e) + o + 2·L·a·[d > 1]
+    prefill       t tokens: 2·P·t / (d·F·m_pre)
+    train step    tokens·(6·P + attn)·r / (G·F·m_train·s(G)) + updates·u, and a π_old forward
+                  tokens·(2·P + attn) / (G·F·m_fwd·s(G)) where the trainer recomputes it
+    weight push   o_sync + bytes / link (a trainer on other devices), bytes / local (colocated)
+
+W weight bytes, P parameters, n running sequences, C their summed context (tokens), kv bytes of
+keys and values per context token, d devices of an engine (tensor parallel), G of the trainer, BW
+memory bandwidth, F peak FLOP/s, e and m the fractions of them achieved, o a decode step's fixed
+cost (launches, sampling, scheduling), a one all-reduce's latency (2 per layer under tensor
+parallelism), r 4/3 with activation checkpointing (else 1), u an optimizer update's own cost,
+s(G) = (G / G_ref)^(β - 1) beyond G_ref devices (data-parallel training scales sub-linearly).
+The figures come from a calibration file (recipes/sim-calibration-*.yaml), each with its source.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from tandem.errors import TandemError
+from tandem.model import ModelConfig
+
+
+@dataclass
+class Calibration:
+    """One device's figures (a GPU, or a CPU core) and the software's achieved fractions of them."""
+
+    device: str = "unnamed"
+    peak_flops: float = 1e12  # dense FLOP/s of one device in the compute dtype
+    memory_bytes_per_s: float = 1e11  # memory bandwidth of one device
+    memory_bytes: float = 16e9  # memory of one device
+    bytes_per_param: float = 2.0  # the engines' weights (2 = bf16, 4 = fp32)
+    kv_bytes_per_value: float = 2.0  # the engines' KV cache
+    bandwidth_efficiency: float = 0.8  # e: of memory bandwidth, reading weights and KV in decode
+    decode_mfu: float = 0.5  # m_dec: of peak FLOP/s in a compute-bound decode step
+    prefill_mfu: float = 0.5  # m_pre
+    decode_step_overhead_s: float = 0.0  # o
+    allreduce_latency_s: float = 0.0  # a
+    train_mfu: float = 0.4  # m_train: forward + backward, at up to train_scaling_ref devices
+    forward_mfu: float = 0.4  # m_fwd: a forward-only pass (π_old, reference logprobs, values), likewise
+    train_scaling_ref: int = 1  # G_ref
+    train_scaling_exponent: float = 1.0  # β: trainer throughput ∝ G^β beyond G_ref
+    activation_checkpointing: bool = False  # r = 4/3: the forward runs again in the backward
+    optimizer_update_s: float = 0.0  # u: one optimizer update's step and gradient communication
+    link_bytes_per_s: float = 1e10  # a weight push between the trainer's devices and an engine's
+    local_copy_bytes_per_s: float = 1e11  # a weight push onto the same devices (colocated)
+    sync_latency_s: float = 0.0  # o_sync: a push's fixed cost
+    sleep_s: float = 0.0  # a colocated engine freeing its memory for the train step
+    wake_s: float = 0.0  # and taking it back for the next generation
+    call_s: float = 0.0  # the driver's cost per call (dispatch, serialization)
+    reward_s_per_sample: float = 0.0  # the verifier's time per sample
+    # CPUs: threads of two workers on the same cores slow down more than their share, as their
+    # barrier-synchronised matmuls wait for descheduled threads: speed = (cap / demand)^this.
+    oversubscription_exponent: float = 1.0
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Calibration":
+        p = Path(path)
+        if not p.is_file():
+            raise TandemError(
+                f"Config 'sim.calibration': {p} does not exist. The shipped ones are "
+                "recipes/sim-calibration-*.yaml."
+            )
+        tree = yaml.safe_load(p.read_text()) or {}
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        values = {}
+        for key, value in tree.items():
+            if key not in known:
+                raise TandemError(f"{p}: unknown key {key!r}. Valid keys: {', '.join(known)}.")
+            want = known[key].type
+            if want in (float, int) and isinstance(value, str):
+                try:  # YAML reads 1e12 (no dot, no sign) as a string; it is plainly a number
+                    value = float(value)
+                except ValueError:
+                    pass
+            if want is bool and not isinstance(value, bool):
+                raise TandemError(f"{p}: {key} must be true or false, got {value!r}.")
+            if want in (float, int) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise TandemError(f"{p}: {key} must be a number, got {value!r}.")
+            if want in (float, int) and value < 0:
+                raise TandemError(f"{p}: {key} must be >= 0, got {value!r}.")
+            if want is str and not isinstance(value, str):
+                raise TandemError(f"{p}: {key} must be a string, got {value!r}.")
+            values[key] = value
+        cal = cls(**values)
+        for key in ("peak_flops", "memory_bytes_per_s", "bandwidth_efficiency", "decode_mfu", "prefill_mfu"):
+            if getattr(cal, key) <= 0:
+                raise TandemError(f"{p}: {key} must be > 0.")
+        for key in ("train_mfu", "forward_mfu", "train_scaling_exponent"):
+            if not 0 < getattr(cal, key) <= 1:
+                raise TandemError(f"{p}: {key} must be in (0, 1].")
+        return cal
+
+
+@dataclass
+class Shape:
+    """What the cost model needs of a decoder."""
+
+    params: float  # P
+    layers: int
+    hidden: int
+    kv_dim: int  # key/value heads x head dim
+
+    @classmethod
+    def of(cls, c: ModelConfig) -> "Shape":
+        q = c.num_attention_heads * c.head_dim
+        kv = c.num_key_value_heads * c.head_dim
+        attn = c.hidden_size * (q + 2 * kv) + q * c.hidden_size
+        mlp = 3 * c.hidden_size * c.intermediate_size
+        embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+        return cls(float(c.num_hidden_layers * (attn + mlp) + embed), c.num_hidden_layers, c.hidden_size, kv)
+
+
+class Costs:
+    """The formulas of the module docstring for one model on one calibration."""
+
+    def __init__(self, shape: Shape, cal: Calibration):
+        self.shape, self.cal = shape, cal
+        self.weight_bytes = shape.params * cal.bytes_per_param
+        self.kv_bytes_per_token = 2 * shape.layers * shape.kv_dim * cal.kv_bytes_per_value
+
+    # -- an engine on `d` devices --------------------------------------------------------------------
+    def decode_step_fixed(self, n: int, d: float) -> float:
+        """The part of a decode step of n sequences that does not grow with their context."""
+        c = self.cal
+        weights = self.weight_bytes / (d * c.memory_bytes_per_s * c.bandwidth_efficiency)
+        flops = 2 * self.shape.params * n / (d * c.peak_flops * c.decode_mfu)
+        tp = 2 * self.shape.layers * c.allreduce_latency_s if d > 1 else 0.0
+        return max(weights, flops) + c.decode_step_overhead_s + tp
+
+    def kv_s_per_token(self, d: float) -> float:
+        """A decode step's time per token of context it reads (keys and values, every layer)."""
+        return self.kv_bytes_per_token / (d * self.cal.memory_bytes_per_s * self.cal.bandwidth_efficiency)
+
+    def prefill_s(self, tokens: float, d: float) -> float:
+        return 2 * self.shape.params * tokens / (d * self.cal.peak_flops * self.cal.prefill_mfu)
+
+    def kv_capacity_tokens(self, d: float, memory_fraction: float) -> float:
+        """Tokens of context an engine holds: its share of the devices' memory less the weights."""
+        free = d * self.cal.memory_bytes * memory_fraction - self.weight_bytes
+        return max(free, 0.0) / self.kv_bytes_per_token
+
+    # -- a trainer on G devices ----------------------------------------------------------------------
+    def _attention_flops(self, lengths: list[int]) -> float:
+        """Causal self-attention's forward matmuls over whole sequences: 2·L·hidden·len² each."""
+        return sum(2.0 * self.shape.layers * self.shape.hidden * n * n for n in lengths)
+
+    def _train_rate(self, g: float, mfu: float) -> float:
+        """FLOP/s the trainer achieves on g devices at `mfu` of peak up to the reference count."""
+        c = self.cal
+        beyond = max(g / c.train_scaling_ref, 1.0)
+        return g * c.peak_flops * mfu * beyond ** (c.train_scaling_exponent - 1)
+
+    def forward_s(self, lengths: list[int], g: float) -> float:
+        """A forward pass (π_old, reference logprobs, values) over sequences of these lengths."""
+        flops = 2 * self.shape.params * sum(lengths) + self._attention_flops(lengths)
+        return flops / self._train_rate(g, self.cal.forward_mfu)
+
+    def train_s(self, lengths: list[int], g: float, updates: int) -> float:
+        """Forward and backward over every sequence, and `updates` optimizer updates."""
+        redo = 4 / 3 if self.cal.activation_checkpointing else 1.0
+        flops = 3 * (2 * self.shape.params * sum(lengths) + self._attention_flops(lengths)) * redo
+        return flops / self._train_rate(g, self.cal.train_mfu) + updates * self.cal.optimizer_update_s
+
+    # -- weights from the trainer to an engine ---------------------------------------------------------
+    def push_s(self, colocated: bool) -> float:
+        c = self.cal
+        rate = c.local_copy_bytes_per_s if colocated else c.link_bytes_per_s
+        return c.sync_latency_s + self.weight_bytes / rate
+
+    def pack_s(self) -> float:
+        """The trainer's side of a push: gathering the weights into buckets."""
+        return self.weight_bytes / self.cal.local_copy_bytes_per_s

@@ -1,0 +1,178 @@
+"""One simulated run: the real `Loop` and `RolloutBuffer` on a `SimCluster` built from the config.
+
+The GPU count and the placement decide each role's devices: colocated (no placement.groups), every
+role on all of them, time-shared; else each task group its ratio of them. Engines are
+sim.tensor_parallel GPUs each, so rollout.num_workers = rollout GPUs / tensor_parallel; the train
+workers are simulated as one on all the trainer's GPUs. With no GPU count (run.device=cpu) roles
+get CPU threads as `tandem.controller.placement` gives them, all on placement.num_cpus cores.
+"""
+
+import os
+import statistics
+from dataclasses import dataclass, field, replace
+
+from tandem import devices
+from tandem.config import Config
+from tandem.controller import placement
+from tandem.controller.loop import Loop
+from tandem.controller.roles import Data
+from tandem.data.loader import PromptLoader
+from tandem.errors import TandemError
+from tandem.model import ModelConfig
+from tandem.sample import Prompt
+from tandem.sim.cluster import SimCluster, SimWorker
+from tandem.sim.costs import Calibration, Costs, Shape
+from tandem.sim.engine import Engine
+from tandem.sim.lengths import ResponseLengths
+from tandem.sim.models import model_config
+from tandem.sim.workers import SimForward, SimReward, SimRollout, SimTrainer
+
+
+@dataclass
+class Result:
+    """What one simulated run shows: steady-state figures over the steps after sim.warmup_steps."""
+
+    label: str
+    gpus: int  # 0: CPUs
+    split: str  # e.g. "colocated", "train 0.5 / generate 0.5"
+    step_s: float
+    samples_per_s: float
+    tokens_per_s: float
+    run_samples_per_s: float  # the whole run, validations and pipeline fill included (the bench's figure)
+    idle: dict[str, float] = field(default_factory=dict)  # role -> idle ratio
+    staleness_mean: float = 0.0
+    staleness_max: float = 0.0
+
+
+class Recorder:
+    """The loop's logger: keeps the train steps' metrics."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if "version" in metrics:
+            self.steps.append(metrics)
+
+    def log_batch(self, step: int, group_ids: list[int]) -> None:
+        pass
+
+
+def simulate_run(cfg: Config, label: str, gpus: int, calibration: Calibration) -> Result:
+    """Run `cfg` on the simulated cluster of `gpus` GPUs (0: run.device=cpu) -> its figures."""
+    cfg = devices.resolve(replace(cfg, run=replace(cfg.run, device="cuda" if gpus else "cpu")), gpus)
+    cluster, split = build_cluster(cfg, gpus, calibration)
+    loop = Loop(cfg, synthetic_data(cfg), cluster)
+    rec = Recorder()
+    summary = loop.run(rec)
+    return summarize(cfg, label, gpus, split, rec.steps, summary)
+
+
+def summarize(cfg: Config, label: str, gpus: int, split: str, steps: list[dict], summary: dict) -> Result:
+    warm = min(cfg.sim.warmup_steps, len(steps) - 1)
+    kept = steps[warm:]
+    wall = sum(r["timing_s/step"] for r in kept)
+    samples = len(kept) * cfg.rollout.batch_size * cfg.rollout.n
+    tokens = sum(r["perf/throughput_tokens_per_s"] * r["timing_s/step"] for r in kept)
+    idle = "perf/idle_ratio/"
+    roles = sorted({k.removeprefix(idle) for r in kept for k in r if k.startswith(idle)})
+    return Result(
+        label,
+        gpus,
+        split,
+        step_s=wall / len(kept),
+        samples_per_s=samples / wall,
+        tokens_per_s=tokens / wall,
+        run_samples_per_s=summary["perf/run_samples_per_s"],
+        idle={role: statistics.mean(r[idle + role] for r in kept) for role in roles},
+        staleness_mean=statistics.mean(r["staleness/mean"] for r in kept),
+        staleness_max=max(r["staleness/max"] for r in kept),
+    )
+
+
+def synthetic_data(cfg: Config) -> Data:
+    """Prompts of sim.prompt_tokens tokens: only their lengths matter to the simulator."""
+    ids = list(range(cfg.sim.prompt_tokens))
+    train = [Prompt(text="") for _ in range(cfg.data.train_size)]
+    loader = PromptLoader(train, [ids] * len(train), cfg.rollout.batch_size, cfg.data.shuffle, cfg.run.seed)
+    val = [Prompt(text="") for _ in range(cfg.data.val_size)]
+    return Data(loader, val, [ids] * len(val))
+
+
+def shape_of(cfg: Config) -> Shape:
+    return Shape.of(model_config(cfg.sim.model) if cfg.sim.model else ModelConfig.load(_model_dir(cfg)))
+
+
+def _model_dir(cfg: Config):
+    from tandem.controller.roles import model_dir
+
+    return model_dir(cfg)
+
+
+def build_cluster(cfg: Config, gpus: int, calibration: Calibration) -> tuple[SimCluster, str]:
+    """The simulated workers of `cfg` on `gpus` GPUs (0: on placement.num_cpus CPUs) -> (cluster,
+    a description of the split)."""
+    costs = Costs(shape_of(cfg), calibration)
+    s = cfg.sim
+    lengths = ResponseLengths(
+        s.lengths, s.length_mean, s.length_sigma, s.length_alpha, cfg.rollout.max_new_tokens, cfg.run.seed,
+        cfg.rollout.batch_size * cfg.rollout.n,
+    )  # fmt: skip
+    share = _shares(cfg)
+    colocated = devices.shares_gpus(cfg)
+    workers: dict[str, SimWorker] = {}
+    if gpus:
+        rollout_gpus = share["generate"] * gpus
+        engines = int(rollout_gpus // s.tensor_parallel)
+        if engines < 1 or abs(engines * s.tensor_parallel - rollout_gpus) > 1e-6:
+            raise TandemError(
+                f"Config 'sim.tensor_parallel'={s.tensor_parallel} does not divide the rollout's "
+                f"{rollout_gpus:g} GPUs ({gpus} GPUs x its share {share['generate']:g}): pick a split "
+                "(placement.ratios) or GPU count (sim.gpus) that gives whole engines."
+            )
+        engine_devices, train_devices = [float(s.tensor_parallel)] * engines, share["actor_train"] * gpus
+        pools = {"gpus": 1.0} if colocated else {}
+        pool = "gpus" if colocated else ""
+        engine_demand, train_demand = s.tensor_parallel / gpus, 1.0
+    else:
+        cpus = cfg.placement.num_cpus or float(os.cpu_count() or 1)
+        slots = placement.plan(cfg, cpus)
+        engine_devices = [float(x.threads) for x in slots if x.role == "generate"]
+        train_devices = float(sum(x.threads for x in slots if x.role == "actor_train"))
+        pools, pool = {"cpus": cpus}, "cpus"
+        engine_demand, train_demand = None, train_devices
+    for i, d in enumerate(engine_devices):
+        kv = costs.kv_capacity_tokens(d, s.kv_memory_fraction) if gpus else float("inf")
+        engine = Engine(costs, d, cfg.rollout.max_batch_size, kv)
+        demand = engine_demand if engine_demand is not None else d
+        workers[f"rollout/{i}"] = SimRollout(
+            f"rollout/{i}", engine, costs, lengths, cfg, colocated, s.generate_calls, pool, demand
+        )
+    workers["train/0"] = SimTrainer("train/0", costs, train_devices, cfg, pool, train_demand)
+    workers["reward/0"] = SimReward("reward/0", costs, cfg.run.seed)
+    names = {
+        "rollout": [f"rollout/{i}" for i in range(len(engine_devices))],
+        "train": ["train/0"],
+        "reward": ["reward/0"],
+    }
+    if cfg.algo.kl_coef > 0:
+        workers["ref/0"] = SimForward("ref/0", costs, train_devices, cfg, pool, train_demand)
+        names["ref"] = ["ref/0"]
+    if cfg.algo.adv_estimator == "gae":
+        workers["critic/0"] = SimForward("critic/0", costs, train_devices, cfg, pool, train_demand)
+        names["critic"] = ["critic/0"]
+    split = "colocated" if colocated else " / ".join(f"{k} {v:g}" for k, v in share.items())
+    return SimCluster(workers, names, pools, calibration.oversubscription_exponent), split
+
+
+def _shares(cfg: Config) -> dict[str, float]:
+    """Each task's share of the devices: 1 each when colocated, else its group's ratio."""
+    if not cfg.placement.groups:
+        return {"actor_train": 1.0, "generate": 1.0}
+    out = {}
+    for group, ratio in zip(cfg.placement.groups, cfg.placement.ratios, strict=True):
+        for task in [group] if isinstance(group, str) else group:
+            out[task] = ratio
+    if "generate" not in out or "actor_train" not in out:
+        raise TandemError("Config 'placement.groups' must place generate and actor_train for the simulator.")
+    return {"actor_train": out["actor_train"], "generate": out["generate"]}
