@@ -1,0 +1,271 @@
+"""The controller loop without Ray: `Loop` over a virtual-clock cluster of fake workers that compute
+trivially (fixed tokens, a reward by index, a train step that bumps a version). Every mode keeps its
+staleness bound, trains every admitted group exactly once, validates on schedule, survives a dead
+rollout worker, and resumes from a checkpoint to the same batches."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tandem.config import load_config
+from tandem.controller.loop import Loop
+from tandem.controller.protocol import CallFailed, WorkerDied
+from tandem.controller.roles import Data
+from tandem.data.loader import PromptLoader
+from tandem.errors import TandemError
+from tandem.sample import Prompt, Status
+from tandem.sim.cluster import Job, SimCluster
+from tandem.sim.workers import TimedWorker
+
+TOKENS = [5, 6, 7]
+
+
+class FakeRollout(TimedWorker):
+    """Generates TOKENS for every sample under the weights it holds when the call starts, in a
+    time that varies with its groups (so calls finish out of order); pushes land meanwhile."""
+
+    def __init__(self, name: str, die_at_call: int = -1):
+        super().__init__(name)
+        self.version, self.calls, self.die_at_call = 0, 0, die_at_call
+
+    def lane(self, method: str) -> tuple[str, int]:
+        return ("weights", 1) if method == "receive_weights" else ("gen", 1)
+
+    def begin(self, job: Job, now: float) -> None:
+        job.state["version"] = self.version
+        super().begin(job, now)
+
+    def cost(self, job: Job) -> float:
+        if job.method == "generate":
+            return 1.0 + sum((s.group_id * 7919 + s.index) % 13 for s in job.args[0]) / 10
+        return 0.2 if job.method == "receive_weights" else 0.05
+
+    def result(self, job: Job, now: float):
+        if job.method == "generate":
+            self.calls += 1
+            if self.calls == self.die_at_call:
+                return WorkerDied("the rollout worker's process was killed")
+            samples, _, kind = job.args
+            for s in samples:
+                s.response_ids = s.response_ids + TOKENS
+                s.logprobs = s.logprobs + [-1.0] * len(TOKENS)
+                s.versions = s.versions + [job.state["version"]] * len(TOKENS)
+                s.loss_mask = s.loss_mask + [1] * len(TOKENS)
+                s.status, s.finish_reason = Status.FINISHED, "stop"
+            return samples, self.span(kind, job, now)
+        if job.method == "receive_weights":
+            self.version = job.args[1]
+            return self.span("sync", job, now)
+        if job.method == "sleep":
+            return {"memory/engine_bytes": 1.0, "perf/sleep_s": 0.0, "perf/wake_s": 0.0}, self.span(
+                "sleep", job, now
+            )
+        return None
+
+
+class FakeTrainer(TimedWorker):
+    def __init__(self, name: str, fail: bool = False):
+        super().__init__(name)
+        self.version, self.fail = 0, fail
+
+    def cost(self, job: Job) -> float:
+        return 3.0 if job.method == "train_step" else 0.1
+
+    def result(self, job: Job, now: float):
+        if job.method == "train_step":
+            if self.fail:
+                return CallFailed("Traceback: RuntimeError: the loss is nan")
+            self.version += 1
+            return {"actor/loss": 0.0}, [self.span("train", job, now)]
+        if job.method == "send_weights":
+            return ("handle", self.version), self.span("sync", job, now)
+        if job.method == "save":
+            (Path(job.args[0]) / f"{self.name.replace('/', '_')}.json").write_text(json.dumps(self.version))
+            return self.span("save", job, now)
+        if job.method == "load":
+            self.version = json.loads((Path(job.args[0]) / f"{self.name.replace('/', '_')}.json").read_text())
+            return self.version
+        return None
+
+
+class FakeReward(TimedWorker):
+    def cost(self, job: Job) -> float:
+        return 0.01
+
+    def result(self, job: Job, now: float):
+        samples = job.args[0]
+        for s in samples:
+            s.reward = float(s.index % 2)
+        return (
+            samples,
+            {"reward/errors": 0.0},
+            self.span(job.args[1] if len(job.args) > 1 else "reward", job, now),
+        )
+
+
+class Log:
+    def __init__(self):
+        self.steps, self.vals, self.batches = [], [], []
+
+    def log(self, step, metrics):
+        (self.steps if "version" in metrics else self.vals).append({"step": step, **metrics})
+
+    def log_batch(self, step, groups):
+        self.batches.append((step, groups))
+
+
+def fake_cluster(rollouts=2, die_at_call=-1, trainer_fails=False):
+    workers = {
+        f"rollout/{i}": FakeRollout(f"rollout/{i}", die_at_call if i == 0 else -1) for i in range(rollouts)
+    }
+    workers["train/0"] = FakeTrainer("train/0", trainer_fails)
+    workers["reward/0"] = FakeReward("reward/0")
+    names = {
+        "rollout": [f"rollout/{i}" for i in range(rollouts)],
+        "train": ["train/0"],
+        "reward": ["reward/0"],
+    }
+    return SimCluster(workers, names, pools={})
+
+
+def fake_data(cfg, val=6):
+    prompts = [Prompt(text=f"p{i}") for i in range(200)]
+    loader = PromptLoader(prompts, [[1, 2, i % 50] for i in range(200)], cfg.rollout.batch_size, True, 0)
+    return Data(loader, [Prompt(text=f"v{i}") for i in range(val)], [[3, i] for i in range(val)])
+
+
+BASE = ["run.steps=5", "run.val_every=2", "rollout.batch_size=4", "rollout.n=2", "run.progress=false"]
+
+
+def run(tmp_path, *overrides, cluster=None, val=6):
+    cfg = load_config(None, [*BASE, f"run.out_dir={tmp_path}", *overrides])
+    loop = Loop(cfg, fake_data(cfg, val), cluster or fake_cluster())
+    log = Log()
+    summary = loop.run(log)
+    return loop, log, summary
+
+
+def trained_groups(log):
+    return [g for _, groups in log.batches for g in groups]
+
+
+def test_sync_trains_on_policy_and_validates_on_schedule(tmp_path):
+    loop, log, summary = run(tmp_path, "run.mode=sync")
+    assert [r["step"] for r in log.steps] == [1, 2, 3, 4, 5]
+    assert all(r["staleness/max"] == 0 for r in log.steps)
+    assert [r["step"] for r in log.vals] == [0, 2, 4, 5]
+    assert [r["val/version"] for r in log.vals] == [0, 2, 4, 5]
+    assert trained_groups(log) == list(range(20))  # every group once, in order
+    assert summary["val/accuracy_final"] == 0.0  # n=1 held-out samples all have index 0: reward 0
+    assert all(0 <= r["perf/idle_ratio/train"] <= 1 and r["timing_s/step"] > 3 for r in log.steps)
+
+
+@pytest.mark.parametrize(
+    "mode, bound",
+    [
+        (["run.mode=one_step_off", "run.generate_ahead_steps=1"], 1),
+        (["run.mode=one_step_off", "run.generate_ahead_steps=2"], 2),
+        (["run.mode=async", "run.max_staleness=1", "rollout.chunk_groups=1"], 1),
+        (["run.mode=async", "run.max_staleness=3", "rollout.chunk_groups=2"], 3),
+        (["run.mode=async", "run.max_staleness=0", "rollout.chunk_groups=1"], 0),
+    ],
+)
+def test_off_policy_modes_keep_the_staleness_bound_and_train_every_group_once(tmp_path, mode, bound):
+    _, log, _ = run(tmp_path, *mode, "run.steps=8")
+    assert [r["step"] for r in log.steps] == list(range(1, 9))
+    assert max(r["staleness/max"] for r in log.steps) <= bound
+    assert sorted(trained_groups(log)) == list(range(32))
+    assert log.steps[-1]["buffer/consumed"] == 32
+
+
+def test_async_overlaps_generation_with_training(tmp_path):
+    _, sync, _ = run(tmp_path / "s", "run.mode=sync", "run.steps=8")
+    _, off, _ = run(
+        tmp_path / "a", "run.mode=async", "run.max_staleness=2", "rollout.chunk_groups=1", "run.steps=8"
+    )
+    assert max(r["staleness/max"] for r in off.steps) > 0  # it did train on older samples
+    sync_s = sum(r["timing_s/step"] for r in sync.steps)
+    async_s = sum(r["timing_s/step"] for r in off.steps)
+    assert async_s < 0.8 * sync_s
+
+
+def test_a_dead_rollout_worker_is_resynced_and_nothing_is_lost(tmp_path):
+    cluster = fake_cluster(die_at_call=3)
+    loop, log, _ = run(
+        tmp_path, "run.mode=async", "run.max_staleness=1", "rollout.chunk_groups=1", cluster=cluster
+    )
+    assert sum(r["rollout/restarts"] for r in log.steps) == 1
+    assert sorted(trained_groups(log)) == list(range(20))
+    assert max(r["staleness/max"] for r in log.steps) <= 1
+    assert loop.slots.syncing == [False, False] and loop.slots.queued == [0, 0]
+
+
+def test_a_dead_trainer_or_a_failed_call_ends_the_run_naming_it(tmp_path):
+    cluster = fake_cluster()
+    cluster.workers["train/0"].result = lambda job, now: WorkerDied("killed")
+    with pytest.raises(TandemError, match=r"train/0 died during train \(version 0\): killed"):
+        run(tmp_path, cluster=cluster)
+    with pytest.raises(TandemError, match=r"train on train/0 \(version 0\) failed:\nTraceback.*nan"):
+        run(tmp_path, cluster=fake_cluster(trainer_fails=True))
+
+
+def test_free_memory_during_train_sleeps_every_engine_once_per_step(tmp_path):
+    loop, log, _ = run(tmp_path, "run.mode=sync", "rollout.free_memory_during_train=true")
+    sleeps = [s for s in loop.timeline.spans if s.name == "sleep"]
+    assert len(sleeps) == 5 * 2 and all(r["memory/engine_bytes"] == 2.0 for r in log.steps)
+
+
+def test_the_deterministic_schedule_trains_batch_i_on_version_i_minus_k(tmp_path):
+    _, log, _ = run(tmp_path, "run.mode=one_step_off", "run.deterministic=true", "run.steps=6")
+    assert [r["staleness/max"] for r in log.steps] == [0, 1, 1, 1, 1, 1]
+    assert [r["staleness/min"] for r in log.steps] == [0, 1, 1, 1, 1, 1]
+
+
+def test_resume_continues_to_the_same_batches(tmp_path):
+    _, whole, _ = run(tmp_path / "whole", "run.mode=sync")
+    cfg = load_config(None, [*BASE, f"run.out_dir={tmp_path / 'cut'}", "run.mode=sync", "run.save_every=2"])
+    first = Loop(cfg, fake_data(cfg), fake_cluster())
+    first.on_step = lambda version: None
+    log = Log()
+    first.run(log)
+    checkpoint = tmp_path / "cut" / "default" / "checkpoints" / "step_2"
+    assert checkpoint.is_dir()
+    again = Loop(cfg, fake_data(cfg), fake_cluster())
+    again.resume(checkpoint)
+    rest = Log()
+    again.run(rest)
+    assert [s for s, _ in rest.batches] == [3, 4, 5]
+    assert log.batches[:2] + rest.batches == whole.batches
+
+
+def test_the_wait_names_what_it_waited_for_when_nothing_can_end(tmp_path):
+    cluster = fake_cluster()
+    cluster.workers["train/0"].cost = lambda job: float("inf")
+    with pytest.raises(
+        TandemError, match=r"Nothing finished in run.timeout_s=600 s; waiting for: train on train/0"
+    ):
+        run(tmp_path, cluster=cluster)
+
+
+def test_pushing_every_n_steps_keeps_the_bound_and_still_validates_each_version_it_names(tmp_path):
+    loop, log, _ = run(
+        tmp_path,
+        "run.mode=async",
+        "run.max_staleness=3",
+        "sync.every=4",
+        "rollout.chunk_groups=1",
+        "run.steps=9",
+    )
+    pushed = sorted({s.start for s in loop.timeline.spans if s.name == "sync" and s.worker == "train/0"})
+    assert len(pushed) == 5  # after steps 4 and 8, and for validation after 2, 6 and 9 (the last)
+    assert max(r["staleness/max"] for r in log.steps) <= 3
+    assert sorted(trained_groups(log)) == list(range(36))
+    assert [r["val/version"] for r in log.vals] == [0, 2, 4, 6, 8, 9]
+
+
+def test_pushing_every_n_steps_needs_the_staleness_to_cover_them():
+    with pytest.raises(TandemError, match=r"'sync.every' is 4: .*max_staleness >= N - 1"):
+        load_config(None, ["run.mode=async", "run.max_staleness=2", "sync.every=4"])
+    with pytest.raises(TandemError, match=r"'sync.every' is 2: .*mode 'sync'"):
+        load_config(None, ["sync.every=2"])
