@@ -157,6 +157,20 @@ def cmd_simulate(ns: argparse.Namespace) -> None:
             json.dump(figures, f, indent=2)
 
 
+def cmd_report(ns: argparse.Namespace) -> None:
+    from tandem.report import write_report
+
+    pngs = write_report(ns.runs, ns.out)
+    print(f"wrote {ns.out} and {len(pngs)} PNGs in {pngs[0].parent if pngs else '-'}")
+
+
+def add_report(sub) -> None:
+    r = sub.add_parser("report", help="one HTML page of a run's plots (several runs overlaid)")
+    r.add_argument("runs", nargs="+", help="run directories (runs/<name>)")
+    r.add_argument("--out", default="report.html", help="the page (PNG copies go to <stem>_png/)")
+    r.set_defaults(fn=cmd_report)
+
+
 def add_simulate(sub) -> None:
     s = sub.add_parser("simulate", help="the loop on a virtual clock: modes, splits, speedups")
     s.add_argument("args", nargs="*", help="[recipe.yaml] [section.key=value ...] (sim.* among them)")
@@ -198,6 +212,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--split", choices=["train", "test"], default="train")
     m.set_defaults(fn=cmd_data_make)
     add_simulate(sub)
+    add_report(sub)
     return p
 
 

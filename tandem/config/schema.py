@@ -25,6 +25,13 @@ class RunConfig:
     # is none); or a checkpoint directory. docs/resume.md.
     resume: str = ""
     tensorboard: bool = False
+    # Weights & Biases: every metrics line also goes to a W&B run (needs `pip install wandb`).
+    # wandb_name "" = run.name; wandb_mode offline writes the run under run_dir/wandb, no network.
+    wandb: bool = False
+    wandb_project: str = "tandem"
+    wandb_entity: str = ""
+    wandb_name: str = ""
+    wandb_mode: str = "online"
     progress: bool = True
     threads: int = 0  # torch intra-op threads per role; 0 = the CPUs its placement gives it
     timeout_s: float = 600.0  # longest wait for any one role's result before the run stops with an error

@@ -86,6 +86,7 @@ def validate(cfg: Config) -> None:
     )
     if cfg.run.deterministic:
         _check_deterministic(cfg)
+    _one_of(cfg.run.wandb_mode, ("online", "offline"), "run.wandb_mode", "W&B mode")
     _check(cfg.run.save_every >= 0, "run.save_every", "must be >= 0 (0 = only the final checkpoint).")
     _check(cfg.run.keep_checkpoints >= 0, "run.keep_checkpoints", "must be >= 0 (0 = keep all).")
     _check(cfg.train.warmup_steps >= 0, "train.warmup_steps", "must be >= 0.")

@@ -1,4 +1,4 @@
-"""Metrics out of a run: JSONL every step, TensorBoard when asked, a live progress bar.
+"""Metrics out of a run: JSONL every step, TensorBoard and W&B when asked, a live progress bar.
 
 `metrics.jsonl` has a line per train step (with "version"), per validation (with "val/accuracy")
 and the summary at the end; `batches.jsonl` names the prompt groups each step trained. A run resumed
@@ -7,9 +7,13 @@ run writes them again (validation at V included), so no step appears twice.
 """
 
 import json
+import uuid
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
+
+from tandem.errors import TandemError
 
 
 class MetricsLogger:
@@ -20,7 +24,9 @@ class MetricsLogger:
         tensorboard: bool,
         progress: bool,
         resume_step: int | None = None,
+        wandb: dict[str, Any] | None = None,
     ):
+        """wandb: `wandb.init`'s arguments (project, entity, name, mode, config), or None for no W&B."""
         files = [run_dir / "metrics.jsonl", run_dir / "batches.jsonl"]
         if resume_step is None:
             for f in files:
@@ -34,6 +40,9 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self.wandb = None
+        if wandb is not None:
+            self.wandb = _start_wandb(run_dir, wandb, resume_step is not None)
         self.bar = tqdm(
             total=total_steps,
             initial=resume_step or 0,
@@ -49,6 +58,8 @@ class MetricsLogger:
         if self.tb is not None:
             for k, v in metrics.items():
                 self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
         shown = {"reward": metrics.get("critic/score/mean"), "val_acc": metrics.get("val/accuracy")}
         self.bar.set_postfix({k: f"{v:.3f}" for k, v in shown.items() if v is not None}, refresh=False)
         if "critic/score/mean" in metrics:  # a train step (validation lines do not advance the bar)
@@ -64,6 +75,29 @@ class MetricsLogger:
         self.batches.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def require_wandb() -> Any:
+    """The wandb module, or a TandemError saying how to install it."""
+    try:
+        import wandb
+    except ImportError:
+        raise TandemError(
+            "run.wandb=true needs the wandb package: pip install wandb (or pip install -e '.[wandb]')."
+        ) from None
+    return wandb
+
+
+def _start_wandb(run_dir: Path, options: dict[str, Any], resumed: bool) -> Any:
+    """A W&B run writing under run_dir/wandb; a resumed tandem run continues the same W&B run (its
+    id is kept in run_dir/wandb_id). TandemError when the package is missing."""
+    wandb = require_wandb()
+    id_file = run_dir / "wandb_id"
+    run_id = id_file.read_text().strip() if resumed and id_file.exists() else uuid.uuid4().hex[:8]
+    id_file.write_text(run_id)
+    return wandb.init(dir=str(run_dir), id=run_id, resume="allow", **options)
 
 
 def _keep_until(path: Path, step: int) -> None:

@@ -4,7 +4,7 @@ import json
 import signal
 import sys
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import ray
@@ -14,7 +14,7 @@ from tandem.config import Config, load_config, save_config
 from tandem.controller.checkpoint import check_compatible, find_resume
 from tandem.controller.cluster import RayCluster, start_ray
 from tandem.controller.loop import Loop, Stopped
-from tandem.controller.metrics import MetricsLogger
+from tandem.controller.metrics import MetricsLogger, require_wandb
 from tandem.controller.roles import build_data
 from tandem.errors import TandemError
 from tandem.paths import check_writable
@@ -35,6 +35,21 @@ def with_absolute_paths(cfg: Config) -> Config:
     )
 
 
+def wandb_options(cfg: Config) -> dict | None:
+    """`wandb.init`'s arguments from run.wandb_*, the resolved config as the run's config; None
+    without run.wandb."""
+    r = cfg.run
+    if not r.wandb:
+        return None
+    return dict(
+        project=r.wandb_project,
+        entity=r.wandb_entity or None,
+        name=r.wandb_name or r.name,
+        mode=r.wandb_mode,
+        config=asdict(cfg),
+    )
+
+
 def run_training(cfg: Config, on_step=None) -> dict[str, float]:
     """Train for cfg.run.steps versions in cfg.run.mode; -> the summary (held-out accuracy before and
     after, throughput). `on_step(loop)` is called after each train step (tests use it).
@@ -45,6 +60,8 @@ def run_training(cfg: Config, on_step=None) -> dict[str, float]:
     resume = find_resume(cfg, run_dir)
     if resume is not None:  # refused here, before anything starts
         check_compatible(load_config(resume / "config.yaml"), cfg, resume)
+    if cfg.run.wandb:
+        require_wandb()
     data = build_data(cfg)  # bad input fails here, before any actor starts
     load_reward_fn(cfg.reward.fn)
     start_ray(cfg)
@@ -58,7 +75,9 @@ def run_training(cfg: Config, on_step=None) -> dict[str, float]:
         if resume is not None:
             loop.resume(resume)
         resume_step = loop.version if resume is not None else None
-        log = MetricsLogger(run_dir, cfg.run.steps, cfg.run.tensorboard, cfg.run.progress, resume_step)
+        log = MetricsLogger(
+            run_dir, cfg.run.steps, cfg.run.tensorboard, cfg.run.progress, resume_step, wandb_options(cfg)
+        )
         if on_step is not None:
             loop.on_step = lambda version: on_step(loop)
         with stop_on_signals(loop):
