@@ -10,20 +10,12 @@ import subprocess
 import matplotlib.image
 import pytest
 from helpers import write_tiny_checkpoint
+from test_cli import FAST as CLI_FAST
 
 from tandem.cli.main import main
 from tandem.controller.metrics import MetricsLogger
 
-FAST = [
-    "rollout.batch_size=4",
-    "rollout.n=2",
-    "rollout.max_new_tokens=4",
-    "data.val_size=8",
-    "data.train_size=64",
-    "reward.num_workers=1",
-    "run.progress=false",
-    "run.val_every=1",
-]
+FAST = [*CLI_FAST, "run.val_every=1"]
 
 
 @pytest.fixture(scope="module")
