@@ -3,7 +3,6 @@ logs every metrics line (offline, no network)."""
 
 import base64
 import json
-import os
 import shutil
 import subprocess
 
@@ -87,6 +86,8 @@ def test_the_page_renders_in_a_headless_browser(runs, tmp_path):
 def test_wandb_offline_logs_every_metrics_line(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):  # nothing outside tmp_path
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
     options = dict(project="tandem-test", entity=None, name="t", mode="offline", config={"run": {"seed": 0}})
     log = MetricsLogger(tmp_path, 3, tensorboard=False, progress=False, wandb=options)
     for step in (1, 2, 3):
@@ -98,4 +99,3 @@ def test_wandb_offline_logs_every_metrics_line(tmp_path, monkeypatch):
     assert b"critic/score/mean" in data and b"mismatch/kl" in data
     assert all(json.dumps(step / 8).encode() in data for step in (1, 2, 3))
     assert (tmp_path / "wandb_id").read_text() in files[0].name  # a resumed run continues this W&B run
-    os.environ.pop("WANDB_MODE", None)
