@@ -3,8 +3,8 @@
 All times are full-speed seconds (a worker sharing its devices beyond their capacity runs slower:
 `tandem.sim.cluster`). One formula per kind of work, the same for every configuration:
 
-    decode step   max(W / (d·BW·e), 2·P·n / (d·F·m_dec)) + C·kv / (d·BW·e) + o + 2·L·a·[d > 1]
-    prefill       t tokens: 2·P·t / (d·F·m_pre)
+    decode step   max(W / (d·BW·e), 2·P·n / (d^γ·F·m_dec)) + C·kv / (d·BW·e) + o + 2·L·a·[d > 1]
+    prefill       t tokens: 2·P·t / (d^γ·F·m_pre)
     train step    tokens·(6·P + attn)·r / (G·F·m_train·s(G)) + updates·u, and a π_old forward
                   tokens·(2·P + attn) / (G·F·m_fwd·s(G)) where the trainer recomputes it
     weight push   o_sync + bytes / link (a trainer on other devices), bytes / local (colocated)
@@ -14,7 +14,8 @@ keys and values per context token, d devices of an engine (tensor parallel), G o
 memory bandwidth, F peak FLOP/s, e and m the fractions of them achieved, o a decode step's fixed
 cost (launches, sampling, scheduling), a one all-reduce's latency (2 per layer under tensor
 parallelism), r 4/3 with activation checkpointing (else 1), u an optimizer update's own cost,
-s(G) = (G / G_ref)^(β - 1) beyond G_ref devices (data-parallel training scales sub-linearly).
+s(G) = (G / G_ref)^(β - 1) beyond G_ref devices (data-parallel training scales sub-linearly), γ how
+an engine's compute grows with its devices (1 for tensor parallelism on GPUs; CPU threads less).
 The figures come from a calibration file (recipes/sim-calibration-*.yaml), each with its source.
 """
 
@@ -42,6 +43,7 @@ class Calibration:
     decode_mfu: float = 0.5  # m_dec: of peak FLOP/s in a compute-bound decode step
     prefill_mfu: float = 0.5  # m_pre
     decode_step_overhead_s: float = 0.0  # o
+    engine_scaling_exponent: float = 1.0  # γ: an engine's FLOP/s grow as devices^γ
     allreduce_latency_s: float = 0.0  # a
     train_mfu: float = 0.4  # m_train: forward + backward, at up to train_scaling_ref devices
     forward_mfu: float = 0.4  # m_fwd: a forward-only pass (π_old, reference logprobs, values), likewise
@@ -93,7 +95,7 @@ class Calibration:
         for key in ("peak_flops", "memory_bytes_per_s", "bandwidth_efficiency", "decode_mfu", "prefill_mfu"):
             if getattr(cal, key) <= 0:
                 raise TandemError(f"{p}: {key} must be > 0.")
-        for key in ("train_mfu", "forward_mfu", "train_scaling_exponent"):
+        for key in ("train_mfu", "forward_mfu", "train_scaling_exponent", "engine_scaling_exponent"):
             if not 0 < getattr(cal, key) <= 1:
                 raise TandemError(f"{p}: {key} must be in (0, 1].")
         return cal
@@ -131,7 +133,7 @@ class Costs:
         """The part of a decode step of n sequences that does not grow with their context."""
         c = self.cal
         weights = self.weight_bytes / (d * c.memory_bytes_per_s * c.bandwidth_efficiency)
-        flops = 2 * self.shape.params * n / (d * c.peak_flops * c.decode_mfu)
+        flops = 2 * self.shape.params * n / (d**c.engine_scaling_exponent * c.peak_flops * c.decode_mfu)
         tp = 2 * self.shape.layers * c.allreduce_latency_s if d > 1 else 0.0
         return max(weights, flops) + c.decode_step_overhead_s + tp
 
@@ -140,7 +142,8 @@ class Costs:
         return self.kv_bytes_per_token / (d * self.cal.memory_bytes_per_s * self.cal.bandwidth_efficiency)
 
     def prefill_s(self, tokens: float, d: float) -> float:
-        return 2 * self.shape.params * tokens / (d * self.cal.peak_flops * self.cal.prefill_mfu)
+        c = self.cal
+        return 2 * self.shape.params * tokens / (d**c.engine_scaling_exponent * c.peak_flops * c.prefill_mfu)
 
     def kv_capacity_tokens(self, d: float, memory_fraction: float) -> float:
         """Tokens of context an engine holds: its share of the devices' memory less the weights."""
