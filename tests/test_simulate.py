@@ -1,0 +1,195 @@
+"""`tandem simulate`: the virtual-clock cluster, the closed-form engine, the cost model, and the
+simulator's predictions moving the right way when the cluster or the workload changes. No Ray."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tandem.cli.main import main
+from tandem.config import load_config
+from tandem.errors import TandemError
+from tandem.sample import Prompt, Sample
+from tandem.sim import compare
+from tandem.sim.cluster import Job, SimCluster
+from tandem.sim.costs import Calibration, Costs, Shape
+from tandem.sim.engine import Engine, Seq
+from tandem.sim.models import model_config
+from tandem.sim.workers import TimedWorker
+
+ROOT = Path(__file__).resolve().parent.parent
+H100 = str(ROOT / "recipes" / "sim-calibration-h100.yaml")
+SMALL = [
+    "run.steps=6",
+    "run.val_every=0",
+    "data.val_size=0",
+    "rollout.batch_size=16",
+    "rollout.n=4",
+    "rollout.max_new_tokens=4096",
+    "rollout.chunk_groups=2",
+    "algo.corrections=[bypass]",
+    f"sim.calibration={H100}",
+    "sim.model=qwen2.5-1.5b",
+    "sim.gpus=[8]",
+    "sim.length_mean=600",
+    "sim.warmup_steps=2",
+]
+SPLIT = ["placement.groups=[[actor_train],[generate]]", "placement.ratios=[0.5,0.5]"]
+
+
+def simulate(*overrides):
+    return {r.label: r for r in compare(None, [*SMALL, *overrides]).results}
+
+
+def costs() -> Costs:
+    return Costs(Shape.of(model_config("qwen2.5-7b")), Calibration.load(H100))
+
+
+# -- the pieces -------------------------------------------------------------------------------------
+
+
+class Sleeper(TimedWorker):
+    def cost(self, job: Job) -> float:
+        return job.args[0]
+
+    def result(self, job: Job, now: float):
+        return job.args[-1]
+
+
+def test_the_cluster_runs_a_lane_one_call_at_a_time_and_waits_for_arguments():
+    workers = {"a/0": Sleeper("a/0"), "b/0": Sleeper("b/0")}
+    cluster = SimCluster(workers, {"a": ["a/0"], "b": ["b/0"]}, pools={})
+    first = cluster.submit("a/0", "f", 2.0, "first")
+    second = cluster.submit("a/0", "f", 1.0, "second")  # same lane: after the first
+    after = cluster.submit("b/0", "f", 0.5, first)  # gets the first's result, once it has ended
+    done = [cluster.wait_next({first, second, after}, 0) for _ in range(3)]
+    assert [(d.result, d.handle.end) for d in done] == [("first", 2.0), ("first", 2.5), ("second", 3.0)]
+    assert cluster.wait_next({cluster.submit("a/0", "f", math.inf, "never")}, 0) is None
+
+
+def test_a_shared_pool_slows_its_workers_by_capacity_over_demand():
+    workers = {"a/0": Sleeper("a/0", pool="cpus", demand=2.0), "b/0": Sleeper("b/0", pool="cpus", demand=2.0)}
+    for w in workers.values():
+        w.compute = ("f",)
+    cluster = SimCluster(workers, {}, pools={"cpus": 2.0})
+    a, b = cluster.submit("a/0", "f", 1.0, "a"), cluster.submit("b/0", "f", 1.0, "b")
+    assert cluster.get([a, b], 0) == ["a", "b"] and a.end == pytest.approx(2.0)
+
+
+def test_the_engine_s_closed_form_equals_stepping_token_by_token():
+    c = costs()
+    engine = Engine(c, devices=1, max_seqs=3, kv_tokens=math.inf)
+    targets, prompt = [5, 40, 17, 9], 100
+    seqs = [Seq(Sample(Prompt(), list(range(prompt))), "call", t, 0, prompt, 0) for t in targets]
+    engine.add(seqs)
+    clock, ended = 0.0, {}
+    while engine.busy():
+        dt = engine.until_next()
+        clock += dt
+        ended |= {id(s): clock for s in engine.advance(dt)}
+    # by hand: at most 3 decode together; the 4th enters when the first ends
+    t, running, done, ctx = 0.0, [0, 1, 2], {}, {i: prompt for i in range(4)}
+    left = dict(enumerate(targets))
+    while running:
+        n, context = len(running), sum(ctx[i] for i in running)
+        t += c.decode_step_fixed(n, 1) + c.kv_s_per_token(1) * context
+        for i in running:
+            left[i] -= 1
+            ctx[i] += 1
+        for i in [i for i in running if left[i] == 0]:
+            running.remove(i)
+            done[i] = t
+            if 3 not in running and 3 not in done:
+                running.append(3)
+    for i, s in enumerate(seqs):
+        # the closed form lets context grow within a step, stepping adds it after: a token's worth
+        assert ended[id(s)] == pytest.approx(done[i], rel=0.02)
+
+
+def test_decode_is_memory_bound_at_small_batches_and_compute_bound_at_large_ones():
+    c = costs()
+    assert c.decode_step_fixed(1, 1) == pytest.approx(c.decode_step_fixed(8, 1))  # reading the weights
+    big = c.decode_step_fixed(2048, 1), c.decode_step_fixed(4096, 1)
+    assert big[1] - c.cal.decode_step_overhead_s == pytest.approx(2 * (big[0] - c.cal.decode_step_overhead_s))
+    assert c.decode_step_fixed(1, 4) < c.decode_step_fixed(1, 1)  # tensor parallelism reads a quarter each
+    assert c.train_s([1000] * 64, 64, 1) > c.train_s([1000] * 64, 128, 1) > c.train_s([1000] * 64, 64, 1) / 2
+
+
+def test_a_calibration_file_with_a_bad_key_or_value_is_named(tmp_path):
+    bad = tmp_path / "cal.yaml"
+    bad.write_text("peak_flop: 1.0e+12\n")
+    with pytest.raises(TandemError, match=r"unknown key 'peak_flop'"):
+        Calibration.load(bad)
+    bad.write_text("train_mfu: 1.5\n")
+    with pytest.raises(TandemError, match=r"train_mfu must be in \(0, 1\]"):
+        Calibration.load(bad)
+    with pytest.raises(TandemError, match=r"'sim.calibration'.*does not exist"):
+        compare(None, [*SMALL, "sim.calibration=nowhere.yaml"])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("sim.gpus=[0]", "'sim.gpus' must be GPU counts >= 1"),
+        ("sim.baseline=fast", "'sim.baseline' is 'fast', not a known run label"),
+        ("sim.lengths=uniform", "'sim.lengths' is 'uniform'"),
+        ("sim.runs=[[a=1]]", r"'sim.runs\[0\]' must be \[label, section.key=value"),
+        ("sim.model=gpt-5", "'sim.model' is 'gpt-5', not a shape"),
+    ],
+)
+def test_bad_sim_keys_are_named(override, message):
+    with pytest.raises(TandemError, match=message):
+        compare(None, [*SMALL, override])
+
+
+# -- the predictions ----------------------------------------------------------------------------------
+
+
+def test_a_small_cluster_simulates_every_mode_within_its_staleness_bound():
+    runs = simulate(*SPLIT, "run.max_staleness=2")
+    assert set(runs) == {"sync", "one_step_off", "async"}
+    assert runs["sync"].staleness_max == 0 and runs["one_step_off"].staleness_max <= 1
+    assert runs["async"].staleness_max <= 2
+    for r in runs.values():
+        assert r.samples_per_s > 0 and all(0 <= v <= 1 for v in r.idle.values())
+    assert runs["sync"].split == "colocated" and runs["async"].split == "actor_train 0.5 / generate 0.5"
+
+
+def test_more_rollout_gpus_leave_the_trainer_less_idle_and_more_trainer_gpus_the_rollout():
+    few = simulate("placement.groups=[[actor_train],[generate]]", "placement.ratios=[0.75,0.25]")["async"]
+    many = simulate("placement.groups=[[actor_train],[generate]]", "placement.ratios=[0.25,0.75]")["async"]
+    assert many.idle["train"] < few.idle["train"]
+    assert few.idle["rollout"] < many.idle["rollout"]
+
+
+def test_more_gpus_more_throughput_and_a_longer_tail_makes_sync_wait_more():
+    small, big = simulate("sim.gpus=[4]")["sync"], simulate("sim.gpus=[16]")["sync"]
+    assert big.samples_per_s > small.samples_per_s
+    short, long = simulate("sim.length_sigma=0.3")["sync"], simulate("sim.length_sigma=1.5")["sync"]
+    # the engines wait on each batch's slowest response, and the trainer on the engines
+    assert long.idle["rollout"] > short.idle["rollout"] and long.idle["train"] > short.idle["train"]
+
+
+def test_a_larger_staleness_bound_never_slows_async():
+    tight = simulate(*SPLIT, "run.max_staleness=0")["async"]
+    loose = simulate(*SPLIT, "run.max_staleness=3")["async"]
+    assert loose.samples_per_s >= tight.samples_per_s and loose.staleness_max <= 3
+
+
+def test_the_cli_prints_the_table_and_writes_the_figures(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    assert main(["simulate", *SMALL, *SPLIT, "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "speedup" in table and "one_step_off" in table
+    figures = json.loads(out.read_text())
+    assert figures["speedup_sync_8_gpus"] == 1.0
+    assert figures["speedup_8_gpus"] == figures["speedup_async_8_gpus"]
+
+
+def test_the_shipped_simulation_recipes_load():
+    for recipe in sorted((ROOT / "recipes").glob("sim-*.yaml")):
+        if "calibration" in recipe.name:
+            Calibration.load(recipe)
+        else:
+            load_config(recipe)
