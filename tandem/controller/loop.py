@@ -14,7 +14,6 @@ It blocks on the cluster's `wait_next` (never sleep-polls) with a timeout that n
 for. The cluster is Ray's actors (`RayCluster`) or simulated workers on a virtual clock (`tandem.sim`).
 """
 
-import math
 from collections import deque
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from tandem.controller.protocol import Cluster, Done, Handle, WorkerDied
 from tandem.controller.resume import resume_from, save_checkpoint
 from tandem.controller.roles import Data, sampling_params
 from tandem.controller.slots import RolloutSlots
-from tandem.controller.stats import rollout_stats
+from tandem.controller.step_metrics import StepMetrics
 from tandem.controller.timeline import Timeline
 from tandem.controller.validation import Validation
 from tandem.determinism import request_seed
@@ -36,14 +35,6 @@ from tandem.errors import TandemError
 from tandem.rollout import make_groups
 from tandem.sample import Sample, Status
 from tandem.sync import TRANSPORTS
-
-# Counted per train step (reward errors/timeouts come from the reward calls of the step's window).
-STEP_COUNTERS = {
-    "rollout/aborted": 0.0,
-    "rollout/restarts": 0.0,
-    "reward/errors": 0.0,
-    "reward/timeouts": 0.0,
-}
 
 
 class Stopped(Exception):
@@ -77,12 +68,10 @@ class Loop:
         self.receiving: dict[int, int] = {}  # version -> rollout workers yet to ack it
         self.last_handle: Handle = None  # the latest push's handle, for re-syncing a restarted worker
         self.undelivered: deque[tuple[int, Handle]] = deque()  # (version, handle) pushed, not yet received
-        self.last_metrics: dict[str, float] = {}
         self.sampling = None  # DAPO's dynamic sampling (algo.filter_groups)
         if cfg.algo.filter_groups:
             self.sampling = DynamicSampling(cfg.rollout.batch_size, cfg.algo.max_filter_rounds)
-        self.step_extra = self.counters()
-        self.rewards = {"scored": 0.0, "failed": 0.0}  # training samples, over the run
+        self.stats = StepMetrics(filtering=self.sampling is not None)
         self.timeline = Timeline(cluster.names, start=cluster.now())
         self.on_step = None  # a callback(version) after each train step (tests use it)
         self.checkpoints = Checkpoints(Path(r.out_dir) / r.name, r.keep_checkpoints)
@@ -106,7 +95,7 @@ class Loop:
             self.next_group += len(prompts)
             room -= len(prompts)
             if self.sampling:
-                self.step_extra["filter/extra_prompts"] += self.sampling.refilled(len(prompts))
+                self.stats.count("filter/extra_prompts", self.sampling.refilled(len(prompts)))
             self.work.append((Kind.GENERATE, samples, self.published))
 
     def room(self) -> int:
@@ -161,10 +150,7 @@ class Loop:
     def on_sleep(self, call: Call, result) -> None:
         metrics, span = result
         self.timeline.add(span)
-        extra = self.step_extra
-        extra["memory/engine_bytes"] = extra.get("memory/engine_bytes", 0.0) + metrics["memory/engine_bytes"]
-        for k in ("perf/sleep_s", "perf/wake_s"):  # the workers sleep (and woke) in parallel
-            extra[k] = max(extra.get(k, 0.0), metrics[k])
+        self.stats.slept(metrics)
         self.slept(call)
 
     def slept(self, call: Call) -> None:
@@ -198,7 +184,7 @@ class Loop:
         """Train up to run.steps versions; `logger.log(step, metrics)` gets each step's and
         validation's metrics, `logger.log_batch(step, group_ids)` the groups each step trained."""
         self.logger = logger
-        self.started = self.step_start = self.cluster.now()
+        self.stats.start(self.cluster.now())
         if self.version == 0 or self.validates(self.version):
             self.request_validation(self.version)
         while not self.finished():
@@ -242,7 +228,7 @@ class Loop:
         self.slots.returned(call.rank)
         partial = [s for s in samples if s.status == Status.ABORTED]
         if partial:  # re-submitted as prompt + partial response, ahead of new prompts
-            self.step_extra["rollout/aborted"] += len(partial)
+            self.stats.count("rollout/aborted", len(partial))
             self.work.appendleft((Kind.GENERATE, partial, call.version))
         done = []
         for s in samples:
@@ -260,13 +246,10 @@ class Loop:
     def on_reward(self, call: Call, result) -> None:
         samples, metrics, span = result
         self.timeline.add(span)
-        for k, v in metrics.items():
-            self.step_extra[k] = self.step_extra.get(k, 0.0) + v
-        self.rewards["scored"] += len(samples)
-        self.rewards["failed"] += metrics.get("reward/errors", 0.0) + metrics.get("reward/timeouts", 0.0)
+        self.stats.rewarded(samples, metrics)
         if self.sampling:
             samples, dropped = self.sampling.keep(samples, self.buffer, self.version)
-            self.step_extra["filter/dropped_groups"] += dropped
+            self.stats.count("filter/dropped_groups", dropped)
             if not samples:
                 return
         if self.cluster.names.get("ref"):
@@ -395,31 +378,9 @@ class Loop:
 
     # -- steps, failures, the end ------------------------------------------------------------------
     def log_step(self, batch: list[Sample], train: dict[str, float]) -> None:
-        now = self.cluster.now()
-        wall = now - self.step_start
-        tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch)
-        metrics = {
-            **rollout_stats(batch, self.version - 1),
-            **train,
-            **self.step_extra,
-            **self.buffer.stats(),
-            **self.timeline.idle_ratios(self.step_start, now),
-            **self.timeline.seconds_by_name(self.step_start, now),
-            "timing_s/step": wall,
-            "perf/samples_per_s": len(batch) / wall,
-            "perf/throughput_tokens_per_s": tokens / wall,
-            "version": float(self.version),
-        }
-        self.step_extra = self.counters()
-        self.step_start = now
-        self.last_metrics = metrics
+        metrics = self.stats.step(batch, train, self.version, self.buffer, self.timeline, self.cluster.now())
         self.logger.log(self.version, metrics)
         self.logger.log_batch(self.version, sorted({s.group_id for s in batch}))
-
-    def counters(self) -> dict[str, float]:
-        """The per-step counters, zeroed."""
-        extra = {"filter/dropped_groups": 0.0, "filter/extra_prompts": 0.0} if self.sampling else {}
-        return {**STEP_COUNTERS, **extra}
 
     def on_worker_died(self, call: Call, error: Exception) -> None:
         """A dead rollout worker is restarted by Ray: re-sync its weights, re-submit its prompts."""
@@ -436,7 +397,7 @@ class Loop:
         if self.slots.syncing[i] and call.kind != Kind.RESYNC:
             return  # a re-sync is already on its way
         if not self.slots.syncing[i]:
-            self.step_extra["rollout/restarts"] += 1
+            self.stats.count("rollout/restarts")
         if not self.slots.restarting(i):
             raise self.died(call.worker, "and could not be restarted", error)
         self.resync(i)
@@ -463,21 +424,5 @@ class Loop:
         resume_from(self, path)
 
     def summary(self) -> dict[str, float]:
-        wall = self.cluster.now() - self.started
         trained = (self.cfg.run.steps - self.first_version) * self.cfg.rollout.batch_size * self.cfg.rollout.n
-        out = {
-            "critic/score/mean_final": self.last_metrics.get("critic/score/mean", math.nan),
-            "perf/run_samples_per_s": trained / wall,
-            "reward/failed_fraction": self.rewards["failed"] / max(self.rewards["scored"], 1.0),
-        }
-        val = self.validation.metrics
-        if 0 in val and self.cfg.run.steps in val:
-            start, end = val[0]["val/accuracy"], val[self.cfg.run.steps]["val/accuracy"]
-            out.update(
-                {
-                    "val/accuracy_start": start,
-                    "val/accuracy_final": end,
-                    "val/accuracy_gain_points": 100 * (end - start),
-                }
-            )
-        return out
+        return self.stats.summary(trained, self.validation.metrics, self.cfg.run.steps, self.cluster.now())

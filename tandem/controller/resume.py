@@ -70,7 +70,7 @@ def driver_state(loop: "Loop") -> dict[str, Any]:
         "buffer": loop.buffer.state_dict(),
         "in_flight": in_flight,
         "val_metrics": loop.validation.metrics,
-        "rewards": loop.rewards,
+        "rewards": loop.stats.rewards,
         "lengths": loop.lengths.getstate(),
         "filter": loop.sampling.state_dict() if loop.sampling else None,
     }
@@ -88,7 +88,7 @@ def resume_from(loop: "Loop", path: Path) -> None:
         raise TandemError(f"{path}: the trainers hold versions {versions}, driver.pt {state['version']}.")
     loop.version = loop.first_version = state["version"]
     loop.next_group, loop.validation.metrics = state["next_group"], state["val_metrics"]
-    loop.rewards = state["rewards"]
+    loop.stats.rewards = state["rewards"]
     loop.lengths.setstate(state["lengths"])
     if loop.sampling and state.get("filter"):
         loop.sampling.load_state_dict(state["filter"])

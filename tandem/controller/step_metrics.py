@@ -1,0 +1,89 @@
+"""The loop's bookkeeping of metrics: counters per train step, each step's metrics line, the summary.
+
+Counters (rollout aborts and restarts, reward errors and timeouts, DAPO's filter) add up over a
+step's window and start again at zero; the rewards scored and failed add up over the run.
+"""
+
+import math
+
+from tandem.buffer import RolloutBuffer
+from tandem.controller.stats import rollout_stats
+from tandem.controller.timeline import Timeline
+from tandem.sample import Sample
+
+STEP_COUNTERS = ("rollout/aborted", "rollout/restarts", "reward/errors", "reward/timeouts")
+FILTER_COUNTERS = ("filter/dropped_groups", "filter/extra_prompts")
+
+
+class StepMetrics:
+    def __init__(self, filtering: bool):
+        self.filtering = filtering  # DAPO's dynamic sampling: its counters too
+        self.extra = self.zeroed()  # this step's counters (and the engines' sleep figures)
+        self.rewards = {"scored": 0.0, "failed": 0.0}  # training samples, over the run
+        self.last: dict[str, float] = {}  # the latest step's line
+        self.started = self.step_start = 0.0
+
+    def zeroed(self) -> dict[str, float]:
+        return dict.fromkeys((*STEP_COUNTERS, *(FILTER_COUNTERS if self.filtering else ())), 0.0)
+
+    def start(self, now: float) -> None:
+        self.started = self.step_start = now
+
+    def count(self, key: str, value: float = 1.0) -> None:
+        self.extra[key] = self.extra.get(key, 0.0) + value
+
+    def rewarded(self, samples: list[Sample], metrics: dict[str, float]) -> None:
+        """A reward call's counters, and its samples scored (or failed) over the run."""
+        for k, v in metrics.items():
+            self.count(k, v)
+        self.rewards["scored"] += len(samples)
+        self.rewards["failed"] += metrics.get("reward/errors", 0.0) + metrics.get("reward/timeouts", 0.0)
+
+    def slept(self, metrics: dict[str, float]) -> None:
+        """A rollout engine freed its memory: the bytes add up, the workers slept (and woke) in parallel."""
+        self.count("memory/engine_bytes", metrics["memory/engine_bytes"])
+        for k in ("perf/sleep_s", "perf/wake_s"):
+            self.extra[k] = max(self.extra.get(k, 0.0), metrics[k])
+
+    def step(
+        self,
+        batch: list[Sample],
+        train: dict[str, float],
+        version: int,
+        buffer: RolloutBuffer,
+        timeline: Timeline,
+        now: float,
+    ) -> dict[str, float]:
+        """The line of the step that made `version` from `batch`; the counters start again."""
+        wall = now - self.step_start
+        tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch)
+        self.last = {
+            **rollout_stats(batch, version - 1),
+            **train,
+            **self.extra,
+            **buffer.stats(),
+            **timeline.idle_ratios(self.step_start, now),
+            **timeline.seconds_by_name(self.step_start, now),
+            "timing_s/step": wall,
+            "perf/samples_per_s": len(batch) / wall,
+            "perf/throughput_tokens_per_s": tokens / wall,
+            "version": float(version),
+        }
+        self.extra, self.step_start = self.zeroed(), now
+        return self.last
+
+    def summary(self, trained: int, val: dict[int, dict], steps: int, now: float) -> dict[str, float]:
+        """`trained` samples in this process; `val`: validation metrics by version; `steps` the last."""
+        out = {
+            "critic/score/mean_final": self.last.get("critic/score/mean", math.nan),
+            "perf/run_samples_per_s": trained / (now - self.started),
+            "reward/failed_fraction": self.rewards["failed"] / max(self.rewards["scored"], 1.0),
+        }
+        if 0 in val and steps in val:
+            start, end = val[0]["val/accuracy"], val[steps]["val/accuracy"]
+            out |= {
+                "val/accuracy_start": start,
+                "val/accuracy_final": end,
+                "val/accuracy_gain_points": 100 * (end - start),
+            }
+        return out
