@@ -283,3 +283,17 @@ def test_the_batch_invariant_switch_reaches_every_moe_layer(tmp_path, dtype):
     with torch.no_grad():
         alone = forward(model, ids[:1])
         assert torch.equal(forward(model, ids)[:1], alone)
+
+
+def test_the_shipped_moe_warm_start_is_a_qwen3_moe_with_transformers_logits():
+    """builtin:addition-moe loads in transformers (its own class) and in tandem to the same logits."""
+    from tandem.model import resolve_model_path
+
+    path = resolve_model_path("builtin:addition-moe")
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    assert hf.config.model_type == "qwen3_moe" and hf.config.num_experts == 8
+    ours = load_model(path)
+    assert sum(isinstance(layer.mlp, SparseMoE) for layer in ours.model.layers) == 4
+    ids = torch.randint(3, 40, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(forward(ours, ids), hf(ids).logits, atol=1e-4, rtol=0)
