@@ -1,6 +1,7 @@
 """`tandem simulate`: the virtual-clock cluster, the closed-form engine, the cost model, and the
 simulator's predictions moving the right way when the cluster or the workload changes. No Ray."""
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -16,6 +17,7 @@ from tandem.sim.cluster import Job, SimCluster
 from tandem.sim.costs import Calibration, Costs, Shape
 from tandem.sim.engine import Engine, Seq
 from tandem.sim.models import model_config
+from tandem.sim.run import summarize
 from tandem.sim.workers import TimedWorker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,6 +116,50 @@ def test_decode_is_memory_bound_at_small_batches_and_compute_bound_at_large_ones
     assert big[1] - c.cal.decode_step_overhead_s == pytest.approx(2 * (big[0] - c.cal.decode_step_overhead_s))
     assert c.decode_step_fixed(1, 4) < c.decode_step_fixed(1, 1)  # tensor parallelism reads a quarter each
     assert c.train_s([1000] * 64, 64, 1) > c.train_s([1000] * 64, 128, 1) > c.train_s([1000] * 64, 64, 1) / 2
+
+
+def test_one_data_parallel_law_over_every_trainer_size_below_the_reference_too():
+    c = costs()  # H100: train_scaling_ref 32, exponent β
+    beta, batch = c.cal.train_scaling_exponent, [1000] * 64
+    work = [c.train_s(batch, g, 0) for g in (8, 16, 32, 64, 128)]
+    # throughput ∝ G^β on either side of the reference: 2x the GPUs, 2^β the speed, never 2x
+    for fewer, more in itertools.pairwise(work):
+        assert fewer / more == pytest.approx(2**beta)
+    assert work[1] < 2 * work[2]  # half the reference's GPUs: faster per GPU, not linear
+
+
+def test_a_colocated_trainer_runs_at_its_efficiency_of_a_dedicated_one(tmp_path):
+    cal = tmp_path / "cal.yaml"
+    cal.write_text(Path(H100).read_text() + "colocated_train_efficiency: 0.5\n")
+    c = Costs(Shape.of(model_config("qwen2.5-7b")), Calibration.load(cal))
+    batch = [1000] * 64
+    shared, own = c.train_s(batch, 32, 0, colocated=True), c.train_s(batch, 32, 0)
+    assert shared == pytest.approx(2 * own)
+    assert c.forward_s(batch, 32, colocated=True) == pytest.approx(2 * c.forward_s(batch, 32))
+    assert costs().train_s(batch, 32, 0, colocated=True) == pytest.approx(own)  # default: 1
+
+
+def test_a_call_before_its_worker_is_up_waits_for_it():
+    worker = Sleeper("a/0")
+    worker.ready_at = 5.0
+    cluster = SimCluster({"a/0": worker}, {"a": ["a/0"]}, pools={})
+    first = cluster.submit("a/0", "f", 1.0, "first")
+    second = cluster.submit("a/0", "f", 1.0, "second")
+    cluster.get([first, second], 0)
+    assert (first.end, second.end) == (6.0, 7.0)  # up at 5 s; later calls do not wait again
+
+
+def test_the_phases_add_up_to_the_step_and_the_drain_is_left_out():
+    runs = simulate(*SPLIT)
+    for r in runs.values():
+        assert r.wait_s + r.logp_s + r.update_s == pytest.approx(r.step_s)
+        assert r.update_s > 0 and r.wait_s >= 0
+    assert simulate("algo.corrections=[icepop]")["one_step_off"].logp_s > 0  # π_old recomputed
+    steps = [{"timing_s/step": t, "perf/throughput_tokens_per_s": 1.0, "staleness/mean": 0.0,
+              "staleness/max": 0.0} for t in (9.0, 2.0, 2.0, 7.0)]  # fmt: skip
+    cfg = load_config(None, [*SMALL, "sim.warmup_steps=1"])
+    r = summarize(cfg, "sync", 8, "colocated", steps, {"perf/run_samples_per_s": 1.0})
+    assert r.step_s == 2.0  # the first fills the pipeline, the last drains it
 
 
 def test_a_calibration_file_with_a_bad_key_or_value_is_named(tmp_path):

@@ -34,14 +34,16 @@ class Comparison:
 
     def table(self) -> str:
         roles = sorted({role for r in self.results for role in r.idle})
-        head = f"{'gpus':>5} {'run':<18} {'split':<28} {'step s':>8} {'samples/s':>10} {'tokens/s':>10} "
+        head = f"{'gpus':>5} {'run':<18} {'split':<28} {'step s':>8} "
+        head += f"{'wait s':>7} {'logp s':>7} {'update s':>8} {'samples/s':>10} {'tokens/s':>10} "
         head += " ".join(f"{'idle ' + role:>12}" for role in roles)
         head += f" {'stale mean/max':>15} {'speedup':>8} {'whole run':>9}"
         lines = [head]
         for r in self.results:
             idle = " ".join(f"{r.idle.get(role, 0.0):>12.2f}" for role in roles)
             lines.append(
-                f"{r.gpus or 'cpu':>5} {r.label:<18} {r.split:<28} {r.step_s:>8.2f} {r.samples_per_s:>10.2f} "
+                f"{r.gpus or 'cpu':>5} {r.label:<18} {r.split:<28} {r.step_s:>8.2f} {r.wait_s:>7.2f} "
+                f"{r.logp_s:>7.2f} {r.update_s:>8.2f} {r.samples_per_s:>10.2f} "
                 f"{r.tokens_per_s:>10.0f} {idle} {r.staleness_mean:>9.2f}/{r.staleness_max:<5.0f} "
                 f"{self.speedup(r):>7.2f}x {self.run_speedup(r):>8.2f}x"
             )
@@ -49,7 +51,8 @@ class Comparison:
 
     def figures(self) -> dict[str, float]:
         """speedup_<label>_<gpus>_gpus (or _cpu; the run labelled async also as speedup_<gpus>_gpus),
-        and each run's samples_per_s_*, step_s_* and idle_<role>_*."""
+        and each run's samples_per_s_*, step_s_*, its phases (wait_s_*, logp_s_*, update_s_*) and
+        idle_<role>_*."""
         out = {}
         for r in self.results:
             where = f"{r.gpus}_gpus" if r.gpus else "cpu"
@@ -59,6 +62,8 @@ class Comparison:
             out[f"run_speedup_{r.label}_{where}"] = self.run_speedup(r)
             out[f"samples_per_s_{r.label}_{where}"] = r.samples_per_s
             out[f"step_s_{r.label}_{where}"] = r.step_s
+            for phase in ("wait", "logp", "update"):
+                out[f"{phase}_s_{r.label}_{where}"] = getattr(r, f"{phase}_s")
             out |= {f"idle_{role}_{r.label}_{where}": v for role, v in r.idle.items()}
         return out
 

@@ -5,8 +5,9 @@ All times are full-speed seconds (a worker sharing its devices beyond their capa
 
     decode step   max(W / (d·BW·e), 2·P·n / (d^γ·F·m_dec)) + C·kv / (d·BW·e) + o + 2·L·a·[d > 1]
     prefill       t tokens: 2·P·t / (d^γ·F·m_pre)
-    train step    tokens·(6·P + attn)·r / (G·F·m_train·s(G)) + updates·u, and a π_old forward
-                  tokens·(2·P + attn) / (G·F·m_fwd·s(G)) where the trainer recomputes it
+    train step    tokens·(6·P + attn)·r / R(G, m_train) + updates·u, and a π_old forward
+                  tokens·(2·P + attn) / R(G, m_fwd) where the trainer recomputes it
+    trainer rate  R(G, m) = G·F·m·s(G)·η_c,  s(G) = (G / G_ref)^(β - 1)
     weight push   o_sync + bytes / link (a trainer on other devices), bytes / local (colocated)
 
 W weight bytes, P parameters, n running sequences, C their summed context (tokens), kv bytes of
@@ -14,9 +15,16 @@ keys and values per context token, d devices of an engine (tensor parallel), G o
 memory bandwidth, F peak FLOP/s, e and m the fractions of them achieved, o a decode step's fixed
 cost (launches, sampling, scheduling), a one all-reduce's latency (2 per layer under tensor
 parallelism), r 4/3 with activation checkpointing (else 1), u an optimizer update's own cost,
-s(G) = (G / G_ref)^(β - 1) beyond G_ref devices (data-parallel training scales sub-linearly), γ how
-an engine's compute grows with its devices (1 for tensor parallelism on GPUs; CPU threads less).
-The figures come from a calibration file (recipes/sim-calibration-*.yaml), each with its source.
+γ how an engine's compute grows with its devices (1 for tensor parallelism on GPUs; CPU threads
+less). s(G) is data-parallel training's per-device efficiency: one power law over every trainer
+size, 1 at G_ref devices, above 1 on fewer (less communication per FLOP), below 1 on more; the
+trainer's throughput grows as G^β. η_c is 1 for a trainer on devices of its own and
+`colocated_train_efficiency` for one that time-shares them with sleeping rollout engines: verl's
+published 7B tables (H20) show its colocated trainer on G GPUs as fast as its dedicated one on G/2,
+η_c = 2^-β = 0.64 (recipes/sim-calibration-h20.yaml: offload between phases and the engine's
+resident CUDA graphs are part of it; the table does not say what the rest is). Every call a worker
+starts before `startup_s` into the run waits until then (`tandem.sim.workers.TimedWorker`). The
+figures come from a calibration file (recipes/sim-calibration-*.yaml), each with its source.
 """
 
 import dataclasses
@@ -45,10 +53,11 @@ class Calibration:
     decode_step_overhead_s: float = 0.0  # o
     engine_scaling_exponent: float = 1.0  # γ: an engine's FLOP/s grow as devices^γ
     allreduce_latency_s: float = 0.0  # a
-    train_mfu: float = 0.4  # m_train: forward + backward, at up to train_scaling_ref devices
+    train_mfu: float = 0.4  # m_train: forward + backward, on train_scaling_ref devices of its own
     forward_mfu: float = 0.4  # m_fwd: a forward-only pass (π_old, reference logprobs, values), likewise
     train_scaling_ref: int = 1  # G_ref
-    train_scaling_exponent: float = 1.0  # β: trainer throughput ∝ G^β beyond G_ref
+    train_scaling_exponent: float = 1.0  # β: trainer throughput ∝ G^β, at every G
+    colocated_train_efficiency: float = 1.0  # η_c: a trainer sharing its devices with sleeping engines
     activation_checkpointing: bool = False  # r = 4/3: the forward runs again in the backward
     optimizer_update_s: float = 0.0  # u: one optimizer update's step and gradient communication
     link_bytes_per_s: float = 1e10  # a weight push between the trainer's devices and an engine's
@@ -57,6 +66,7 @@ class Calibration:
     sleep_s: float = 0.0  # a colocated engine freeing its memory for the train step
     wake_s: float = 0.0  # and taking it back for the next generation
     call_s: float = 0.0  # the driver's cost per call (dispatch, serialization)
+    startup_s: float = 0.0  # a worker's start (process, imports, model) before its first call
     reward_s_per_sample: float = 0.0  # the verifier's time per sample
     # CPUs: threads of two workers on the same cores slow down more than their share, as their
     # barrier-synchronised matmuls wait for descheduled threads: speed = (cap / demand)^this.
@@ -95,7 +105,13 @@ class Calibration:
         for key in ("peak_flops", "memory_bytes_per_s", "bandwidth_efficiency", "decode_mfu", "prefill_mfu"):
             if getattr(cal, key) <= 0:
                 raise TandemError(f"{p}: {key} must be > 0.")
-        for key in ("train_mfu", "forward_mfu", "train_scaling_exponent", "engine_scaling_exponent"):
+        for key in (
+            "train_mfu",
+            "forward_mfu",
+            "train_scaling_exponent",
+            "engine_scaling_exponent",
+            "colocated_train_efficiency",
+        ):
             if not 0 < getattr(cal, key) <= 1:
                 raise TandemError(f"{p}: {key} must be in (0, 1].")
         return cal
@@ -155,22 +171,24 @@ class Costs:
         """Causal self-attention's forward matmuls over whole sequences: 2·L·hidden·len² each."""
         return sum(2.0 * self.shape.layers * self.shape.hidden * n * n for n in lengths)
 
-    def _train_rate(self, g: float, mfu: float) -> float:
-        """FLOP/s the trainer achieves on g devices at `mfu` of peak up to the reference count."""
+    def train_rate(self, g: float, mfu: float, colocated: bool = False) -> float:
+        """R(G, m): FLOP/s a trainer on g devices achieves, `mfu` being its fraction of peak on
+        train_scaling_ref devices of its own."""
         c = self.cal
-        beyond = max(g / c.train_scaling_ref, 1.0)
-        return g * c.peak_flops * mfu * beyond ** (c.train_scaling_exponent - 1)
+        shared = c.colocated_train_efficiency if colocated else 1.0
+        return g * c.peak_flops * mfu * (g / c.train_scaling_ref) ** (c.train_scaling_exponent - 1) * shared
 
-    def forward_s(self, lengths: list[int], g: float) -> float:
+    def forward_s(self, lengths: list[int], g: float, colocated: bool = False) -> float:
         """A forward pass (π_old, reference logprobs, values) over sequences of these lengths."""
         flops = 2 * self.shape.params * sum(lengths) + self._attention_flops(lengths)
-        return flops / self._train_rate(g, self.cal.forward_mfu)
+        return flops / self.train_rate(g, self.cal.forward_mfu, colocated)
 
-    def train_s(self, lengths: list[int], g: float, updates: int) -> float:
+    def train_s(self, lengths: list[int], g: float, updates: int, colocated: bool = False) -> float:
         """Forward and backward over every sequence, and `updates` optimizer updates."""
         redo = 4 / 3 if self.cal.activation_checkpointing else 1.0
         flops = 3 * (2 * self.shape.params * sum(lengths) + self._attention_flops(lengths)) * redo
-        return flops / self._train_rate(g, self.cal.train_mfu) + updates * self.cal.optimizer_update_s
+        rate = self.train_rate(g, self.cal.train_mfu, colocated)
+        return flops / rate + updates * self.cal.optimizer_update_s
 
     # -- weights from the trainer to an engine ---------------------------------------------------------
     def push_s(self, colocated: bool) -> float:

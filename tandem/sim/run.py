@@ -20,17 +20,19 @@ from tandem.data.loader import PromptLoader
 from tandem.errors import TandemError
 from tandem.model import ModelConfig
 from tandem.sample import Prompt
-from tandem.sim.cluster import SimCluster, SimWorker
+from tandem.sim.cluster import SimCluster
 from tandem.sim.costs import Calibration, Costs, Shape
 from tandem.sim.engine import Engine
 from tandem.sim.lengths import ResponseLengths
 from tandem.sim.models import model_config
-from tandem.sim.workers import SimForward, SimReward, SimRollout, SimTrainer
+from tandem.sim.workers import SimForward, SimReward, SimRollout, SimTrainer, TimedWorker
 
 
 @dataclass
 class Result:
-    """What one simulated run shows: steady-state figures over the steps after sim.warmup_steps."""
+    """What one simulated run shows: steady-state figures over the steps after sim.warmup_steps (the
+    pipeline filling) but the last (its draining: the loop admits no group beyond the run's last
+    batch, so that batch waits for its own stragglers)."""
 
     label: str
     gpus: int  # 0: CPUs
@@ -42,6 +44,12 @@ class Result:
     idle: dict[str, float] = field(default_factory=dict)  # role -> idle ratio
     staleness_mean: float = 0.0
     staleness_max: float = 0.0
+    # a step's phases as verl's tables split it, per train step: the trainer's π_old forward, its
+    # update (forward, backward, optimizer), and the rest of the step (waiting for samples, pushes,
+    # sleep and wake): `gen` in verl's sync rows (with its few seconds of overhead), its async "wait"
+    logp_s: float = 0.0
+    update_s: float = 0.0
+    wait_s: float = 0.0
 
 
 class Recorder:
@@ -70,12 +78,14 @@ def simulate_run(cfg: Config, label: str, gpus: int, calibration: Calibration) -
 
 def summarize(cfg: Config, label: str, gpus: int, split: str, steps: list[dict], summary: dict) -> Result:
     warm = min(cfg.sim.warmup_steps, len(steps) - 1)
-    kept = steps[warm:]
+    kept = steps[warm:-1] if len(steps) - warm > 1 else steps[warm:]
     wall = sum(r["timing_s/step"] for r in kept)
     samples = len(kept) * cfg.rollout.batch_size * cfg.rollout.n
     tokens = sum(r["perf/throughput_tokens_per_s"] * r["timing_s/step"] for r in kept)
     idle = "perf/idle_ratio/"
     roles = sorted({k.removeprefix(idle) for r in kept for k in r if k.startswith(idle)})
+    logp = statistics.mean(r.get("timing_s/logp", 0.0) for r in kept)
+    train = statistics.mean(r.get("timing_s/train", 0.0) for r in kept)  # its span includes π_old's
     return Result(
         label,
         gpus,
@@ -87,6 +97,9 @@ def summarize(cfg: Config, label: str, gpus: int, split: str, steps: list[dict],
         idle={role: statistics.mean(r[idle + role] for r in kept) for role in roles},
         staleness_mean=statistics.mean(r["staleness/mean"] for r in kept),
         staleness_max=max(r["staleness/max"] for r in kept),
+        logp_s=logp,
+        update_s=train - logp,
+        wait_s=wall / len(kept) - train,
     )
 
 
@@ -109,6 +122,42 @@ def _model_dir(cfg: Config):
     return model_dir(cfg)
 
 
+@dataclass
+class Layout:
+    """Where the simulated workers compute: each engine's devices and the trainer's, the device pools
+    they share and what each asks of its pool while computing."""
+
+    engines: list[float]  # devices (GPUs or CPU threads) per engine
+    trainer: float
+    pools: dict[str, float]  # pool -> capacity
+    pool: str  # the pool every worker computes on; "" = devices of its own
+    engine_demand: list[float]
+    train_demand: float
+
+
+def layout(cfg: Config, gpus: int, share: dict[str, float], colocated: bool) -> Layout:
+    """GPUs: engines of sim.tensor_parallel GPUs on the rollout's share, the trainer on its share
+    (colocated: both time-share one pool of all of them). CPUs: threads as `placement.plan` gives
+    them, every worker on placement.num_cpus cores."""
+    if not gpus:
+        cpus = cfg.placement.num_cpus or float(os.cpu_count() or 1)
+        slots = placement.plan(cfg, cpus)
+        engines = [float(x.threads) for x in slots if x.role == "generate"]
+        trainer = float(sum(x.threads for x in slots if x.role == "actor_train"))
+        return Layout(engines, trainer, {"cpus": cpus}, "cpus", engines, trainer)
+    tp = cfg.sim.tensor_parallel
+    rollout_gpus = share["generate"] * gpus
+    count = int(rollout_gpus // tp)
+    if count < 1 or abs(count * tp - rollout_gpus) > 1e-6:
+        raise TandemError(
+            f"Config 'sim.tensor_parallel'={tp} does not divide the rollout's "
+            f"{rollout_gpus:g} GPUs ({gpus} GPUs x its share {share['generate']:g}): pick a split "
+            "(placement.ratios) or GPU count (sim.gpus) that gives whole engines."
+        )
+    pools, pool = ({"gpus": 1.0}, "gpus") if colocated else ({}, "")
+    return Layout([float(tp)] * count, share["actor_train"] * gpus, pools, pool, [tp / gpus] * count, 1.0)
+
+
 def build_cluster(cfg: Config, gpus: int, calibration: Calibration) -> tuple[SimCluster, str]:
     """The simulated workers of `cfg` on `gpus` GPUs (0: on placement.num_cpus CPUs) -> (cluster,
     a description of the split)."""
@@ -120,49 +169,30 @@ def build_cluster(cfg: Config, gpus: int, calibration: Calibration) -> tuple[Sim
     )  # fmt: skip
     share = _shares(cfg)
     colocated = devices.shares_gpus(cfg)
-    workers: dict[str, SimWorker] = {}
-    if gpus:
-        rollout_gpus = share["generate"] * gpus
-        engines = int(rollout_gpus // s.tensor_parallel)
-        if engines < 1 or abs(engines * s.tensor_parallel - rollout_gpus) > 1e-6:
-            raise TandemError(
-                f"Config 'sim.tensor_parallel'={s.tensor_parallel} does not divide the rollout's "
-                f"{rollout_gpus:g} GPUs ({gpus} GPUs x its share {share['generate']:g}): pick a split "
-                "(placement.ratios) or GPU count (sim.gpus) that gives whole engines."
-            )
-        engine_devices, train_devices = [float(s.tensor_parallel)] * engines, share["actor_train"] * gpus
-        pools = {"gpus": 1.0} if colocated else {}
-        pool = "gpus" if colocated else ""
-        engine_demand, train_demand = s.tensor_parallel / gpus, 1.0
-    else:
-        cpus = cfg.placement.num_cpus or float(os.cpu_count() or 1)
-        slots = placement.plan(cfg, cpus)
-        engine_devices = [float(x.threads) for x in slots if x.role == "generate"]
-        train_devices = float(sum(x.threads for x in slots if x.role == "actor_train"))
-        pools, pool = {"cpus": cpus}, "cpus"
-        engine_demand, train_demand = None, train_devices
-    for i, d in enumerate(engine_devices):
+    at = layout(cfg, gpus, share, colocated)
+    workers: dict[str, TimedWorker] = {}
+    names: dict[str, list[str]] = {"rollout": [], "train": ["train/0"], "reward": ["reward/0"]}
+    for i, (d, demand) in enumerate(zip(at.engines, at.engine_demand, strict=True)):
         kv = costs.kv_capacity_tokens(d, s.kv_memory_fraction) if gpus else float("inf")
         engine = Engine(costs, d, cfg.rollout.max_batch_size, kv)
-        demand = engine_demand if engine_demand is not None else d
-        workers[f"rollout/{i}"] = SimRollout(
-            f"rollout/{i}", engine, costs, lengths, cfg, colocated, s.generate_calls, pool, demand
+        name = f"rollout/{i}"
+        workers[name] = SimRollout(
+            name, engine, costs, lengths, cfg, colocated, s.generate_calls, at.pool, demand
         )
-    workers["train/0"] = SimTrainer("train/0", costs, train_devices, cfg, pool, train_demand)
+        names["rollout"].append(name)
+    trainer = (at.trainer, cfg, at.pool, at.train_demand, colocated)
+    workers["train/0"] = SimTrainer("train/0", costs, *trainer)
     workers["reward/0"] = SimReward("reward/0", costs, cfg.run.seed)
-    names = {
-        "rollout": [f"rollout/{i}" for i in range(len(engine_devices))],
-        "train": ["train/0"],
-        "reward": ["reward/0"],
-    }
     if cfg.algo.kl_coef > 0:
-        workers["ref/0"] = SimForward("ref/0", costs, train_devices, cfg, pool, train_demand)
+        workers["ref/0"] = SimForward("ref/0", costs, *trainer)
         names["ref"] = ["ref/0"]
     if cfg.algo.adv_estimator == "gae":
-        workers["critic/0"] = SimForward("critic/0", costs, train_devices, cfg, pool, train_demand)
+        workers["critic/0"] = SimForward("critic/0", costs, *trainer)
         names["critic"] = ["critic/0"]
+    for w in workers.values():
+        w.ready_at = calibration.startup_s  # the actors start together when the run does
     split = "colocated" if colocated else " / ".join(f"{k} {v:g}" for k, v in share.items())
-    return SimCluster(workers, names, pools, calibration.oversubscription_exponent), split
+    return SimCluster(workers, names, at.pools, calibration.oversubscription_exponent), split
 
 
 def _shares(cfg: Config) -> dict[str, float]:

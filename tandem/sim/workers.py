@@ -24,10 +24,13 @@ DONE_S = 1e-9  # a timed call this close to its end has ended (the clock's round
 
 class TimedWorker:
     """Calls that take a known time from their start: `cost(job)` full-speed seconds; `result(job,
-    now)` at their end. Calls in different lanes progress side by side."""
+    now)` at their end. Calls in different lanes progress side by side. A call that starts before
+    the worker is up (`ready_at`: its process, imports and model, Calibration.startup_s) waits
+    for it first."""
 
     lanes: dict[str, tuple[str, int]] = {}  # method -> (lane, width); the rest run in ("main", 1)
     compute: tuple[str, ...] = ()  # methods that occupy the worker's devices
+    ready_at = 0.0  # virtual seconds
 
     def __init__(self, name: str, pool: str = "", demand: float = 1.0):
         self.name, self.pool, self.demand = name, pool, demand
@@ -37,7 +40,11 @@ class TimedWorker:
         return self.lanes.get(method, ("main", 1))
 
     def begin(self, job: Job, now: float) -> None:
-        self.timed[job] = self.cost(job)
+        self.timed[job] = self.starting(now) + self.cost(job)
+
+    def starting(self, now: float) -> float:
+        """Seconds a call starting now waits for the worker to be up."""
+        return max(self.ready_at - now, 0.0)
 
     def until_next(self) -> float:
         return min(self.timed.values(), default=INF)
@@ -103,7 +110,7 @@ class SimRollout(TimedWorker):
         if self.staged is not None:  # applied between calls, whatever the policy
             self.engine.swap(self.staged)
             self.staged = None
-        stall = self.call_s + (self.costs.cal.wake_s if self.asleep else 0.0)
+        stall = self.starting(now) + self.call_s + (self.costs.cal.wake_s if self.asleep else 0.0)
         self.asleep = False
         seqs, groups = [], set()
         for s in samples:
@@ -199,10 +206,18 @@ class SimTrainer(TimedWorker):
     compute = ("train_step", "send_weights")
 
     def __init__(
-        self, name: str, costs: Costs, devices: float, cfg: Config, pool: str = "", demand: float = 1.0
+        self,
+        name: str,
+        costs: Costs,
+        devices: float,
+        cfg: Config,
+        pool: str = "",
+        demand: float = 1.0,
+        colocated: bool = False,
     ):
+        """colocated: its devices are the rollout engines' too (`Costs.train_rate`)."""
         super().__init__(name, pool, demand)
-        self.costs, self.devices, self.cfg = costs, devices, cfg
+        self.costs, self.devices, self.cfg, self.colocated = costs, devices, cfg, colocated
         self.source = old_logprob_source(cfg.algo.corrections, cfg.algo.prox_logprob)
         self.version = 0
 
@@ -223,9 +238,10 @@ class SimTrainer(TimedWorker):
             lengths = [len(s.prompt_ids) + len(s.response_ids) for s in batch]
             t = self.cfg.train
             updates = t.epochs * math.ceil(len(batch) / (t.mini_batch_size or len(batch)))
-            logp = self.costs.forward_s(lengths, self.devices) if self.recomputes(batch) else 0.0
+            g, shared = self.devices, self.colocated
+            logp = self.costs.forward_s(lengths, g, shared) if self.recomputes(batch) else 0.0
             job.state["logp"] = logp
-            return self.costs.cal.call_s + logp + self.costs.train_s(lengths, self.devices, updates)
+            return self.costs.cal.call_s + logp + self.costs.train_s(lengths, g, updates, shared)
         if job.method == "send_weights":
             return self.costs.pack_s()
         return 0.0
@@ -270,18 +286,26 @@ class SimForward(TimedWorker):
     compute = ("score", "estimate", "train_step")
 
     def __init__(
-        self, name: str, costs: Costs, devices: float, cfg: Config, pool: str = "", demand: float = 1.0
+        self,
+        name: str,
+        costs: Costs,
+        devices: float,
+        cfg: Config,
+        pool: str = "",
+        demand: float = 1.0,
+        colocated: bool = False,
     ):
+        """colocated: its devices are the rollout engines' too (`Costs.train_rate`)."""
         super().__init__(name, pool, demand)
-        self.costs, self.devices, self.cfg = costs, devices, cfg
+        self.costs, self.devices, self.cfg, self.colocated = costs, devices, cfg, colocated
 
     def cost(self, job: Job) -> float:
         if job.method not in self.compute:
             return 0.0
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in job.args[0]]
         if job.method == "train_step":
-            return self.costs.cal.call_s + self.costs.train_s(lengths, self.devices, 1)
-        return self.costs.cal.call_s + self.costs.forward_s(lengths, self.devices)
+            return self.costs.cal.call_s + self.costs.train_s(lengths, self.devices, 1, self.colocated)
+        return self.costs.cal.call_s + self.costs.forward_s(lengths, self.devices, self.colocated)
 
     def result(self, job: Job, now: float):
         if job.method == "score":
