@@ -9,6 +9,7 @@ one call at a time. The simulator's samples carry lengths, not tokens: `response
 """
 
 import math
+from typing import Any
 
 from tandem.algo.corrections import MASKING, old_logprob_source
 from tandem.config import Config
@@ -199,11 +200,8 @@ class SimRollout(TimedWorker):
         return job
 
 
-class SimTrainer(TimedWorker):
-    """The train workers, as one: a step's forward/backward (and π_old's forward where tandem's
-    trainer recomputes it) on all the trainer's devices; rank 0's share of a push."""
-
-    compute = ("train_step", "send_weights")
+class DeviceWorker(TimedWorker):
+    """A worker whose calls run on `devices` of the trainer's kind: the trainer, reference, critic."""
 
     def __init__(
         self,
@@ -218,7 +216,18 @@ class SimTrainer(TimedWorker):
         """colocated: its devices are the rollout engines' too (`Costs.train_rate`)."""
         super().__init__(name, pool, demand)
         self.costs, self.devices, self.cfg, self.colocated = costs, devices, cfg, colocated
-        self.source = old_logprob_source(cfg.algo.corrections, cfg.algo.prox_logprob)
+
+
+class SimTrainer(DeviceWorker):
+    """The train workers, as one: a step's forward/backward (and π_old's forward where tandem's
+    trainer recomputes it) on all the trainer's devices; rank 0's share of a push."""
+
+    compute = ("train_step", "send_weights")
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        """`DeviceWorker`'s arguments."""
+        super().__init__(*args, **kwargs)
+        self.source = old_logprob_source(self.cfg.algo.corrections, self.cfg.algo.prox_logprob)
         self.version = 0
 
     def recomputes(self, batch: list[Sample]) -> bool:
@@ -279,25 +288,11 @@ class SimReward(TimedWorker):
         return samples, {}, self.span(kind, job, now)
 
 
-class SimForward(TimedWorker):
+class SimForward(DeviceWorker):
     """The reference worker (`score`) or a critic (`estimate`, `train_step`): forwards (and the
     critic's update) over the batch on its devices."""
 
     compute = ("score", "estimate", "train_step")
-
-    def __init__(
-        self,
-        name: str,
-        costs: Costs,
-        devices: float,
-        cfg: Config,
-        pool: str = "",
-        demand: float = 1.0,
-        colocated: bool = False,
-    ):
-        """colocated: its devices are the rollout engines' too (`Costs.train_rate`)."""
-        super().__init__(name, pool, demand)
-        self.costs, self.devices, self.cfg, self.colocated = costs, devices, cfg, colocated
 
     def cost(self, job: Job) -> float:
         if job.method not in self.compute:
