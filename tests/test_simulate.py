@@ -139,6 +139,17 @@ def test_a_colocated_trainer_runs_at_its_efficiency_of_a_dedicated_one(tmp_path)
     assert costs().train_s(batch, 32, 0, colocated=True) == pytest.approx(own)  # default: 1
 
 
+def test_a_colocated_engines_sleep_and_wake_move_its_weights():
+    """A fixed part and the weights out and back at offload_bytes_per_s: seconds for a 7B model, next
+    to nothing for a small one (a constant cost made a tiny model's sync run look 5x slower)."""
+    cal = Calibration.load(H100)
+    big, small = (Costs(Shape.of(model_config(name)), cal) for name in ("qwen2.5-7b", "qwen2.5-0.5b"))
+    for c in (big, small):
+        assert c.sleep_s() == pytest.approx(cal.sleep_s + c.weight_bytes / cal.offload_bytes_per_s)
+        assert c.wake_s() == pytest.approx(cal.wake_s + c.weight_bytes / cal.offload_bytes_per_s)
+    assert big.sleep_s() > 1.5 and small.sleep_s() < 0.3
+
+
 def test_a_call_before_its_worker_is_up_waits_for_it():
     worker = Sleeper("a/0")
     worker.ready_at = 5.0

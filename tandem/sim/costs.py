@@ -9,6 +9,7 @@ All times are full-speed seconds (a worker sharing its devices beyond their capa
                   tokens·(2·P + attn) / R(G, m_fwd) where the trainer recomputes it
     trainer rate  R(G, m) = G·F·m·s(G)·η_c,  s(G) = (G / G_ref)^(β - 1)
     weight push   o_sync + bytes / link (a trainer on other devices), bytes / local (colocated)
+    sleep, wake   s_sleep + W / offload, s_wake + W / offload (a colocated engine, each train step)
 
 W weight bytes, P parameters, n running sequences, C their summed context (tokens), kv bytes of
 keys and values per context token, d devices of an engine (tensor parallel), G of the trainer, BW
@@ -63,8 +64,9 @@ class Calibration:
     link_bytes_per_s: float = 1e10  # a weight push between the trainer's devices and an engine's
     local_copy_bytes_per_s: float = 1e11  # a weight push onto the same devices (colocated)
     sync_latency_s: float = 0.0  # o_sync: a push's fixed cost
-    sleep_s: float = 0.0  # a colocated engine freeing its memory for the train step
-    wake_s: float = 0.0  # and taking it back for the next generation
+    sleep_s: float = 0.0  # a colocated engine freeing its memory for the train step, fixed part
+    wake_s: float = 0.0  # and taking it back for the next generation, fixed part
+    offload_bytes_per_s: float = 0.0  # each also moves the weights at this rate (0: no per-byte part)
     call_s: float = 0.0  # the driver's cost per call (dispatch, serialization)
     startup_s: float = 0.0  # a worker's start (process, imports, model) before its first call
     reward_s_per_sample: float = 0.0  # the verifier's time per sample
@@ -189,6 +191,19 @@ class Costs:
         flops = 3 * (2 * self.shape.params * sum(lengths) + self._attention_flops(lengths)) * redo
         rate = self.train_rate(g, self.cal.train_mfu, colocated)
         return flops / rate + updates * self.cal.optimizer_update_s
+
+    # -- a colocated engine's sleep and wake -------------------------------------------------------
+    def sleep_s(self) -> float:
+        """s_sleep + W / offload: vLLM's sleep mode copies the weights out (level 1)."""
+        return self.cal.sleep_s + self._offload_s()
+
+    def wake_s(self) -> float:
+        """s_wake + W / offload: and back in."""
+        return self.cal.wake_s + self._offload_s()
+
+    def _offload_s(self) -> float:
+        rate = self.cal.offload_bytes_per_s
+        return self.weight_bytes / rate if rate > 0 else 0.0
 
     # -- weights from the trainer to an engine ---------------------------------------------------------
     def push_s(self, colocated: bool) -> float:

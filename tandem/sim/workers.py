@@ -111,7 +111,7 @@ class SimRollout(TimedWorker):
         if self.staged is not None:  # applied between calls, whatever the policy
             self.engine.swap(self.staged)
             self.staged = None
-        stall = self.starting(now) + self.call_s + (self.costs.cal.wake_s if self.asleep else 0.0)
+        stall = self.starting(now) + self.call_s + (self.costs.wake_s() if self.asleep else 0.0)
         self.asleep = False
         seqs, groups = [], set()
         for s in samples:
@@ -149,7 +149,7 @@ class SimRollout(TimedWorker):
         if job.method == "receive_weights":
             return self.costs.push_s(self.colocated)
         if job.method == "sleep":
-            return self.costs.cal.sleep_s
+            return self.costs.sleep_s()
         return 0.0
 
     def result(self, job: Job, now: float):
@@ -159,7 +159,7 @@ class SimRollout(TimedWorker):
             self.asleep = True
             kv = self.engine.kv_tokens * self.costs.kv_bytes_per_token
             metrics = {"memory/engine_bytes": self.costs.weight_bytes + kv}
-            metrics |= {"perf/sleep_s": self.costs.cal.sleep_s, "perf/wake_s": self.costs.cal.wake_s}
+            metrics |= {"perf/sleep_s": self.costs.sleep_s(), "perf/wake_s": self.costs.wake_s()}
             return metrics, self.span("sleep", job, now)
         if job.method == "receive_weights":
             return self.span("sync", job, now)
