@@ -9,7 +9,6 @@ one call at a time. The simulator's samples carry lengths, not tokens: `response
 """
 
 import math
-from typing import Any
 
 from tandem.algo.corrections import MASKING, old_logprob_source
 from tandem.config import Config
@@ -223,12 +222,12 @@ class SimTrainer(DeviceWorker):
     trainer recomputes it) on all the trainer's devices; rank 0's share of a push."""
 
     compute = ("train_step", "send_weights")
+    version = 0  # of the weights it holds: one more each train step
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        """`DeviceWorker`'s arguments."""
-        super().__init__(*args, **kwargs)
-        self.source = old_logprob_source(self.cfg.algo.corrections, self.cfg.algo.prox_logprob)
-        self.version = 0
+    @property
+    def source(self) -> str:
+        """Where π_old comes from, by the config's corrections (`old_logprob_source`)."""
+        return old_logprob_source(self.cfg.algo.corrections, self.cfg.algo.prox_logprob)
 
     def recomputes(self, batch: list[Sample]) -> bool:
         """π_old needs a forward of its own, by `tandem.train.worker`'s rule: unless bypassed or
