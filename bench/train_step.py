@@ -42,7 +42,7 @@ from tandem.controller.roles import (
     sampling_params,
 )
 from tandem.rollout import BuiltinEngine, make_groups
-from tandem.sync import free_port, init_world
+from tandem.sync import destroy_world, free_port, init_world
 
 CONFIGS = {
     "legacy": ["train.dtype=float32", "train.padding_free=false"],
@@ -92,7 +92,7 @@ def measure(rank: int, name: str, world: int, port: int, batch: str, steps: int,
     )
     Path(out, f"{name}-{rank}.json").write_text(json.dumps(result))
     if world > 1:
-        torch.distributed.destroy_process_group()
+        destroy_world()
 
 
 def run(name: str, batch: Path, steps: int, out: str) -> dict[str, float]:

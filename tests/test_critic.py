@@ -9,7 +9,7 @@ from helpers import random_samples, tiny_model
 from tandem.algo import ADV_ESTIMATORS, gae, masked_whiten
 from tandem.config import AlgoConfig, TrainConfig
 from tandem.errors import TandemError
-from tandem.sync import free_port, init_world
+from tandem.sync import destroy_world, free_port, init_world
 from tandem.train import TrainWorker
 from tandem.train.critic import CriticWorker, explained_variance, value_loss, value_model
 
@@ -138,7 +138,7 @@ def _critic_rank(rank: int, world: int, port: int, strategy: str, out: str) -> N
         "values": worker.values(samples),
     }
     torch.save(result, f"{out}/{rank}.pt")
-    torch.distributed.destroy_process_group()
+    destroy_world()
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])

@@ -21,7 +21,7 @@ from tandem.controller.loop import Stopped
 from tandem.controller.run import with_absolute_paths
 from tandem.errors import TandemError
 from tandem.model import load_model
-from tandem.sync import free_port, init_world
+from tandem.sync import destroy_world, free_port, init_world
 from tandem.train import TrainWorker
 from tandem.train.state import load_state, save_state
 
@@ -80,7 +80,7 @@ def _rank(rank: int, world: int, port: int, out: str, phase: str) -> None:
         load_state(w, Path(out) / "ckpt")
         metrics = steps(w, 2, 2)
     torch.save({"metrics": metrics, "weights": w.full_weights()}, f"{out}/{phase}_{rank}.pt")
-    torch.distributed.destroy_process_group()
+    destroy_world()
 
 
 def test_fsdp2_shards_resume_bit_for_bit(tmp_path):

@@ -11,7 +11,7 @@ from tandem.config import AlgoConfig, TrainConfig
 from tandem.controller.roles import save_checkpoint
 from tandem.data import build_char_tokenizer
 from tandem.model import load_model
-from tandem.sync import free_port, init_world
+from tandem.sync import destroy_world, free_port, init_world
 from tandem.train import TrainWorker
 
 ALGO = {"kl_coef": 0.1, "entropy_coef": 0.01, "loss_agg": "seq-mean-token-mean", "corrections": ["tis"]}
@@ -40,7 +40,7 @@ def _rank(
         {"metrics": metrics, "weights": w.full_weights(), "grads": local, "optimizer_bytes": optimizer_bytes},
         f"{out}/{rank}.pt",
     )
-    torch.distributed.destroy_process_group()
+    destroy_world()
 
 
 OFFLOAD = {"offload": "optimizer", "gradient_checkpointing": True}

@@ -1,9 +1,10 @@
-"""Rollout: the engine protocol, the built-in engines and their sampler, the vLLM adapter."""
+"""Rollout: the engine contract, the built-in engines and their sampler, the vLLM adapter."""
 
+from tandem.rollout.base import RolloutEngine
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups
 from tandem.rollout.paged_engine import PagedEngine
-from tandem.rollout.protocol import ON_UPDATE_POLICIES, RolloutEngine, SamplingParams
+from tandem.rollout.protocol import ON_UPDATE_POLICIES, SamplingParams
 from tandem.rollout.vllm_engine import VLLMEngine
 from tandem.rollout.worker import RolloutWorker
 

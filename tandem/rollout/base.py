@@ -1,6 +1,10 @@
-"""Engine: the one generate skeleton every engine runs, the gate around it (one call at a time; an
-abort or a weight update from other threads), and sleep / wake. docs/rollout.md, "One generate
-skeleton" and "Sleep and wake", describes them; `RolloutEngine` holds the public contracts.
+"""RolloutEngine: the contract every backend (builtin, paged, vLLM) keeps, and the one generate
+skeleton they all run: the gate around it (one call at a time; an abort or a weight update from
+other threads) and sleep / wake. docs/rollout.md, "One generate skeleton" and "Sleep and wake",
+describes them.
+
+Threads: `generate`, `apply_pending`, `load_weights`, `sleep` and the rng state come from one
+thread, one call at a time; `set_pending_update` and `abort` from any thread at any moment.
 
 An engine supplies only `_begin` (its `Generation`), `named_weights`, `device` and what sleeping
 frees (`memory`). Nothing is copied back on wake, so generating before a weight push has refilled
@@ -37,9 +41,8 @@ class Generation(Protocol):
         apply()
 
 
-class Engine:
-    """The skeleton; `abort` and `set_pending_update` are thread-safe, the rest runs on the
-    generating thread.
+class RolloutEngine:
+    """Generates responses and takes new weights, between calls or (per policy) in the middle.
 
     eos_token_ids: end responses (with the call's stop ids).
     on_update: what a running call does with an update that arrives mid-call: "drain" finishes on
@@ -70,9 +73,12 @@ class Engine:
 
     @property
     def version(self) -> int:
+        """The policy version of the weights the engine now serves."""
         return self._version
 
     def named_weights(self) -> Mapping[str, Tensor]:
+        """The tensors, by Hugging Face name with the trainer's shapes and dtypes, that an update's
+        `apply()` writes into: the live parameters, or buffers the engine loads from (vLLM)."""
         raise NotImplementedError
 
     @property
@@ -96,15 +102,28 @@ class Engine:
         """Runs once `memory` is back (its contents undefined)."""
 
     def rng_state(self) -> Tensor | None:
-        return None  # this engine cannot restore the stream unseeded requests draw from
+        """While idle: the state of the stream unseeded requests draw from, for a checkpoint; None
+        when the engine cannot restore it."""
+        return None
 
     def set_rng_state(self, state: Tensor) -> None:
+        """While idle: continue that stream from a state `rng_state` returned."""
         raise NotImplementedError
 
     # -- generate ------------------------------------------------------------------------------------
     def generate(
         self, samples: list[Sample], params: SamplingParams, stop_check: StopCheck | None = None
     ) -> list[Sample]:
+        """Extend each sample's response to its end and return the same list, on the newest weights
+        (a pending update is applied first). A partial response (from an aborted call) is continued,
+        to at most `max_new_tokens` in all. Each new token is APPENDED to response_ids, logprobs
+        (per `params.logprobs_mode`), versions (of the weights whose forward gave its logits) and
+        loss_mask (1). A sample ends FINISHED ("stop", "length") or, when `abort()` or an update
+        under "abort" stopped the call, ABORTED ("abort") with the tokens it has so far.
+
+        `stop_check` ends responses on `params.stop` as they decode; an engine that detokenizes
+        (vLLM) may ignore it, one that does not raises ValueError when `params.stop` comes alone.
+        """
         call = GenerateCall.check(samples, params, stop_check, self.eos_token_ids, self.detokenizes)
         self._check_params(params)
         with self._lock:
@@ -151,6 +170,9 @@ class Engine:
             generation.close()
 
     def abort(self, samples: Iterable[Sample] | None = None) -> None:
+        """The running generate call stops at its next step and returns its unfinished samples
+        ABORTED with their partial responses; with `samples` (matched by `Sample.key`) only those
+        stop. No-op when no call runs; it never carries over to a later call."""
         with self._lock:
             if not self._running:
                 return
@@ -161,14 +183,21 @@ class Engine:
 
     # -- weight updates ------------------------------------------------------------------------------
     def set_pending_update(self, version: int, apply: Callable[[], None]) -> None:
+        """`apply()` copies staged weights of `version` into `named_weights()`, once, on the
+        generating thread: at the next generate call, at `apply_pending()`, or between two steps
+        under "continue". A later call replaces an update not yet applied. The staged weights must
+        not change until it has run (receive the next version into another buffer)."""
         with self._lock:
             self._pending = (version, apply)
 
     def apply_pending(self) -> int | None:
+        """While idle: apply the pending update now -> its version, or None when none was pending."""
         self._check_idle("apply_pending()")
         return self._apply_pending()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """While idle: copy these parameters (Hugging Face names) in now and serve `version`; it
+        replaces any pending update."""
         targets = self.named_weights()
 
         def apply() -> None:

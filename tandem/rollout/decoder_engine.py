@@ -12,10 +12,10 @@ from tandem.errors import TandemError
 from tandem.model import CausalLM, fuse_projections
 from tandem.model.experts import Routing, moe_layers, routing
 from tandem.model.fp8 import quantize_model, requantize
-from tandem.rollout.base import Engine, Storages
+from tandem.rollout.base import RolloutEngine, Storages
 
 
-class DecoderEngine(Engine):
+class DecoderEngine(RolloutEngine):
     """An engine on `model`; `named_weights()` are its live parameters. `seed` seeds the generator
     that requests without a `Sample.seed` draw from; `compile`: see `BuiltinEngine`.
 

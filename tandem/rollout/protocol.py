@@ -1,16 +1,9 @@
-"""The rollout engine protocol: what every backend (builtin, paged, vLLM) implements.
+"""What a generate call asks of an engine: its sampling (`SamplingParams`), how it ends responses on
+stop strings (`StopCheck`), and what it does with an update mid-call (`ON_UPDATE_POLICIES`). The
+engine contract itself is `RolloutEngine` (rollout/base.py)."""
 
-Threads: `generate`, `apply_pending` and `load_weights` come from one thread, one call at a time;
-`set_pending_update` and `abort` from any thread at any moment. docs/rollout.md has the contract.
-"""
-
-from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
-
-from torch import Tensor
-
-from tandem.sample import Sample
 
 # What a running generate call does with a weight update that arrives mid-call.
 ON_UPDATE_POLICIES = ("drain", "abort", "continue")
@@ -65,63 +58,3 @@ class StopCheck(Protocol):
     window: int
 
     def __call__(self, tails: list[list[int]]) -> list[bool]: ...
-
-
-class RolloutEngine(Protocol):
-    """Generates responses and takes new weights, between calls or (per policy) in the middle."""
-
-    @property
-    def version(self) -> int:
-        """The policy version of the weights the engine now serves."""
-        ...
-
-    def generate(
-        self, samples: list[Sample], params: SamplingParams, stop_check: StopCheck | None = None
-    ) -> list[Sample]:
-        """Extend each sample's response to its end and return the same list, on the newest weights
-        (a pending update is applied first). A partial response (from an aborted call) is continued,
-        to at most `max_new_tokens` in all. Each new token is APPENDED to response_ids, logprobs
-        (per `params.logprobs_mode`), versions (of the weights whose forward gave its logits) and
-        loss_mask (1). A sample ends FINISHED ("stop", "length") or, when `abort()` or an update
-        under "abort" stopped the call, ABORTED ("abort") with the tokens it has so far.
-
-        `stop_check` ends responses on `params.stop` as they decode; an engine that detokenizes
-        (vLLM) may ignore it, one that does not raises ValueError when `params.stop` comes alone.
-        """
-        ...
-
-    def named_weights(self) -> Mapping[str, Tensor]:
-        """The tensors, by Hugging Face name with the trainer's shapes and dtypes, that an update's
-        `apply()` writes into: the live parameters, or buffers the engine loads from (vLLM)."""
-        ...
-
-    def set_pending_update(self, version: int, apply: Callable[[], None]) -> None:
-        """Thread-safe. `apply()` copies staged weights of `version` into `named_weights()`, once, on
-        the generating thread: at the next generate call, at `apply_pending()`, or between two steps
-        under "continue". A later call replaces an update not yet applied. The staged weights must
-        not change until it has run (receive the next version into another buffer)."""
-        ...
-
-    def apply_pending(self) -> int | None:
-        """While idle: apply the pending update now -> its version, or None when none was pending."""
-        ...
-
-    def abort(self, samples: Iterable[Sample] | None = None) -> None:
-        """Thread-safe. The running generate call stops at its next step and returns its unfinished
-        samples ABORTED with their partial responses; with `samples` (matched by group_id and
-        index) only those stop. No-op when no call runs; it never carries over to a later call."""
-        ...
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """While idle: copy these parameters (Hugging Face names) in now and serve `version`; it
-        replaces any pending update."""
-        ...
-
-    def rng_state(self) -> Tensor | None:
-        """While idle: the state of the stream unseeded requests draw from, for a checkpoint; None
-        when the engine cannot restore it."""
-        ...
-
-    def set_rng_state(self, state: Tensor) -> None:
-        """While idle: continue that stream from a state `rng_state` returned."""
-        ...

@@ -21,7 +21,7 @@ from torch import Tensor
 from tandem.devices import DTYPES
 from tandem.errors import TandemError
 from tandem.model import load_model
-from tandem.rollout.base import Engine, Generation, Storages
+from tandem.rollout.base import Generation, RolloutEngine, Storages
 from tandem.rollout.call import GenerateCall
 from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.sampler import row_seed
@@ -40,7 +40,7 @@ def require_vllm() -> None:
         )
 
 
-class VLLMEngine(Engine):
+class VLLMEngine(RolloutEngine):
     """Generates on vLLM from the checkpoint at `model_path`, on one GPU.
 
     seed, version, on_update, on_step: as `BuiltinEngine`'s (`seed` seeds vLLM's own stream, which

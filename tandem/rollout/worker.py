@@ -7,7 +7,8 @@ from collections.abc import Callable, Iterable
 from torch import Tensor
 
 from tandem.agent import AgentLoop, SingleTurn, context_end
-from tandem.rollout.protocol import RolloutEngine, SamplingParams
+from tandem.rollout.base import RolloutEngine
+from tandem.rollout.protocol import SamplingParams
 from tandem.sample import Sample
 
 # Extra tokens a stop-string window decodes, for what decoding a window alone gets wrong at its

@@ -72,6 +72,9 @@ def new_group(
 
 
 def destroy_world() -> None:
-    """Leave the world (and all its groups), so the process may join a new one."""
+    """Leave the world (and all its groups), so the process may join a new one. Collective: the
+    barrier first lets every rank finish its last collective, because gloo aborts a rank whose peer
+    closes its sockets while a send to it is still in flight."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
