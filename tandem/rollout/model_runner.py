@@ -1,4 +1,4 @@
-"""ModelRunner: one step's batch tensors, the forward over the paged KV cache, and the sampling.
+"""ModelRunner: one step's batch tensors and the forward over the paged KV cache.
 
 The model is the one `CausalLM`; a `PagedBatch` passed as its cache writes each layer's new keys
 into their slots and hands attention every key of each row's blocks (`CausalLM.forward` takes the
@@ -15,8 +15,6 @@ from tandem.model import CausalLM
 from tandem.model.paged_kv import PagedKVCache, key_mask, real_tokens
 from tandem.rollout.block_manager import BlockManager
 from tandem.rollout.cuda_graphs import DecodeGraphs
-from tandem.rollout.protocol import SamplingParams
-from tandem.rollout.sampler import exponential_noise, sample_next, seen_tokens
 from tandem.rollout.scheduler import Step
 from tandem.rollout.sequence import Sequence
 
@@ -64,7 +62,7 @@ class PagedBatch:
 
 
 class ModelRunner:
-    """Owns the KV pools; runs `model` over them for the scheduler's steps and samples the tokens.
+    """Owns the KV pools; runs `model` over them for the scheduler's steps.
 
     num_prefill_tokens counts the tokens prefills computed (prefix-cache hits and forks excluded).
     cuda_graphs: decode steps through `DecodeGraphs` (recorded on cuda; on the CPU the same padded
@@ -144,17 +142,3 @@ class ModelRunner:
         context = torch.tensor([end for _, _, end in new], device=to)
         query = torch.tensor([end - start for _, start, end in new], device=to)
         return PagedBatch(self.cache, slots, tables, context, query), ids
-
-    def sample(
-        self, logits: Tensor, rows: list[Sequence], params: SamplingParams, generator: torch.Generator
-    ) -> tuple[list[int], list[float]]:
-        """logits (R, V) of `rows` -> each row's next token and its logprob (`sample_next`). A
-        seeded sample draws from its own stream at its response position, as BuiltinEngine does."""
-        noise = seen = None
-        if params.temperature > 0:
-            seeds, positions = [seq.sample.seed for seq in rows], [len(seq.response_ids) for seq in rows]
-            noise = exponential_noise(tuple(logits.shape), logits.device, generator, seeds, positions)
-        if params.repetition_penalty != 1.0:
-            seen = seen_tokens([seq.token_ids for seq in rows], logits.shape[-1], logits.device)
-        tokens, logprobs = sample_next(logits, params, noise, seen)
-        return tokens.tolist(), logprobs.tolist()

@@ -19,7 +19,7 @@ from tandem.rollout.call import GenerateCall
 from tandem.rollout.decoder_engine import DecoderEngine, model_tensors
 from tandem.rollout.model_runner import ModelRunner
 from tandem.rollout.scheduler import Scheduler, Step
-from tandem.rollout.sequence import Sequence
+from tandem.rollout.sequence import Sequence, sample_tokens, take_tokens
 from tandem.sample import Sample
 
 
@@ -99,7 +99,6 @@ class _Continuous(Generation):
         self.seqs = [Sequence.start(next(engine._ids), s, call.cap(s)) for s in samples]
         for seq in self.seqs:
             seq.routes = engine.route_table(seq.max_tokens)
-        self.stop_ids = set(call.stop_ids)
         self.scheduler = Scheduler(
             engine.block_manager, engine.max_num_seqs, engine.max_num_batched_tokens, engine.group_sharing
         )
@@ -120,16 +119,10 @@ class _Continuous(Generation):
         rows = step.rows  # none after a chunk that leaves its prompt unfinished
         if not rows:
             return False
-        tokens, logprobs = engine.runner.sample(logits, rows, self.call.params, engine.generator)
-        for seq, token, logprob in zip(rows, tokens, logprobs, strict=True):
-            seq.record(token, logprob, version)
-            seq.stopped = token in self.stop_ids
-        live = [seq for seq in rows if not seq.stopped]
-        if self.call.text is not None and live:
-            for seq, end in zip(live, self.call.ends([seq.response_ids for seq in live]), strict=True):
-                seq.stopped = end
+        tokens, logprobs = sample_tokens(logits, rows, self.call.params, engine.generator)
+        take_tokens(rows, tokens, logprobs, version, self.call)
         for seq in rows:
-            if seq.stopped or seq.at_cap:
+            if seq.ended:
                 scheduler.finish(seq)
         return True
 
