@@ -9,8 +9,7 @@ import torch
 from tandem.errors import TandemError
 from tandem.rollout import SamplingParams
 from tandem.rollout.sampler import processed_logprobs
-from tandem.rollout.vllm_engine import VLLMEngine
-from tandem.rollout.vllm_logprobs import choose_logprobs_mode, vllm_logprobs_modes
+from tandem.rollout.vllm_engine import VLLMEngine, choose_logprobs_mode, vllm_logprobs_modes
 
 
 def vllm_logprobs(mode: str, logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor):

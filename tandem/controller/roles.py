@@ -32,8 +32,7 @@ from tandem.rollout import (
     SamplingParams,
     VLLMEngine,
 )
-from tandem.rollout.vllm_engine import require_vllm
-from tandem.rollout.vllm_logprobs import choose_logprobs_mode
+from tandem.rollout.vllm_engine import choose_logprobs_mode, require_vllm
 from tandem.sample import Prompt
 from tandem.train import TrainWorker
 from tandem.train.critic import CriticWorker, value_model

@@ -1,6 +1,7 @@
 """What the built-in engines share: their copy of tandem's decoder (fused for inference, or its
 linear weights in FP8; optionally compiled), its sampling generator, and the tensors sleeping frees."""
 
+import itertools
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -13,6 +14,9 @@ from tandem.model import CausalLM, fuse_projections
 from tandem.model.experts import Routing, moe_layers, routing
 from tandem.model.fp8 import quantize_model, requantize
 from tandem.rollout.base import RolloutEngine, Storages
+from tandem.rollout.call import GenerateCall
+from tandem.rollout.sequence import Sequence
+from tandem.sample import Sample
 
 
 class DecoderEngine(RolloutEngine):
@@ -58,6 +62,7 @@ class DecoderEngine(RolloutEngine):
         # On the model's device: a sampling draw must come from a generator of the noise's device.
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.memory = Storages(model_tensors(self.model))
+        self._ids = itertools.count()
 
     @property
     def device(self) -> torch.device:
@@ -75,13 +80,15 @@ class DecoderEngine(RolloutEngine):
             logits = self.model(*args)
         return logits, trace.table().view(*logits.shape[:2], len(self.moe_layers), -1)
 
-    def route_table(self, tokens: int) -> Tensor | None:
-        """An empty routing record for a sequence of up to `tokens` tokens: (tokens, L, k) of -1."""
-        if not self.moe_layers:
-            return None
-        return torch.full(
-            (tokens, len(self.moe_layers), self.model.cfg.num_experts_per_tok), -1, dtype=torch.int16
-        )
+    def sequences(self, samples: list[Sample], call: GenerateCall) -> list[Sequence]:
+        """The call's samples as `Sequence`s (ids unique over the engine's life); recording routing,
+        each with an empty record of its experts, (max_tokens, L, k) of -1."""
+        seqs = [Sequence.start(next(self._ids), s, call.cap(s)) for s in samples]
+        if self.moe_layers:
+            for seq in seqs:
+                shape = (seq.max_tokens, len(self.moe_layers), self.model.cfg.num_experts_per_tok)
+                seq.routes = torch.full(shape, -1, dtype=torch.int16)
+        return seqs
 
     def _after_update(self) -> None:
         if self.quantized:

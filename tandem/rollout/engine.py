@@ -59,10 +59,9 @@ class BuiltinEngine(DecoderEngine):
         logits, routes = self.forward(ids, positions, mask, cache)
         expand = torch.tensor(owner, device=self.device)
         cache.keep(expand)
-        for seq, o in zip(seqs, owner, strict=True):
-            if (table := self.route_table(seq.max_tokens)) is not None:
-                table[: len(seq)] = routes[o, width - len(seq) :]
-                seq.routes = table
+        if routes is not None:  # recording routing: the prefilled tokens' experts
+            for seq, o in zip(seqs, owner, strict=True):
+                seq.routes[: len(seq)] = routes[o, width - len(seq) :]
         return logits[:, -1][expand], mask.sum(-1)[expand], cache
 
 
@@ -116,8 +115,8 @@ class _Batch:
 
     def __init__(self, engine: BuiltinEngine, samples: list[Sample], call: GenerateCall):
         self.engine, self.call = engine, call
-        self.seqs = [Sequence.start(i, s, call.cap(s)) for i, s in enumerate(samples)]
-        self.rows = torch.arange(len(samples))  # (L,) sequence index of each cache row
+        self.seqs = engine.sequences(samples, call)
+        self.rows = torch.arange(len(samples))  # (L,) index in `seqs` of each cache row
         self.done = torch.zeros(len(samples), dtype=torch.bool)  # (L,) the row's sequence has ended
         self.version = engine.version  # of the weights behind `logits`: the prefill's, then each step's
         room = max(seq.max_tokens - len(seq) for seq in self.seqs)

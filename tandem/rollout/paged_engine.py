@@ -6,7 +6,6 @@ by requests with the same leading tokens; a sequence that finds no memory is pre
 recomputed later instead of failing.
 """
 
-import itertools
 from typing import Any
 
 from torch import Tensor
@@ -19,7 +18,7 @@ from tandem.rollout.call import GenerateCall
 from tandem.rollout.decoder_engine import DecoderEngine, model_tensors
 from tandem.rollout.model_runner import ModelRunner
 from tandem.rollout.scheduler import Scheduler, Step
-from tandem.rollout.sequence import Sequence, sample_tokens, take_tokens
+from tandem.rollout.sequence import sample_tokens, take_tokens
 from tandem.sample import Sample
 
 
@@ -68,7 +67,6 @@ class PagedEngine(DecoderEngine):
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.group_sharing = group_sharing
         self.num_preemptions = 0
-        self._ids = itertools.count()
         self.memory = Storages([*model_tensors(self.model), *self.runner.cache.k, *self.runner.cache.v])
 
     def _on_sleep(self) -> None:
@@ -96,9 +94,7 @@ class _Continuous(Generation):
 
     def __init__(self, engine: PagedEngine, samples: list[Sample], call: GenerateCall):
         self.engine, self.call = engine, call
-        self.seqs = [Sequence.start(next(engine._ids), s, call.cap(s)) for s in samples]
-        for seq in self.seqs:
-            seq.routes = engine.route_table(seq.max_tokens)
+        self.seqs = engine.sequences(samples, call)
         self.scheduler = Scheduler(
             engine.block_manager, engine.max_num_seqs, engine.max_num_batched_tokens, engine.group_sharing
         )
