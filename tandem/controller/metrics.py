@@ -77,6 +77,10 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+            # finish() returns once W&B's service has the last records, not once they are on disk;
+            # teardown waits for the service to close its files (CI once read an offline run's
+            # file right after close and found only its header).
+            require_wandb().teardown()
 
 
 def require_wandb() -> Any:
