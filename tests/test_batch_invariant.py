@@ -185,25 +185,24 @@ def test_trainer_logprobs_equal_the_logprobs_of_the_logits(setup):
 
 
 def test_mode_off_is_not_batch_invariant():
-    """What the mode fixes: with the default kernels the target's logits change with the batch
-    (packed rows in both dtypes, padded rows in fp32; measured: at every size from 4 on) and a
-    decode step against the cache differs from the full forward."""
+    """What the mode fixes: with the default kernels a decode step against the cache differs from
+    the full forward, and packed rows change with the batch (both on every CPU measured: AMD EPYC
+    with AVX2 and with AVX512, Intel Xeon with AMX). Whether padded rows change with the batch
+    depends on the CPU's BLAS (they do not on an AVX2 EPYC), so it is not asserted."""
     for dtype in DTYPES:
         model = model_in(dtype, on=False)
         ref = padded_logits(model, [TARGET])[0]
         rng = random.Random(0)
-        padded = packed = 0
+        packed = 0
         for n in SIZES:
             rows = others(n, rng)
             at = rng.randrange(n)
             rows[at] = TARGET
-            padded += not torch.equal(padded_logits(model, rows)[at, : len(TARGET)], ref)
             start = sum(map(len, rows[:at]))
             packed += not torch.equal(packed_logits(model, rows)[start : start + len(TARGET)], ref)
         steps = [[t] for t in TARGET[PROMPT:]]
         decoded = torch.stack([x[0] for x in kv_cache_logits(model, [TARGET[:PROMPT]], steps)])
         assert packed and not torch.equal(decoded, ref[PROMPT - 1 :])
-        assert padded or dtype == torch.bfloat16  # bf16's default kernels happen to keep padded rows
 
 
 # ---------------------------------------------------------------- end to end: engines vs trainer

@@ -4,24 +4,34 @@
 attention through these functions, so the trainer's full-sequence forward (padded or packed),
 prefill, chunked prefill and one-token decode against either KV cache give a token bit-identical
 logits, and so bit-identical logprobs (the engine's and the trainer's log_softmax are the same
-row-wise kernel). The rest of the forward already is row-wise: embedding, RoPE, residual adds,
-RMSNorm (one row per reduction) and softmax / log_softmax over the last dim.
+row-wise kernel).
 
-What the CPU kernels do, measured (torch 2.13, MKL sgemm and oneDNN bf16 gemm, AVX512, 1 to 16
-threads; tests/test_batch_invariant.py re-checks it on the machine it runs on):
+How: every reduction runs in an order tandem fixes, never one a library picks for the batch at
+hand. A BLAS (MKL, oneDNN, cuBLAS) chooses its kernel, its blocking and how it splits a reduction
+between threads by the shape of the call, so each call here has ONE shape whatever the batch:
 
-- A GEMM's row depends on the number of rows M unless M is a multiple of 4: M = 1 is a GEMV, and
-  the remainder of M mod 4 rows (per thread) takes other micro-kernels. Hence `ROW_TILE`: rows are
-  padded with zeros to a multiple of it. Columns (N >= 16) and zero-padded trailing terms of the
-  reduction (K >= 16) change nothing.
-- An element-wise op over a contiguous range runs the vectorized loop and then a scalar tail, and a
-  multi-threaded one splits its range at `ceil(numel / threads)`. SiLU's vector and scalar exp
-  differ in the last bit, so a row cut by a thread's chunk, or ending a range, could differ from
-  itself elsewhere. `padded_rows` picks a row count whose chunks end on row boundaries, and the
-  activation reads a strided view (the gate half of gate|up), which the loop walks row by row.
-- softmax's sum over keys keeps 16 lane accumulators (AVX512 fp32) and reduces them in a fixed tree;
-  masked keys add exact zeros. So keys sit at their positions (key s is position s, from 0), the
-  masked ones trail, and every row has at least `MIN_KEYS` keys (a shorter row takes another path).
+- Matmuls (`linear`): the rows are padded with zeros to a multiple of ROW_TILE and multiplied
+  ROW_TILE at a time, every call (ROW_TILE, K) x (K, N'), N' the weight's rows padded to a
+  multiple of COL_TILE (a weight of 261 rows split between 16 threads gave its last columns
+  another kernel on an AMD EPYC with MKL; one of 272 did not). The one-GEMM-for-all-rows layout this
+  replaces let oneDNN's AMX kernels pick their blocking by the row count (engine-trainer mismatch
+  0.030 on an Intel Xeon).
+- Attention (`attention`): each (sequence, key head)'s query rows in tiles of QUERY_TILE, its keys
+  in tiles of KEY_TILE, ENTRIES such tiles per call: the scores, their exp, the row sums and the
+  weighted values are each computed on one shape per call, and the partial sums over key tiles are
+  added in fp32 by tandem, in key order. A key a row cannot see (another row's longer context, a
+  cache's free slots, padding) adds exact zeros, so it changes nothing.
+- Element-wise ops are exactly rounded except the transcendental ones, whose vectorised and scalar
+  loops can differ in the last bit (ATen runs the last numel mod 2·lanes elements of a thread's
+  range scalar). The exp above runs on (ENTRIES, QUERY_TILE, KEY_TILE) = 32768 elements: one
+  thread's range (at::internal::GRAIN_SIZE), all of it vectorised. SiLU runs over `padded_rows`
+  rows, whose thread ranges end on row boundaries.
+- Row-wise reductions of a fixed length (RMSNorm over the hidden size, log_softmax over the
+  vocabulary) already reduce each row alone: ATen parallelises them over rows.
+
+The rest is the library's: that a row's result does not depend on its place within a call, and
+that the kernel a shape gets does not change with the thread count. `tandem.model.invariance`
+checks both on the machine at hand, in the run's dtype and shapes, before a deterministic run.
 """
 
 import math
@@ -30,16 +40,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-ROW_TILE = 4  # GEMM rows come in multiples of this (see the module docstring)
-MIN_KEYS = 16  # attention sees at least this many (masked, trailing) keys
+ROW_TILE = 256  # rows per matmul call
+COL_TILE = 64  # a weight's rows are padded to a multiple of this
+QUERY_TILE = 4  # attention: query rows (query heads x tokens) per matmul entry
+KEY_TILE = 32  # attention: keys per matmul entry
 GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: element-wise ops under it run on one thread
+
+
+def _round_up(n: int, tile: int) -> int:
+    return max(tile, -(-n // tile) * tile)
 
 
 def padded_rows(m: int, width: int) -> int:
     """-> the row count >= m, a multiple of ROW_TILE, at which an element-wise op over (rows, width)
     splits between threads at row boundaries (at::parallel_for gives each of its
     min(threads, ceil(numel / GRAIN_SIZE)) threads ceil(numel / threads) elements)."""
-    rows = max(ROW_TILE, -(-m // ROW_TILE) * ROW_TILE)
+    rows = _round_up(m, ROW_TILE)
     threads = torch.get_num_threads()
     while True:
         used = 1 if rows * width < GRAIN_SIZE else min(threads, -(-rows * width // GRAIN_SIZE))
@@ -49,17 +65,54 @@ def padded_rows(m: int, width: int) -> int:
 
 
 def pad_rows(x: Tensor, rows: int) -> Tensor:
-    """x (M, K) -> (rows, K), zero rows appended (x itself when M == rows)."""
-    return x if x.shape[0] == rows else F.pad(x, (0, 0, 0, rows - x.shape[0]))
+    """x (M, ...) -> (rows, ...), zeros appended (x itself when M == rows)."""
+    if x.shape[0] == rows:
+        return x
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
+
+
+def tiled_mm(x: Tensor, weight: Tensor) -> Tensor:
+    """x (M, K), weight (N, K) -> x @ weight.T (M, N), as (ROW_TILE, K) x (K, N') calls (no autograd)."""
+    m, n = x.shape[0], weight.shape[0]
+    cols = _round_up(n, COL_TILE)
+    wt = pad_rows(weight, cols).t()  # (K, N')
+    rows = pad_rows(x, _round_up(m, ROW_TILE)).contiguous()
+    out = rows.new_empty(rows.shape[0], cols)
+    for i in range(0, rows.shape[0], ROW_TILE):
+        torch.mm(rows[i : i + ROW_TILE], wt, out=out[i : i + ROW_TILE])
+    return out[:m, :n]
+
+
+class _TiledLinear(torch.autograd.Function):
+    """x @ weight.T by `tiled_mm`; its backward is two plain matmuls (gradients need no invariance,
+    only the same result for the same inputs, which a fixed shape and thread count give)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        return tiled_mm(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        x, weight = ctx.saved_tensors
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_w = grad.t() @ x if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
+
+
+def _mm(x: Tensor, weight: Tensor) -> Tensor:
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _TiledLinear.apply(x, weight)
+    return tiled_mm(x, weight)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x (..., K), weight (N, K) -> (..., N): x @ weight.T + bias over rows padded to a multiple of
-    ROW_TILE, so each row's reduction order is the same at any batch size."""
-    rows = x.reshape(-1, x.shape[-1])  # (M, K)
-    m = rows.shape[0]
-    out = F.linear(pad_rows(rows, max(ROW_TILE, -(-m // ROW_TILE) * ROW_TILE)), weight, bias)
-    return out[:m].view(*x.shape[:-1], weight.shape[0])
+    """x (..., K), weight (N, K) -> (..., N): x @ weight.T + bias, every row reduced the same way
+    at any batch size (`tiled_mm`)."""
+    out = _mm(x.reshape(-1, x.shape[-1]), weight)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def mlp(
@@ -69,36 +122,127 @@ def mlp(
     down(silu(gate(x)) * up(x)) over `padded_rows` rows, SiLU reading the gate half in place."""
     rows = x.reshape(-1, x.shape[-1])  # (M, E)
     m, width = rows.shape[0], down.shape[1]
-    h = F.linear(pad_rows(rows, padded_rows(m, width)), gate_up, gate_up_bias)  # (M', 2I)
+    h = _mm(pad_rows(rows, padded_rows(m, width)), gate_up)  # (M', 2I)
+    if gate_up_bias is not None:
+        h = h + gate_up_bias
     gate, up = h.chunk(2, dim=-1)  # strided views: the activation loops row by row
-    out = F.linear(F.silu(gate) * up, down, down_bias)
-    return out[:m].view(*x.shape[:-1], down.shape[0])
+    out = _mm(F.silu(gate) * up, down)[:m]
+    if down_bias is not None:
+        out = out + down_bias
+    return out.reshape(*x.shape[:-1], down.shape[0])
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """q (B, H, T, D), k, v (B, Hkv, S, D) with key s at position s, mask (B, 1, T, S) additive
     (0 or -inf; masked keys must trail each query's visible ones) -> (B, H, T, D).
 
-    softmax(q·kᵀ/√D + mask) · v, the H/Hkv query heads of a key head as the rows of one matmul
-    (padded to a multiple of ROW_TILE), softmax in fp32 over at least MIN_KEYS keys. Batched over
-    (Hkv, B), the caches' head-major layout, so their keys and values are read in place.
+    softmax(q·kᵀ/√D + mask) · v by `tiled_attention`. Under autograd its backward is that of
+    `plain_attention` on the same inputs (the same function; the gradient needs no invariance).
+    """
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        return _Attention.apply(q, k, v, mask)
+    return tiled_attention(q, k, v, mask)
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        ctx.save_for_backward(q, k, v, mask)
+        return tiled_attention(q, k, v, mask)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k, v, mask = ctx.saved_tensors
+        inputs = [x.detach().requires_grad_(need) for x, need in zip((q, k, v), ctx.needs_input_grad)]
+        with torch.enable_grad():
+            out = plain_attention(*inputs, mask)
+        wanted = [x for x in inputs if x.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad))
+        return *(next(grads) if x.requires_grad else None for x in inputs), None
+
+
+def plain_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """`attention` with the library's kernels (batch-dependent rounding): its backward."""
+    b, h, t, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv  # query heads per key head, in Hugging Face's order (head i reads key head i // G)
+    scores = torch.matmul(q.reshape(b, hkv, g * t, d), k.transpose(-1, -2)).unflatten(2, (g, t))
+    scores = scores.float() * (1 / math.sqrt(d)) + mask[:, :, None]  # (B, Hkv, G, T, S)
+    probs = scores.softmax(-1).to(v.dtype).flatten(2, 3)
+    return torch.matmul(probs, v).view(b, h, t, d)
+
+
+def tiled_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """`attention`'s forward in fixed-shape calls (see the module docstring), no autograd.
+
+    An entry is one (key head, sequence), in the caches' head-major order, so their keys are read
+    in place. Its G·T query rows (G query heads x T tokens) come in QUERY_TILE tiles, its keys in
+    KEY_TILE tiles; each matmul call takes one query tile and one key tile of every entry. The
+    element-wise steps and row sums run on all of them at once (`_entries` pads their count so
+    that every element runs in the vectorised loop).
     """
     b, h, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
-    if s < MIN_KEYS:  # zero keys, masked: their exp is 0 and their values are multiplied by it
-        k, v = (F.pad(x, (0, 0, 0, MIN_KEYS - s)) for x in (k, v))
-        mask = F.pad(mask, (0, MIN_KEYS - s), value=float("-inf"))
-    g = h // hkv  # query heads per key head, in Hugging Face's order (head i reads key head i // G)
-    n = g * t
-    rows = -(-n // ROW_TILE) * ROW_TILE
-    queries = q.reshape(b, hkv, n, d).transpose(0, 1)  # (Hkv, B, G·T, D)
-    if rows != n:
-        queries = F.pad(queries, (0, 0, 0, rows - n))
-    keys, values = k.transpose(0, 1), v.transpose(0, 1)  # (Hkv, B, S, D)
-    scores = torch.matmul(queries, keys.transpose(-1, -2))[:, :, :n]  # (Hkv, B, G·T, S)
-    scores = scores.unflatten(2, (g, t)).float() * (1 / math.sqrt(d)) + mask.transpose(0, 1)[:, :, None]
-    probs = scores.softmax(-1).to(v.dtype).flatten(2, 3)  # (Hkv, B, G·T, S)
-    if rows != n:
-        probs = F.pad(probs, (0, 0, 0, rows - n))
-    out = torch.matmul(probs, values)[:, :, :n]  # (Hkv, B, G·T, D)
-    return out.unflatten(2, (g, t)).permute(1, 0, 2, 3, 4).reshape(b, h, t, d)
+    g = h // hkv
+    n, count = g * t, hkv * b
+    tiles_q, tiles_k = -(-n // QUERY_TILE), -(-s // KEY_TILE)
+    total = _entries(count, tiles_q * tiles_k)
+    keys, values = (x.transpose(0, 1).reshape(count, s, d) for x in (k, v))  # views of a cache
+    # Queries scaled by 1/√D before the matmul (exact for D a power of 4), padding rows zero.
+    queries = q.new_zeros(total, tiles_q * QUERY_TILE, d)
+    rows = q.reshape(b, hkv, n, d).transpose(0, 1).reshape(count, n, d)
+    torch.mul(rows, 1 / math.sqrt(d), out=queries[:count, :n])
+
+    def tile(x: Tensor, j: int) -> Tensor:
+        """x (count, S, D) -> key tile j of every entry (total, KEY_TILE, D): in place where it is
+        whole, else copied with zeros after it (a masked key's 0 · value must be 0)."""
+        part = x[:, j * KEY_TILE : (j + 1) * KEY_TILE]
+        if total == count and part.shape[1] == KEY_TILE:
+            return part
+        out = x.new_zeros(total, KEY_TILE, d)
+        out[:count, : part.shape[1]] = part
+        return out
+
+    # Additive mask (tiles_k, tiles_q, total, QT, KT): the run's mask, -inf on padded keys, 0 on
+    # padding rows and entries (finite, and dropped).
+    bias = torch.full((total, tiles_q * QUERY_TILE, tiles_k * KEY_TILE), float("-inf"), device=q.device)
+    visible = mask.float()[:, 0].expand(hkv, b, t, s)[:, :, None].expand(hkv, b, g, t, s)
+    bias[:count, :n, :s] = visible.reshape(count, n, s)
+    bias[:, n:], bias[count:] = 0.0, 0.0
+    bias = bias.view(total, tiles_q, QUERY_TILE, tiles_k, KEY_TILE).permute(3, 1, 0, 2, 4).contiguous()
+
+    scores = q.new_empty(tiles_k, tiles_q, total, QUERY_TILE, KEY_TILE)
+    for j in range(tiles_k):
+        key_tile = tile(keys, j).transpose(1, 2)
+        for i in range(tiles_q):
+            torch.bmm(queries[:, i * QUERY_TILE : (i + 1) * QUERY_TILE], key_tile, out=scores[j, i])
+    x = bias.add_(scores)  # fp32
+    top = x.amax(-1, keepdim=True).amax(0)  # (tiles_q, total, QT, 1): a max is exact in any order
+    p = torch.exp(x.sub_(top))
+    sums = p.sum(-1)  # (tiles_k, tiles_q, total, QT): each row of KEY_TILE alone
+    p = p.to(v.dtype)
+    weighted = v.new_empty(tiles_k, tiles_q, total, QUERY_TILE, d)
+    for j in range(tiles_k):
+        value_tile = tile(values, j)
+        for i in range(tiles_q):
+            torch.bmm(p[j, i], value_tile, out=weighted[j, i])
+    norm, acc = sums[0], weighted[0].float()
+    for j in range(1, tiles_k):  # in key order: a tile no row sees adds exact zeros
+        norm, acc = norm + sums[j], acc + weighted[j].float()
+    out = (acc / norm[..., None]).to(v.dtype)  # (tiles_q, total, QT, D)
+    out = out[:, :count].permute(1, 0, 2, 3).reshape(count, tiles_q * QUERY_TILE, d)[:, :n]
+    return out.reshape(hkv, b, g, t, d).permute(1, 0, 2, 3, 4).reshape(b, h, t, d)
+
+
+def _entries(count: int, tiles: int) -> int:
+    """-> the entry count >= `count` at which an element-wise op over (tiles, entries, QUERY_TILE,
+    KEY_TILE) runs every element in the vectorised loop: at::parallel_for hands each of its
+    min(threads, ceil(numel / GRAIN_SIZE)) threads ceil(numel / threads) elements, and each range
+    must be a multiple of 64 (two vectors of up to 32 lanes) to leave no scalar tail."""
+    threads = torch.get_num_threads()
+    while True:
+        numel = tiles * count * QUERY_TILE * KEY_TILE
+        used = 1 if numel < GRAIN_SIZE else min(threads, -(-numel // GRAIN_SIZE))
+        if numel % (64 * used) == 0:
+            return count
+        count += 1

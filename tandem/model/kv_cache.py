@@ -3,6 +3,7 @@
 import torch
 from torch import Tensor
 
+from tandem.model import batch_invariant
 from tandem.model.config import ModelConfig
 
 
@@ -61,7 +62,10 @@ class PositionedCache:
         self.cache, self.positions = cache, positions
         self.rows, self.cols = token_mask.nonzero(as_tuple=True)  # (N,) each: the real tokens
         self.slots = positions[self.rows, self.cols]  # (N,)
-        self.width = min(int(positions.max()) + 1, cache.max_len)
+        # Whole key tiles of the batch-invariant attention, so it reads them in place; the slots
+        # past a row's position are masked (zeros or an earlier row's keys: finite either way).
+        tile = batch_invariant.KEY_TILE
+        self.width = min(-(-(int(positions.max()) + 1) // tile) * tile, cache.max_len)
 
     def attention_mask(self, token_mask: Tensor) -> Tensor:
         """-> (B, 1, T, S) bool: the token at position p sees slots 0..p."""
