@@ -8,11 +8,20 @@ i - k). docs/determinism.md says which modes cannot be reproduced and why.
 """
 
 import os
+import platform
 import random
+import time
+from collections.abc import Iterable
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from tandem.config import Config
+from tandem.devices import DTYPES
+from tandem.errors import TandemError
+from tandem.model import ModelConfig, resolve_model_path
+from tandem.model.invariance import first_difference, probe_model
 from tandem.rollout.sampler import row_seed
 
 
@@ -32,3 +41,38 @@ def request_seed(seed: int, group_id: int, index: int) -> int:
     """A sample's sampling seed from (run.seed, group id, index in the group): each request draws
     its own noise, so its tokens do not depend on which worker or batch generates it."""
     return row_seed(row_seed(seed, group_id), index)
+
+
+def check_batch_invariance(cfg: Config, threads: Iterable[int]) -> float:
+    """run.deterministic, before anything starts: the self-test of `tandem.model.invariance` on a
+    model of the run's shapes, in its train and rollout dtypes, on run.device, at the thread
+    counts its roles use (`threads`). -> its seconds; TandemError in one paragraph if it fails."""
+    start = time.perf_counter()
+    model_cfg = ModelConfig.load(resolve_model_path(cfg.model.path))
+    for name in sorted({cfg.train.dtype, cfg.rollout.dtype}):
+        where = first_difference(probe_model(model_cfg, DTYPES[name], cfg.run.device), threads)
+        if where is not None:
+            raise TandemError(
+                f"run.deterministic=true promises engine logprobs equal to the trainer's bit for bit, "
+                f"but on this machine ({machine(cfg.run.device)}, torch {torch.__version__}, {name}) the "
+                f"batch-invariant forward is not batch-invariant: the self-test's sequence came out "
+                f"differently through {where}. The kernels here give a row another result by its place "
+                "in a call or by the thread count, which tandem's fixed call shapes cannot rule out. "
+                "Train without run.deterministic (mismatch/* then measures the gap and algo.corrections "
+                "such as tis correct it), or try run.threads=1; docs/determinism.md lists the machines "
+                "where the promise has been checked."
+            )
+    return time.perf_counter() - start
+
+
+def machine(device: str) -> str:
+    """The CPU's model name (or the GPU's), for messages and benchmark output."""
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

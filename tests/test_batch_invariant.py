@@ -5,7 +5,10 @@ the contiguous KVCache, prefill, chunked prefill and decode on the paged cache â
 and both built-in engines' behaviour logprobs equal the trainer's recompute bit for bit.
 
 With the mode off these equalities fail (the default kernels pick their reduction order by shape):
-`test_mode_off_is_not_batch_invariant` keeps that visible.
+`test_mode_off_is_not_batch_invariant` keeps that visible. The paths are those of
+`tandem.model.invariance`, the self-test a deterministic run starts with; it runs here on the
+shipped model's shapes too, and at thread counts this machine does not have cores for (the kernels
+pick their split between threads by the count, not by the cores).
 """
 
 import copy
@@ -15,11 +18,20 @@ import pytest
 import torch
 from helpers import random_samples, tiny_model
 
-from tandem.config import AlgoConfig, TrainConfig
-from tandem.model import CausalLM, KVCache, Segments, token_logprobs
-from tandem.model.paged_kv import PagedKVCache
+from tandem.config import AlgoConfig, TrainConfig, load_config
+from tandem.determinism import check_batch_invariance
+from tandem.errors import TandemError
+from tandem.model import CausalLM, ModelConfig, resolve_model_path, token_logprobs
+from tandem.model import batch_invariant as bi
+from tandem.model.invariance import (
+    Paged,
+    first_difference,
+    kv_cache_logits,
+    packed_logits,
+    padded_logits,
+    probe_model,
+)
 from tandem.rollout import BuiltinEngine, PagedEngine, SamplingParams, make_groups
-from tandem.rollout.model_runner import PagedBatch
 from tandem.sample import Prompt
 from tandem.train import TrainWorker
 from tandem.train.batch import sequence_logprobs
@@ -39,73 +51,6 @@ def model_in(dtype: torch.dtype, on: bool = True) -> CausalLM:
 
 def others(n: int, rng: random.Random, longest: int = 40) -> list[list[int]]:
     return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, longest))] for _ in range(n)]
-
-
-def padded_logits(model: CausalLM, rows: list[list[int]]) -> torch.Tensor:
-    """The trainer's padded layout: rows right-padded -> logits (B, T, V)."""
-    width = max(map(len, rows))
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), True
-    return model(ids, torch.arange(width).expand_as(ids), mask)
-
-
-def packed_logits(model: CausalLM, rows: list[list[int]]) -> torch.Tensor:
-    """The trainer's packed layout: one row of segments -> logits (sum of lengths, V)."""
-    segments = Segments([len(r) for r in rows])
-    ids = torch.tensor([t for r in rows for t in r])[None]
-    return model(ids, segments.positions(), segments)[0]
-
-
-def kv_cache_logits(model: CausalLM, prompts: list[list[int]], steps: list[list[int]]) -> list[torch.Tensor]:
-    """BuiltinEngine's layout: a left-padded prefill into a KVCache, then one token per row per step
-    -> the logits (B, V) after the prefill and after each step."""
-    n, width = len(prompts), max(map(len, prompts))
-    ids = torch.zeros(n, width, dtype=torch.long)
-    mask = torch.zeros(n, width, dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), True
-    dtype = model.lm_head.weight.dtype
-    cache = KVCache(model.cfg, n, width + len(steps), dtype, torch.device("cpu"))
-    out = [model(ids, (mask.long().cumsum(-1) - 1).clamp(min=0), mask, cache)[:, -1]]
-    position = mask.sum(-1)
-    for tokens in steps:
-        step = torch.ones(n, 1, dtype=torch.bool)
-        out.append(model(torch.tensor(tokens)[:, None], position[:, None], step, cache)[:, -1])
-        position = position + 1
-    return out
-
-
-class Paged:
-    """Sequences in a PagedKVCache, each in its own shuffled blocks, run as ModelRunner does."""
-
-    def __init__(self, model: CausalLM, count: int, longest: int, block_size: int, rng: random.Random):
-        self.model, self.bs = model, block_size
-        per = -(-longest // block_size)
-        blocks = list(range(count * per))
-        rng.shuffle(blocks)
-        self.tables = [blocks[i * per : (i + 1) * per] for i in range(count)]
-        dtype = model.lm_head.weight.dtype
-        self.cache = PagedKVCache(model.cfg, count * per, block_size, dtype, torch.device("cpu"))
-
-    def step(self, rows: list[tuple[int, list[int], int]]) -> torch.Tensor:
-        """rows (sequence, its new tokens, tokens it had before) -> each row's last logits (B, V)."""
-        t = max(len(new) for _, new, _ in rows)
-        ids, slots = torch.zeros(len(rows), t, dtype=torch.long), torch.full((len(rows), t), -1)
-        for i, (seq, new, before) in enumerate(rows):
-            ids[i, : len(new)] = torch.tensor(new)
-            positions = range(before, before + len(new))
-            slots[i, : len(new)] = torch.tensor(
-                [self.tables[seq][p // self.bs] * self.bs + p % self.bs for p in positions]
-            )
-        context = torch.tensor([before + len(new) for _, new, before in rows])
-        query = torch.tensor([len(new) for _, new, _ in rows])
-        batch = PagedBatch(
-            self.cache, slots, torch.tensor([self.tables[s] for s, _, _ in rows]), context, query
-        )
-        logits = self.model(ids, batch.positions(), slots >= 0, batch)
-        return logits[torch.arange(len(rows)), query - 1]
 
 
 @pytest.fixture(scope="module", params=DTYPES, ids=["fp32", "bf16"])
@@ -182,6 +127,36 @@ def test_trainer_logprobs_equal_the_logprobs_of_the_logits(setup):
         for pad in (None, 0):
             got = sequence_logprobs(model, samples, budget, pad_token_id=pad)[0]
             assert torch.equal(got, expected), f"budget {budget}, padded {pad is not None}"
+
+
+SHIPPED = ModelConfig.load(resolve_model_path("builtin:addition"))  # vocabulary 261: an odd weight
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_the_shipped_models_shapes_through_every_path(dtype):
+    """The default task's model shapes (hidden 256, 4 query / 2 key heads, vocabulary 261), at the
+    thread counts this machine runs: one sequence bit-identical through every path and batch size."""
+    assert first_difference(probe_model(SHIPPED, dtype, "cpu"), {1, torch.get_num_threads()}) is None
+
+
+def test_an_engine_and_a_trainer_at_different_thread_counts_agree():
+    """An engine on 16 threads and a trainer on 1 (placement gives roles different shares). On the
+    landed row-padding forward, MKL split the 261 logit columns between 16 threads so that the last
+    ones took another kernel (measured on an AMD EPYC): the engine's logits differed from the
+    trainer's. Padding a weight's rows to COL_TILE keeps every column in the same kernel."""
+    assert first_difference(probe_model(SHIPPED, torch.float32, "cpu"), [16]) is None
+
+
+def test_a_deterministic_run_refuses_kernels_that_are_not_batch_invariant(monkeypatch):
+    """The start-up self-test, on a forward whose weight columns are not padded (the kernels' split
+    at 16 threads then gives the last logit columns another result): one paragraph naming the
+    path, not a run with a silent mismatch."""
+    overrides = ["run.deterministic=true", "run.device=cpu", "train.dtype=float32", "rollout.dtype=float32"]
+    cfg = load_config(None, overrides)
+    assert check_batch_invariance(cfg, [1, 16]) >= 0  # passes as built
+    monkeypatch.setattr(bi, "COL_TILE", 1)
+    with pytest.raises(TandemError, match="not batch-invariant.*16 thread"):
+        check_batch_invariance(cfg, [1, 16])
 
 
 def test_mode_off_is_not_batch_invariant():

@@ -65,9 +65,9 @@ class FakeRollout(TimedWorker):
 
 
 class FakeTrainer(TimedWorker):
-    def __init__(self, name: str, fail: bool = False):
+    def __init__(self, name: str, fail: bool = False, mismatch: float = 0.0):
         super().__init__(name)
-        self.version, self.fail = 0, fail
+        self.version, self.fail, self.mismatch = 0, fail, mismatch
 
     def cost(self, job: Job) -> float:
         return 3.0 if job.method == "train_step" else 0.1
@@ -77,7 +77,8 @@ class FakeTrainer(TimedWorker):
             if self.fail:
                 return CallFailed("Traceback: RuntimeError: the loss is nan")
             self.version += 1
-            return {"actor/loss": 0.0}, [self.span("train", job, now)]
+            metrics = {"actor/loss": 0.0, "mismatch/logprob_abs_diff_max": self.mismatch}
+            return metrics, [self.span("train", job, now)]
         if job.method == "send_weights":
             return ("handle", self.version), self.span("sync", job, now)
         if job.method == "save":
@@ -115,11 +116,11 @@ class Log:
         self.batches.append((step, groups))
 
 
-def fake_cluster(rollouts=2, die_at_call=-1, trainer_fails=False):
+def fake_cluster(rollouts=2, die_at_call=-1, trainer_fails=False, mismatch=0.0):
     workers = {
         f"rollout/{i}": FakeRollout(f"rollout/{i}", die_at_call if i == 0 else -1) for i in range(rollouts)
     }
-    workers["train/0"] = FakeTrainer("train/0", trainer_fails)
+    workers["train/0"] = FakeTrainer("train/0", trainer_fails, mismatch)
     workers["reward/0"] = FakeReward("reward/0")
     names = {
         "rollout": [f"rollout/{i}" for i in range(rollouts)],
@@ -220,6 +221,18 @@ def test_the_deterministic_schedule_trains_batch_i_on_version_i_minus_k(tmp_path
     _, log, _ = run(tmp_path, "run.mode=one_step_off", "run.deterministic=true", "run.steps=6")
     assert [r["staleness/max"] for r in log.steps] == [0, 1, 1, 1, 1, 1]
     assert [r["staleness/min"] for r in log.steps] == [0, 1, 1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("mode", ["sync", "one_step_off"])
+def test_a_deterministic_run_stops_when_its_first_step_measures_a_mismatch(tmp_path, mode):
+    """The engine and the trainer disagree on tokens the trained version sampled: the promise is
+    broken, so the run stops at step 1 naming the figure; without run.deterministic it trains on."""
+    with pytest.raises(TandemError, match=r"logprob_abs_diff_max 0\.03, not 0"):
+        run(tmp_path, f"run.mode={mode}", "run.deterministic=true", cluster=fake_cluster(mismatch=0.03))
+    _, log, _ = run(tmp_path, f"run.mode={mode}", cluster=fake_cluster(mismatch=0.03))
+    assert len(log.steps) == 5
+    _, log, _ = run(tmp_path, f"run.mode={mode}", "run.deterministic=true")  # 0: trains on
+    assert len(log.steps) == 5
 
 
 def test_resume_continues_to_the_same_batches(tmp_path):

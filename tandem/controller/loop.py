@@ -381,6 +381,16 @@ class Loop:
         metrics = self.stats.step(batch, train, self.version, self.buffer, self.timeline, self.cluster.now())
         self.logger.log(self.version, metrics)
         self.logger.log_batch(self.version, sorted({s.group_id for s in batch}))
+        on_policy = all(s.version_span == (self.version - 1,) * 2 for s in batch if s.versions)
+        if self.cfg.run.deterministic and on_policy and metrics.get("mismatch/logprob_abs_diff_max", 0.0):
+            raise TandemError(
+                f"run.deterministic=true: step {self.version} trained on tokens its own version sampled, "
+                "yet the engine's logprobs differ from the trainer's (mismatch/logprob_abs_diff_max "
+                f"{metrics['mismatch/logprob_abs_diff_max']:.3g}, not 0), so the run stops instead of "
+                "training on a promise it does not keep. The self-test at start passed, so a path it "
+                "does not cover differs here: please report it with this machine's CPU or GPU "
+                "(docs/determinism.md), and run without run.deterministic meanwhile."
+            )
 
     def on_worker_died(self, call: Call, error: Exception) -> None:
         """A dead rollout worker is restarted by Ray: re-sync its weights, re-submit its prompts."""

@@ -11,11 +11,13 @@ import ray
 
 from tandem import devices
 from tandem.config import Config, load_config, save_config
+from tandem.controller import placement
 from tandem.controller.checkpoint import check_compatible, find_resume
 from tandem.controller.cluster import RayCluster, start_ray
 from tandem.controller.loop import Loop, Stopped
 from tandem.controller.metrics import MetricsLogger, require_wandb
 from tandem.controller.roles import build_data
+from tandem.determinism import check_batch_invariance, machine
 from tandem.errors import TandemError
 from tandem.paths import check_writable
 from tandem.reward.user_fn import canonical_spec, load_reward_fn
@@ -50,6 +52,13 @@ def wandb_options(cfg: Config) -> dict | None:
     )
 
 
+def role_threads(cfg: Config) -> set[int]:
+    """The torch thread counts the run's roles will have (placement's shares, or run.threads)."""
+    have = ray.cluster_resources()
+    cpus, gpus = cfg.placement.num_cpus or have.get("CPU", 1), cfg.placement.num_gpus or have.get("GPU", 0)
+    return {cfg.run.threads or s.threads for s in placement.plan(cfg, cpus, gpus)}
+
+
 def run_training(cfg: Config, on_step=None) -> dict[str, float]:
     """Train for cfg.run.steps versions in cfg.run.mode; -> the summary (held-out accuracy before and
     after, throughput). `on_step(loop)` is called after each train step (tests use it).
@@ -66,6 +75,13 @@ def run_training(cfg: Config, on_step=None) -> dict[str, float]:
     load_reward_fn(cfg.reward.fn)
     start_ray(cfg)
     cfg = devices.resolve(cfg, ray.cluster_resources().get("GPU", 0))
+    if cfg.run.deterministic:  # refused here, in seconds, if this machine's kernels cannot keep it
+        threads = role_threads(cfg)
+        seconds = check_batch_invariance(cfg, threads)
+        print(
+            f"run.deterministic: batch-invariance self-test passed in {seconds:.1f} s "
+            f"({machine(cfg.run.device)}; {cfg.train.dtype}; threads {sorted(threads)})"
+        )
     save_config(cfg, run_dir / "config.yaml")  # as resolved: device and dtypes concrete
     cluster = RayCluster.start(cfg)
     loop = Loop(cfg, data, cluster)

@@ -153,7 +153,10 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         q, k, v, mask = ctx.saved_tensors
-        inputs = [x.detach().requires_grad_(need) for x, need in zip((q, k, v), ctx.needs_input_grad)]
+        inputs = [
+            x.detach().requires_grad_(need)
+            for x, need in zip((q, k, v), ctx.needs_input_grad[:3], strict=True)
+        ]
         with torch.enable_grad():
             out = plain_attention(*inputs, mask)
         wanted = [x for x in inputs if x.requires_grad]

@@ -11,6 +11,7 @@ A fused paged kernel can replace `paged_attention` later behind the same signatu
 """
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -122,3 +123,45 @@ def paged_attention(
     return F.scaled_dot_product_attention(
         q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None], scale=scale, enable_gqa=True
     )
+
+
+@dataclass
+class PagedBatch:
+    """One forward's view of the paged cache (a `tandem.model.decoder.BatchCache`)."""
+
+    cache: PagedKVCache
+    slot_mapping: Tensor  # (B, T) the slot of each new token, -1 for padding
+    block_tables: Tensor  # (B, M), -1 padded
+    context_lens: Tensor  # (B,) tokens of each row in the cache once this forward wrote its own
+    query_lens: Tensor  # (B,) new tokens of each row
+    all_real: bool = False  # no padding token in slot_mapping: skip looking (a CUDA graph cannot)
+
+    def __post_init__(self) -> None:
+        if self.all_real:
+            self.write_slots, self.write_index = self.slot_mapping.reshape(-1), None
+        else:  # once, not per layer
+            self.write_slots, self.write_index = real_tokens(self.slot_mapping)
+
+    def positions(self) -> Tensor:
+        """-> (B, T): query t of row b sits at position context_lens[b] - query_lens[b] + t."""
+        t = self.slot_mapping.shape[1]
+        start = self.context_lens - self.query_lens
+        return start[:, None] + torch.arange(t, device=start.device)
+
+    def attention_mask(self, token_mask: Tensor) -> Tensor:
+        """-> (B, 1, T, S) bool: query at position p sees the row's keys 0..p. Padding queries see
+        the whole context (finite, ignored)."""
+        s = self.block_tables.shape[1] * self.cache.block_size
+        slots = torch.arange(s, device=self.context_lens.device)
+        causal = slots[None, None, :] <= self.positions()[:, :, None]  # (B, T, S)
+        return (causal & key_mask(self.context_lens, s)[:, None, :])[:, None]
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """k, v (B, Hkv, T, D) -> every key and value of the rows' blocks (B, Hkv, S, D)."""
+        hkv, d = k.shape[1], k.shape[3]
+        k, v = (x.transpose(1, 2).reshape(-1, hkv, d) for x in (k, v))  # (B·T, Hkv, D)
+        if self.write_index is not None:
+            k, v = k.index_select(0, self.write_index), v.index_select(0, self.write_index)
+        self.cache.write(layer, self.write_slots, k, v)
+        keys, values = self.cache.gather(layer, self.block_tables)
+        return keys.to(k.dtype), values.to(v.dtype)

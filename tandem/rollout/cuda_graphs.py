@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from tandem.model import CausalLM
-from tandem.model.paged_kv import PagedKVCache
+from tandem.model.paged_kv import PagedBatch, PagedKVCache
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 MIN_BLOCKS = 16  # the narrowest block tables recorded; they double as sequences grow
@@ -87,8 +87,6 @@ class DecodeGraphs:
 
     def _forward(self, n: int) -> Tensor:
         """The fixed-shape decode forward of the first `n` rows of the static buffers -> (n, V)."""
-        from tandem.rollout.model_runner import PagedBatch
-
         ones = torch.ones(n, dtype=torch.long, device=self.device)
         batch = PagedBatch(self.cache, self.slots[:n], self.tables[:n], self.context[:n], ones, all_real=True)
         token_mask = torch.ones(n, 1, dtype=torch.bool, device=self.device)

@@ -6,59 +6,16 @@ mask from it). Rows are right-padded: row b computes its last query_lens[b] toke
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from tandem.model import CausalLM
-from tandem.model.paged_kv import PagedKVCache, key_mask, real_tokens
+from tandem.model.paged_kv import PagedBatch, PagedKVCache
 from tandem.rollout.block_manager import BlockManager
 from tandem.rollout.cuda_graphs import DecodeGraphs
 from tandem.rollout.scheduler import Step
 from tandem.rollout.sequence import Sequence
-
-
-@dataclass
-class PagedBatch:
-    """One forward's view of the paged cache (a `tandem.model.decoder.BatchCache`)."""
-
-    cache: PagedKVCache
-    slot_mapping: Tensor  # (B, T) the slot of each new token, -1 for padding
-    block_tables: Tensor  # (B, M), -1 padded
-    context_lens: Tensor  # (B,) tokens of each row in the cache once this forward wrote its own
-    query_lens: Tensor  # (B,) new tokens of each row
-    all_real: bool = False  # no padding token in slot_mapping: skip looking (a CUDA graph cannot)
-
-    def __post_init__(self) -> None:
-        if self.all_real:
-            self.write_slots, self.write_index = self.slot_mapping.reshape(-1), None
-        else:  # once, not per layer
-            self.write_slots, self.write_index = real_tokens(self.slot_mapping)
-
-    def positions(self) -> Tensor:
-        """-> (B, T): query t of row b sits at position context_lens[b] - query_lens[b] + t."""
-        t = self.slot_mapping.shape[1]
-        start = self.context_lens - self.query_lens
-        return start[:, None] + torch.arange(t, device=start.device)
-
-    def attention_mask(self, token_mask: Tensor) -> Tensor:
-        """-> (B, 1, T, S) bool: query at position p sees the row's keys 0..p. Padding queries see
-        the whole context (finite, ignored)."""
-        s = self.block_tables.shape[1] * self.cache.block_size
-        slots = torch.arange(s, device=self.context_lens.device)
-        causal = slots[None, None, :] <= self.positions()[:, :, None]  # (B, T, S)
-        return (causal & key_mask(self.context_lens, s)[:, None, :])[:, None]
-
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """k, v (B, Hkv, T, D) -> every key and value of the rows' blocks (B, Hkv, S, D)."""
-        hkv, d = k.shape[1], k.shape[3]
-        k, v = (x.transpose(1, 2).reshape(-1, hkv, d) for x in (k, v))  # (B·T, Hkv, D)
-        if self.write_index is not None:
-            k, v = k.index_select(0, self.write_index), v.index_select(0, self.write_index)
-        self.cache.write(layer, self.write_slots, k, v)
-        keys, values = self.cache.gather(layer, self.block_tables)
-        return keys.to(k.dtype), values.to(v.dtype)
 
 
 class ModelRunner:
