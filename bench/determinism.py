@@ -31,6 +31,7 @@ import torch
 from tandem.config import AlgoConfig, TrainConfig
 from tandem.data import encode_prompts, load_tokenizer, prompts_from_rows
 from tandem.data.tasks import TASKS
+from tandem.determinism import machine
 from tandem.devices import DTYPES, cpu_has_native_bf16
 from tandem.model import load_model, resolve_model_path
 from tandem.rollout import BuiltinEngine, PagedEngine, SamplingParams, make_groups
@@ -168,7 +169,8 @@ def main() -> None:
         key = "unique_greedy_completions" + ("" if on else "_off")
         results[key] = float(greedy_completions(engines, tokenizer, args.greedy, seed=2))
 
-    print(f"model {args.model}, {dtype_name}, {args.device}; off -> on (batch-invariant forward)")
+    print(f"model {args.model}, {dtype_name}, {args.device} ({machine(args.device)}, {torch.get_num_threads()} threads)")
+    print("off -> on (batch-invariant forward)")
     print(
         f"engine   {results['engine_tokens_per_s_off']:9.0f} -> {results['engine_tokens_per_s_on']:9.0f} "
         f"tokens/s   overhead {results['overhead_engine']:.2f}x"

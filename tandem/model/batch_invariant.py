@@ -7,31 +7,37 @@ logits, and so bit-identical logprobs (the engine's and the trainer's log_softma
 row-wise kernel).
 
 How: every reduction runs in an order tandem fixes, never one a library picks for the batch at
-hand. A BLAS (MKL, oneDNN, cuBLAS) chooses its kernel, its blocking and how it splits a reduction
+hand. A BLAS (MKL, oneDNN, cuBLAS) chooses its kernel, its blocking and how it splits the work
 between threads by the shape of the call, so each call here has ONE shape whatever the batch:
 
 - Matmuls (`linear`): the rows are padded with zeros to a multiple of ROW_TILE and multiplied
-  ROW_TILE at a time, every call (ROW_TILE, K) x (K, N'), N' the weight's rows padded to a
-  multiple of COL_TILE (a weight of 261 rows split between 16 threads gave its last columns
-  another kernel on an AMD EPYC with MKL; one of 272 did not). The one-GEMM-for-all-rows layout this
-  replaces let oneDNN's AMX kernels pick their blocking by the row count (engine-trainer mismatch
-  0.030 on an Intel Xeon).
-- Attention (`attention`): each (sequence, key head)'s query rows in tiles of QUERY_TILE, its keys
-  in tiles of KEY_TILE, ENTRIES such tiles per call: the scores, their exp, the row sums and the
-  weighted values are each computed on one shape per call, and the partial sums over key tiles are
-  added in fp32 by tandem, in key order. A key a row cannot see (another row's longer context, a
-  cache's free slots, padding) adds exact zeros, so it changes nothing.
+  ROW_TILE at a time, every call (ROW_TILE, K) x (K, N'), N' the weight's rows padded to a multiple
+  of COL_TILE (on an AMD EPYC with MKL, a weight of 261 rows split between 16 threads gave its last
+  columns another kernel; one of 272 did not). The layout this replaces, one GEMM over all rows
+  padded to a multiple of 4, rested on what one CPU's BLAS was seen to do; on an Intel Xeon with
+  AMX the engine and the trainer then differed by 0.030 in a logprob.
+- Attention (`attention`): each (key head, sequence)'s query rows in tiles of QUERY_TILE and its
+  keys in tiles of KEY_TILE; every matmul call multiplies one query tile by one key tile of every
+  entry, so its per-entry shape is fixed and its reductions (over the head dim, over KEY_TILE
+  keys) are short and of one length. The partial sums over key tiles are added in fp32 by tandem,
+  in key order, and a key a row cannot see (another row's longer context, a cache's free slots,
+  padding) adds exact zeros, so it changes nothing.
 - Element-wise ops are exactly rounded except the transcendental ones, whose vectorised and scalar
-  loops can differ in the last bit (ATen runs the last numel mod 2·lanes elements of a thread's
-  range scalar). The exp above runs on (ENTRIES, QUERY_TILE, KEY_TILE) = 32768 elements: one
-  thread's range (at::internal::GRAIN_SIZE), all of it vectorised. SiLU runs over `padded_rows`
-  rows, whose thread ranges end on row boundaries.
+  loops can differ in the last bit (ATen runs the last elements of a thread's range, under two
+  vectors, scalar). The attention's exp runs on a tensor padded (`_entries`) so that every
+  thread's range is a multiple of 64 elements; SiLU over `padded_rows` rows, whose thread ranges
+  end on row boundaries. These follow ATen's code (at::parallel_for's split), not a BLAS.
 - Row-wise reductions of a fixed length (RMSNorm over the hidden size, log_softmax over the
-  vocabulary) already reduce each row alone: ATen parallelises them over rows.
+  vocabulary) reduce each row alone: ATen parallelises them over rows.
 
-The rest is the library's: that a row's result does not depend on its place within a call, and
-that the kernel a shape gets does not change with the thread count. `tandem.model.invariance`
-checks both on the machine at hand, in the run's dtype and shapes, before a deterministic run.
+What remains the library's: that a row's result does not depend on its place within a call, that
+a batched matmul computes each entry the same whatever the number of entries, and that the kernel
+a shape gets does not change with the thread count. `tandem.model.invariance` checks all three on
+the machine at hand, in the run's dtype and shapes, before a deterministic run starts.
+
+Cost (docs/results.md#determinism): a batch of fewer rows than ROW_TILE pays for ROW_TILE of them,
+so a decode step of 8 sequences multiplies 512 rows; RL's batches (hundreds of sequences to
+generate, thousands of tokens to train) fill the tiles.
 """
 
 import math
@@ -40,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-ROW_TILE = 256  # rows per matmul call
+ROW_TILE = 512  # rows per matmul call
 COL_TILE = 64  # a weight's rows are padded to a multiple of this
 QUERY_TILE = 4  # attention: query rows (query heads x tokens) per matmul entry
 KEY_TILE = 32  # attention: keys per matmul entry
