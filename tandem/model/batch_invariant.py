@@ -36,7 +36,7 @@ a shape gets does not change with the thread count. `tandem.model.invariance` ch
 the machine at hand, in the run's dtype and shapes, before a deterministic run starts.
 
 Cost (docs/results.md#determinism): a batch of fewer rows than ROW_TILE pays for ROW_TILE of them,
-so a decode step of 8 sequences multiplies 512 rows; RL's batches (hundreds of sequences to
+so a decode step of 8 sequences multiplies 256 rows; RL's batches (hundreds of sequences to
 generate, thousands of tokens to train) fill the tiles.
 """
 
@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-ROW_TILE = 512  # rows per matmul call
+ROW_TILE = 256  # rows per matmul call
 COL_TILE = 64  # a weight's rows are padded to a multiple of this
 QUERY_TILE = 4  # attention: query rows (query heads x tokens) per matmul entry
 KEY_TILE = 32  # attention: keys per matmul entry
