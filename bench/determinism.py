@@ -169,9 +169,8 @@ def main() -> None:
         key = "unique_greedy_completions" + ("" if on else "_off")
         results[key] = float(greedy_completions(engines, tokenizer, args.greedy, seed=2))
 
-    print(
-        f"model {args.model}, {dtype_name}, {args.device} ({machine(args.device)}, {torch.get_num_threads()} threads)"
-    )
+    where = f"{machine(args.device)}, {torch.get_num_threads()} threads"
+    print(f"model {args.model}, {dtype_name}, {args.device} ({where})")
     print("off -> on (batch-invariant forward)")
     print(
         f"engine   {results['engine_tokens_per_s_off']:9.0f} -> {results['engine_tokens_per_s_on']:9.0f} "
