@@ -126,6 +126,14 @@ def check_resources(cfg: Config, have: dict[str, float]) -> None:
             )
 
 
+def plan_slots(cfg: Config, have: dict[str, float]) -> list[placement.Slot]:
+    """The run's placement over what the cluster has (`have`: ray.cluster_resources()), or over
+    placement.num_cpus / num_gpus where set."""
+    cpus = cfg.placement.num_cpus or have.get("CPU", 1)
+    gpus = cfg.placement.num_gpus or have.get("GPU", 0)
+    return placement.plan(cfg, cpus, gpus)
+
+
 @dataclass
 class RayCluster:
     """The run's actors, by role, and the loop's calls on them (`tandem.controller.protocol.Cluster`)."""
@@ -145,9 +153,7 @@ class RayCluster:
         have = ray.cluster_resources()
         check_resources(cfg, have)
         cfg = devices.resolve(cfg, have.get("GPU", 0))  # a no-op on a config run_training resolved
-        cpus = cfg.placement.num_cpus or have.get("CPU", 1)
-        gpus = cfg.placement.num_gpus or have.get("GPU", 0)
-        slots = placement.plan(cfg, cpus, gpus)
+        slots = plan_slots(cfg, have)
         placement.check_fits(slots, have.get("CPU", 0), have.get("GPU", 0))  # fail now, not in 600 s
         pg = placement_group(placement.bundles(slots), strategy="PACK")
         try:

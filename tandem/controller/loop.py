@@ -381,8 +381,11 @@ class Loop:
         metrics = self.stats.step(batch, train, self.version, self.buffer, self.timeline, self.cluster.now())
         self.logger.log(self.version, metrics)
         self.logger.log_batch(self.version, sorted({s.group_id for s in batch}))
-        on_policy = all(s.version_span == (self.version - 1,) * 2 for s in batch if s.versions)
-        if self.cfg.run.deterministic and on_policy and metrics.get("mismatch/logprob_abs_diff_max", 0.0):
+        if (
+            self.cfg.run.deterministic
+            and metrics.get("mismatch/logprob_abs_diff_max", 0.0)
+            and all(s.version_span == (self.version - 1,) * 2 for s in batch if s.versions)
+        ):
             raise TandemError(
                 f"run.deterministic=true: step {self.version} trained on tokens its own version sampled, "
                 "yet the engine's logprobs differ from the trainer's (mismatch/logprob_abs_diff_max "

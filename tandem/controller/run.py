@@ -11,9 +11,8 @@ import ray
 
 from tandem import devices
 from tandem.config import Config, load_config, save_config
-from tandem.controller import placement
 from tandem.controller.checkpoint import check_compatible, find_resume
-from tandem.controller.cluster import RayCluster, start_ray
+from tandem.controller.cluster import RayCluster, plan_slots, start_ray
 from tandem.controller.loop import Loop, Stopped
 from tandem.controller.metrics import MetricsLogger, require_wandb
 from tandem.controller.roles import build_data
@@ -54,9 +53,7 @@ def wandb_options(cfg: Config) -> dict | None:
 
 def role_threads(cfg: Config) -> set[int]:
     """The torch thread counts the run's roles will have (placement's shares, or run.threads)."""
-    have = ray.cluster_resources()
-    cpus, gpus = cfg.placement.num_cpus or have.get("CPU", 1), cfg.placement.num_gpus or have.get("GPU", 0)
-    return {cfg.run.threads or s.threads for s in placement.plan(cfg, cpus, gpus)}
+    return {cfg.run.threads or s.threads for s in plan_slots(cfg, ray.cluster_resources())}
 
 
 def run_training(cfg: Config, on_step=None) -> dict[str, float]:

@@ -53,21 +53,24 @@ KEY_TILE = 32  # attention: keys per matmul entry
 GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: element-wise ops under it run on one thread
 
 
-def _round_up(n: int, tile: int) -> int:
+def round_up(n: int, tile: int) -> int:
+    """-> the multiple of `tile` >= n, at least one tile."""
     return max(tile, -(-n // tile) * tile)
+
+
+def _threads_used(numel: int) -> int:
+    """How many threads at::parallel_for splits an element-wise op over `numel` elements between:
+    min(threads, ceil(numel / GRAIN_SIZE)), each given ceil(numel / used) elements."""
+    return 1 if numel < GRAIN_SIZE else min(torch.get_num_threads(), -(-numel // GRAIN_SIZE))
 
 
 def padded_rows(m: int, width: int) -> int:
     """-> the row count >= m, a multiple of ROW_TILE, at which an element-wise op over (rows, width)
-    splits between threads at row boundaries (at::parallel_for gives each of its
-    min(threads, ceil(numel / GRAIN_SIZE)) threads ceil(numel / threads) elements)."""
-    rows = _round_up(m, ROW_TILE)
-    threads = torch.get_num_threads()
-    while True:
-        used = 1 if rows * width < GRAIN_SIZE else min(threads, -(-rows * width // GRAIN_SIZE))
-        if rows % used == 0:
-            return rows
+    splits between threads at row boundaries (`_threads_used`)."""
+    rows = round_up(m, ROW_TILE)
+    while rows % _threads_used(rows * width):
         rows += ROW_TILE
+    return rows
 
 
 def pad_rows(x: Tensor, rows: int) -> Tensor:
@@ -80,9 +83,9 @@ def pad_rows(x: Tensor, rows: int) -> Tensor:
 def tiled_mm(x: Tensor, weight: Tensor) -> Tensor:
     """x (M, K), weight (N, K) -> x @ weight.T (M, N), as (ROW_TILE, K) x (K, N') calls (no autograd)."""
     m, n = x.shape[0], weight.shape[0]
-    cols = _round_up(n, COL_TILE)
+    cols = round_up(n, COL_TILE)
     wt = pad_rows(weight, cols).t()  # (K, N')
-    rows = pad_rows(x, _round_up(m, ROW_TILE)).contiguous()
+    rows = pad_rows(x, round_up(m, ROW_TILE)).contiguous()
     out = rows.new_empty(rows.shape[0], cols)
     for i in range(0, rows.shape[0], ROW_TILE):
         torch.mm(rows[i : i + ROW_TILE], wt, out=out[i : i + ROW_TILE])
@@ -245,13 +248,9 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
 
 def _entries(count: int, tiles: int) -> int:
     """-> the entry count >= `count` at which an element-wise op over (tiles, entries, QUERY_TILE,
-    KEY_TILE) runs every element in the vectorised loop: at::parallel_for hands each of its
-    min(threads, ceil(numel / GRAIN_SIZE)) threads ceil(numel / threads) elements, and each range
-    must be a multiple of 64 (two vectors of up to 32 lanes) to leave no scalar tail."""
-    threads = torch.get_num_threads()
-    while True:
-        numel = tiles * count * QUERY_TILE * KEY_TILE
-        used = 1 if numel < GRAIN_SIZE else min(threads, -(-numel // GRAIN_SIZE))
-        if numel % (64 * used) == 0:
-            return count
+    KEY_TILE) runs every element in the vectorised loop: each thread's range (`_threads_used`) must
+    be a multiple of 64 elements (two vectors of up to 32 lanes) to leave no scalar tail."""
+    numel = tiles * QUERY_TILE * KEY_TILE  # per entry
+    while (count * numel) % (64 * _threads_used(count * numel)):
         count += 1
+    return count

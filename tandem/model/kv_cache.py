@@ -3,7 +3,7 @@
 import torch
 from torch import Tensor
 
-from tandem.model import batch_invariant
+from tandem.model.batch_invariant import KEY_TILE, round_up
 from tandem.model.config import ModelConfig
 
 
@@ -64,8 +64,7 @@ class PositionedCache:
         self.slots = positions[self.rows, self.cols]  # (N,)
         # Whole key tiles of the batch-invariant attention, so it reads them in place; the slots
         # past a row's position are masked (zeros or an earlier row's keys: finite either way).
-        tile = batch_invariant.KEY_TILE
-        self.width = min(-(-(int(positions.max()) + 1) // tile) * tile, cache.max_len)
+        self.width = min(round_up(int(positions.max()) + 1, KEY_TILE), cache.max_len)
 
     def attention_mask(self, token_mask: Tensor) -> Tensor:
         """-> (B, 1, T, S) bool: the token at position p sees slots 0..p."""

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from tandem.model import CausalLM, KVCache
-from tandem.model.batch_invariant import KEY_TILE
+from tandem.model.batch_invariant import KEY_TILE, round_up
 from tandem.rollout.base import Generation
 from tandem.rollout.call import GenerateCall
 from tandem.rollout.decoder_engine import DecoderEngine
@@ -56,7 +56,7 @@ class BuiltinEngine(DecoderEngine):
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
         dtype = self.model.lm_head.weight.dtype
-        length = -(-(width + room) // KEY_TILE) * KEY_TILE  # whole tiles for the batch-invariant attention
+        length = round_up(width + room, KEY_TILE)  # whole tiles for the batch-invariant attention
         cache = KVCache(self.model.cfg, u, length, dtype, self.device)
         logits, routes = self.forward(ids, positions, mask, cache)
         expand = torch.tensor(owner, device=self.device)
