@@ -8,6 +8,7 @@ about; those run on the shared local Ray with the placement-group reservation fo
 can start either.
 """
 
+import importlib.metadata
 import json
 import re
 import shutil
@@ -17,12 +18,21 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+import yaml
 from helpers import write_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
 import tandem.controller.cluster as cluster
 from tandem.cli.main import main
-from tandem.data import save_rows
+from tandem.config import load_config
+from tandem.config.loader import UniqueKeyLoader
+from tandem.config.validate import check_training
+from tandem.controller.memory import check_memory
+from tandem.controller.roles import PromptLimit
+from tandem.data import build_char_tokenizer, save_rows
+from tandem.errors import TandemError
+from tandem.model import ModelConfig, resolve_model_path
+from tandem.sample import Prompt
 
 FAST = ["rollout.batch_size=2", "rollout.n=2", "data.train_size=16", "data.val_size=4", "run.progress=false"]
 SECONDS = 10  # "in seconds": the slowest case takes ~2 s on 2 cores
@@ -339,6 +349,96 @@ CASES: dict[str, tuple[list[str], str]] = {
         r"task 'sudoku'.*addition",
     ),
     "data make without --out": (["data", "make", "addition"], r"the following arguments are required: --out"),
+    "empty prompt to generate": (["generate", ""], r"^error: tandem generate: the prompt is empty"),
+    "blank prompt to generate": (["generate", "  "], r"^error: tandem generate: the prompt is empty"),
+    # checked before anything starts (issue 25)
+    "key twice in a recipe": (
+        ["train", "{r}/twice.yaml"],
+        r"Recipe \S*twice.yaml sets 'run' twice \(lines 1 and 5\)",
+    ),
+    "nested key twice in a recipe": (
+        ["train", "{r}/twice_nested.yaml"],
+        r"Recipe \S*twice_nested.yaml sets 'rollout.n' twice \(lines 2 and 4\)",
+    ),
+    "key twice in the first data row": (
+        ["train", "data.train_files=[{r}/twice_first.jsonl]"],
+        r"twice_first.jsonl: row 0 \(line 1\) has the key 'prompt' twice",
+    ),
+    "key twice in a later data row": (
+        ["train", "data.train_files=[{r}/twice_later.jsonl]"],
+        r"twice_later.jsonl: row 1 \(line 3\) has the key 'answer' twice",
+    ),
+    "key twice in a message": (
+        ["train", "data.train_files=[{r}/twice_message.jsonl]"],
+        r"twice_message.jsonl: row 0 \(line 1\) has the key 'content' twice",
+    ),
+    "key twice in a JSON array row": (
+        ["train", "data.train_files=[{r}/twice_array.json]"],
+        r"twice_array.json: row 1 \(line 3\) has the key 'prompt' twice",
+    ),
+    "empty run.name": (["train", "run.name="], r"'run.name' is '', not a usable directory name"),
+    "run.name with a slash": (["train", "run.name=a/b"], r"'run.name' is 'a/b', not a usable directory name"),
+    "run.name of ..": (["train", "run.name=.."], r"'run.name' is '..', not a usable directory name"),
+    "run.name of .": (["train", "run.name=."], r"'run.name' is '.', not a usable directory name"),
+    "negative threads": (["train", "run.threads=-1"], r"'run.threads' must be >= 0 \(0 = "),
+    "no synthetic rows": (["train", "data.train_size=0"], r"'data.train_size' must be >= 1"),
+    "negative Ray CPUs": (["train", "ray.num_cpus=-2"], r"'ray.num_cpus' must be >= 0"),
+    "negative weight decay": (["train", "train.weight_decay=-0.1"], r"'train.weight_decay' must be >= 0"),
+    "negative KL coefficient": (["train", "algo.kl_coef=-0.1"], r"'algo.kl_coef' must be >= 0"),
+    "min_lr_ratio above 1": (["train", "train.min_lr_ratio=2"], r"'train.min_lr_ratio' must be in \[0, 1\]"),
+    "one sample per group with grpo": (
+        ["train", "rollout.n=1"],
+        r"'rollout.n' is 1, but algo.adv_estimator='grpo'.*rollout.n >= 2.*gae, reinforce_plus_plus",
+    ),
+    "one sample per group with rloo": (
+        ["train", "rollout.n=1", "algo.adv_estimator=rloo"],
+        r"'rollout.n' is 1, but algo.adv_estimator='rloo'",
+    ),
+    "one sample per group with drgrpo": (
+        ["train", "rollout.n=1", "algo.adv_estimator=drgrpo"],
+        r"'rollout.n' is 1, but algo.adv_estimator='drgrpo'",
+    ),
+    "one sample per group with a group baseline": (
+        ["train", "rollout.n=1", "algo.adv_estimator=reinforce_plus_plus_baseline"],
+        r"'rollout.n' is 1, but algo.adv_estimator='reinforce_plus_plus_baseline'",
+    ),
+    "more samples than memory": (
+        ["train", "rollout.n=100000000"],
+        r"at least [\d.]+ GiB of memory, and this machine has [\d.]+ GiB: rollout.batch_size=2 prompts x "
+        r"rollout.n=100000000 samples",
+    ),
+    "more prompts than memory": (
+        ["train", "rollout.batch_size=100000000"],
+        r"at least [\d.]+ GiB.*rollout.batch_size=100000000 prompts x rollout.n=2 samples",
+    ),
+    "paged KV cache larger than memory": (
+        ["train", "run.device=cpu", "rollout.engine=paged", "rollout.kv_cache_mb=100000000"],
+        r"at least [\d.]+ GiB.*the paged engine's KV cache, rollout.kv_cache_mb=100000000: [\d.]+ GiB",
+    ),
+    "tokenizer larger than the model": (
+        ["train", "model.path={r}/m_small_vocab"],
+        r"tokenizer \S*m_small_vocab has 261 token ids.*vocab_size 200 in \S*m_small_vocab/config.json",
+    ),
+    "other tokenizer larger than the model": (
+        ["train", "model.tokenizer={r}/big_tokenizer"],
+        r"tokenizer \S*big_tokenizer has 271 token ids.*vocab_size 261 in \S*good/config.json",
+    ),
+    "tokenizer larger than the model in generate": (
+        ["generate", "1+1=", "--model", "{r}/m_small_vocab"],
+        r"tokenizer \S*m_small_vocab has 261 token ids",
+    ),
+    "rows without a data_source": (
+        ["train", "data.train_files=[{r}/trl.jsonl]"],
+        r"trl.jsonl: row 0 has no data_source.*reward.fn=auto.*found: '' \(2 rows\).*addition, .*reward.fn=",
+    ),
+    "unknown data_source": (
+        ["train", "data.train_files=[{r}/gsm8k.jsonl]"],
+        r"gsm8k.jsonl: row 1 has data_source 'gsm8k'.*found: 'addition' \(1 row\), 'gsm8k' \(1 row\)",
+    ),
+    "unknown data_source in the validation file": (
+        ["train", "data.train_files=[{r}/good.jsonl]", "data.val_files=[{r}/gsm8k.jsonl]"],
+        r"gsm8k.jsonl: row 1 has data_source 'gsm8k'",
+    ),
 }
 # The cases that need the cluster's resources (run on the local Ray, with reservations forbidden).
 ON_RAY = {"more CPUs than the cluster has", "GPUs on a CPU-only cluster", "cuda on a CPU-only cluster"}
@@ -396,10 +496,26 @@ def _write_models(root: Path, good: Path) -> None:
     }
     (_model(root, good, "m_index") / "model.safetensors.index.json").write_text(json.dumps(index))
     (root / "m_index" / "shard-1.safetensors").write_bytes(weights)
+    _write_vocab_mismatches(root)
+
+
+def _write_vocab_mismatches(root: Path) -> None:
+    """A checkpoint of 200 ids under the 261-id byte tokenizer, and a tokenizer of 271 ids."""
+    from helpers import tiny_config
+
+    from tandem.data import build_char_tokenizer
+    from tandem.model import CausalLM, save_model
+
+    tokenizer = build_char_tokenizer()
+    ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    save_model(CausalLM(tiny_config(200, **ids)), root / "m_small_vocab")
+    tokenizer.save_pretrained(str(root / "m_small_vocab"))
+    tokenizer.add_tokens([f"<extra_{i}>" for i in range(10)])
+    tokenizer.save_pretrained(str(root / "big_tokenizer"))
 
 
 def _write_data(root: Path) -> None:
-    save_rows([{"prompt": "1+1=", "answer": "2"}], str(root / "good.jsonl"))
+    save_rows([{"prompt": "1+1=", "answer": "2", "data_source": "addition"}], str(root / "good.jsonl"))
     (root / "empty.jsonl").write_text("\n")
     save_rows([{"question": "1+1=", "answer": "2"}], str(root / "question.jsonl"))
     save_rows([{"question": "1+1=", "answer": "2"}], str(root / "question.parquet"))
@@ -413,6 +529,17 @@ def _write_data(root: Path) -> None:
     (root / "corrupt.parquet").write_bytes(b"PAR1 this is no parquet file")
     (root / "rows.csv").write_text("prompt,answer\n1+1=,2\n")
     (root / "latin1.jsonl").write_bytes('{"prompt": "caf\xe9"}\n'.encode("latin-1"))
+    twice = {
+        "twice_first.jsonl": '{"prompt": "1+1=", "prompt": "2+2="}',
+        "twice_later.jsonl": '{"prompt": "1+1="}\n\n{"prompt": "2+2=", "answer": 4, "answer": 5}',
+        "twice_message.jsonl": '{"prompt": [{"role": "user", "content": "a", "content": ""}]}',
+        "twice_array.json": '[{"prompt": "1+1="},\n\n {"prompt": "2+2=", "prompt": "3+3="}]',
+    }
+    for name, text in twice.items():
+        (root / name).write_text(text + "\n")
+    save_rows([{"prompt": "1+1=", "solution": "2"}, {"prompt": "2+2=", "solution": "4"}], f"{root}/trl.jsonl")
+    rows = [{"prompt": "1+1=", "answer": "2", "data_source": s} for s in ("addition", "gsm8k")]
+    save_rows(rows, str(root / "gsm8k.jsonl"))
 
 
 def _write_rewards(root: Path) -> None:
@@ -432,6 +559,8 @@ def _write_recipes(root: Path) -> None:
     (root / "runs.yaml").write_text("runs:\n  steps: 3\n")
     (root / "scalar.yaml").write_text("sync: 5\n")
     (root / "verl.yaml").write_text("algorithm:\n  adv_estimator: grpo\n")
+    (root / "twice.yaml").write_text("run:\n  steps: 3\nrollout:\n  n: 2\nrun:\n  seed: 1\n")
+    (root / "twice_nested.yaml").write_text("rollout:\n  n: 4\n  temperature: 1.0\n  n: 2\n")
 
 
 def command(name: str, root: Path, good: Path) -> list[str]:
@@ -494,3 +623,39 @@ def test_an_address_where_no_ray_head_answers_fails_within_the_timeout(corpus, m
     assert code == 2 and err.count("\n") == 1, err
     assert re.search(rf"ray.address='127.0.0.1:{port}': \S+:{port} accepts connections, but no Ray head", err)
     assert 2 <= seconds < 2 + SECONDS
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.strip() == f"tandem {importlib.metadata.version('tandem')}"
+
+
+def test_a_prompt_token_past_the_models_vocabulary_names_the_row():
+    """Unreachable from the command line while the tokenizer check holds (HF tokenizers number their
+    ids 0..len-1), so asked directly: the embedding would raise an IndexError in an actor."""
+    limit = PromptLimit(64, vocab_size=100)
+    prompts = [Prompt(text="1+1="), Prompt(text="z")]  # byte tokenizer: "z" is id 5 + 122
+    with pytest.raises(TandemError, match=r"row 1 of rows.jsonl has the token id 127, past .* 100 ids"):
+        limit.encode(build_char_tokenizer(), prompts, "rows.jsonl")
+
+
+@pytest.mark.parametrize("estimator", ["gae", "reinforce_plus_plus"])
+def test_one_sample_per_group_is_fine_without_a_group_baseline(estimator):
+    check_training(load_config(None, ["rollout.n=1", f"algo.adv_estimator={estimator}"]))
+
+
+def test_the_recipes_fit_in_a_gibibyte():
+    """The memory check refuses only what no machine holds: every training recipe's step, on the
+    built-in model with prompts as long as data.max_prompt_length, fits in 1 GiB."""
+    model = ModelConfig.load(resolve_model_path("builtin:addition"))
+    for recipe in sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml")):
+        if not recipe.name.startswith("sim-"):
+            cfg = load_config(recipe, ["run.device=cpu"])
+            check_memory(cfg, model, [[0] * cfg.data.max_prompt_length], machine=2**30)
+
+
+def test_a_recipe_may_merge_a_mapping_and_override_its_keys():
+    text = "base: &base {n: 2, top_p: 0.9}\nrollout:\n  <<: *base\n  n: 4\n"
+    assert yaml.load(text, Loader=UniqueKeyLoader)["rollout"] == {"n": 4, "top_p": 0.9}

@@ -122,6 +122,11 @@ def cmd_generate(ns: argparse.Namespace) -> None:
     from tandem.config import load_config
     from tandem.controller.standalone import generate_text
 
+    if not ns.prompt.strip():  # the model would continue nothing but the chat template's header
+        raise TandemError(
+            "tandem generate: the prompt is empty. Give the text to answer or continue, e.g. "
+            "tandem generate '12+30='."
+        )
     flags = {"rollout.n": "--n", "rollout.temperature": "--temperature"}
     flags |= {"rollout.max_new_tokens": "--max-new-tokens", **({"model.path": "--model"} if ns.model else {})}
     overrides = [f"{key}={getattr(ns, flag[2:].replace('-', '_'))}" for key, flag in flags.items()]
@@ -179,8 +184,22 @@ def add_simulate(sub) -> None:
     s.set_defaults(fn=cmd_simulate)
 
 
+def version() -> str:
+    """The installed package's version (pyproject.toml), or the source tree's when not installed."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("tandem")
+    except PackageNotFoundError:
+        from tandem import __version__
+
+        return __version__
+
+
 def parser() -> argparse.ArgumentParser:
     p = Parser(prog="tandem", description="Asynchronous RL post-training for language models.")
+    p.add_argument("--version", action="version", version=f"tandem {version()}")
     sub = p.add_subparsers(dest="command", required=True)
     for name, fn, text in [
         ("train", cmd_train, "RL-train a policy (default: the built-in addition run)"),

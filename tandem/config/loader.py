@@ -81,7 +81,12 @@ def _read_yaml(path: Path) -> dict[str, Any]:
             f"Recipe file {path} does not exist. Recipes live in recipes/ (e.g. recipes/default.yaml)."
         )
     try:
-        tree = yaml.safe_load(path.read_text())
+        tree = yaml.load(path.read_text(), Loader=UniqueKeyLoader)
+    except KeyTwice as e:
+        raise TandemError(
+            f"Recipe {path} sets {e.key!r} twice (lines {e.lines[0]} and {e.lines[1]}); YAML would keep the "
+            "second one without a word. Keep one."
+        ) from None
     except yaml.YAMLError as e:
         raise TandemError(f"Recipe {path} is not valid YAML: {' '.join(str(e).split())}") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -94,6 +99,44 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if not isinstance(tree, dict):
         raise TandemError(f"Recipe {path} must be a mapping of sections (run:, model:, rollout: ...).")
     return tree
+
+
+class KeyTwice(Exception):
+    """A mapping key written twice: its dotted path and the two lines (1-based)."""
+
+    def __init__(self, key: str, lines: tuple[int, int]):
+        super().__init__(key)
+        self.key, self.lines = key, lines
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that raises KeyTwice for a mapping key written twice (plain YAML keeps the last)."""
+
+    def get_single_data(self) -> Any:
+        node = self.get_single_node()
+        if node is None:
+            return None
+        _check_keys(node, "", set())
+        return self.construct_document(node)
+
+
+def _check_keys(node: yaml.Node, path: str, seen: set[int]) -> None:
+    """Walk the composed tree once (aliases too, once each), before anything is constructed."""
+    if id(node) in seen:
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_keys(item, f"{path}[{i}]", seen)
+    elif isinstance(node, yaml.MappingNode):
+        lines: dict[str, int] = {}
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":  # `<<` overrides
+                name, line = f"{path}.{key.value}" if path else key.value, key.start_mark.line + 1
+                if key.value in lines:
+                    raise KeyTwice(name, (lines[key.value], line))
+                lines[key.value] = line
+                _check_keys(value, name, seen)
 
 
 def _build(cls: type, tree: dict[str, Any], prefix: str) -> Any:

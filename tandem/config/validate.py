@@ -1,5 +1,8 @@
 """Value checks that types alone cannot express. Every error names the field and what is valid."""
 
+import inspect
+import os
+
 from tandem.config.schema import Config
 from tandem.errors import TandemError
 
@@ -32,6 +35,9 @@ def validate(cfg: Config) -> None:
     from tandem.data.tasks import TASKS
 
     _one_of(cfg.run.mode, MODES, "run.mode", "mode")
+    _check_run_name(cfg.run.name)
+    _check(cfg.run.threads >= 0, "run.threads", "must be >= 0 (0 = the CPUs each role's placement gives it).")
+    _check(cfg.ray.num_cpus >= 0, "ray.num_cpus", "must be >= 0 (0 = every core).")
     _check(cfg.run.max_staleness >= 0, "run.max_staleness", "must be >= 0 (0 = on-policy).")
     _check(cfg.run.generate_ahead_steps >= 1, "run.generate_ahead_steps", "must be >= 1.")
     _check(cfg.run.timeout_s > 0, "run.timeout_s", "must be > 0 seconds.")
@@ -93,6 +99,8 @@ def validate(cfg: Config) -> None:
     _check(cfg.data.max_prompt_length >= 1, "data.max_prompt_length", "must be >= 1.")
     if not cfg.data.train_files:
         _one_of(cfg.data.task, TASKS.names(), "data.task", "task")
+        _check(cfg.data.train_size >= 1, "data.train_size", f"must be >= 1, got {cfg.data.train_size}.")
+    _check(cfg.data.val_size >= 0, "data.val_size", f"must be >= 0, got {cfg.data.val_size}.")
     _check(cfg.reward.num_workers >= 1, "reward.num_workers", "must be >= 1.")
     _check(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0 seconds.")
     _check(
@@ -126,7 +134,14 @@ def validate(cfg: Config) -> None:
         "algo.filter_groups",
         "needs rollout.n >= 2: a group of one always has equal rewards and would always be dropped.",
     )
+    _check(cfg.algo.kl_coef >= 0, "algo.kl_coef", f"must be >= 0 (0 = off), got {cfg.algo.kl_coef}.")
     _check(cfg.train.lr > 0, "train.lr", "must be > 0.")
+    _check(cfg.train.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {cfg.train.weight_decay}.")
+    _check(
+        0 <= cfg.train.min_lr_ratio <= 1,
+        "train.min_lr_ratio",
+        f"must be in [0, 1] (of train.lr), got {cfg.train.min_lr_ratio}.",
+    )
     _one_of(cfg.train.schedule, SCHEDULES, "train.schedule", "LR schedule")
     _check(len(cfg.train.betas) == 2, "train.betas", "must be two numbers, e.g. [0.9, 0.999].")
     _check(cfg.train.epochs >= 1, "train.epochs", "must be >= 1.")
@@ -146,6 +161,46 @@ def validate(cfg: Config) -> None:
         "sft.num_key_value_heads",
         "must divide sft.num_attention_heads.",
     )
+
+
+def _check_run_name(name: str) -> None:
+    """run.name is one directory under run.out_dir: never the directory itself, its parent, or deeper."""
+    seps = {"/", os.sep, os.altsep or "/", "\0"}
+    _check(
+        name.strip() not in ("", ".", "..") and not seps & set(name) and len(name.encode()) <= 255,
+        "run.name",
+        f"is {name!r}, not a usable directory name: the run writes to run.out_dir/run.name, so the name "
+        "must be one non-empty directory name (no '/', not '.' or '..', at most 255 bytes), e.g. "
+        "run.name=addition-grpo.",
+    )
+
+
+def check_training(cfg: Config) -> None:
+    """What only a training run needs (`tandem generate` loads the same config with rollout.n=1)."""
+    from tandem.algo import ADV_ESTIMATORS
+
+    name = cfg.algo.adv_estimator
+    if cfg.rollout.n == 1 and not learns_from_single_samples(name):
+        works = [n for n in ADV_ESTIMATORS.names() if learns_from_single_samples(n)]
+        raise TandemError(
+            f"Config 'rollout.n' is 1, but algo.adv_estimator={name!r} takes its baseline from the other "
+            "samples of a prompt's group: with one sample per group every advantage is 0 and the run "
+            f"learns nothing. Set rollout.n >= 2, or an estimator that works with one sample: "
+            f"{', '.join(works)}."
+        )
+
+
+def learns_from_single_samples(name: str) -> bool:
+    """Whether estimator `name` gives any advantage when every group holds one sample: it is asked,
+    on two groups of one with rewards 0 and 1 (and a critic's values of 0, for one that takes them)."""
+    import torch
+
+    from tandem.algo import ADV_ESTIMATORS
+
+    estimator = ADV_ESTIMATORS.get(name)
+    mask = torch.ones(2, 1)
+    values = {"values": torch.zeros(2, 1)} if "values" in inspect.signature(estimator).parameters else {}
+    return bool(estimator(torch.tensor([0.0, 1.0]), torch.tensor([0, 1]), mask, **values).any())
 
 
 def _check_train_precision(cfg: Config) -> None:

@@ -6,6 +6,7 @@ any actor starts, so a mistake fails in seconds with a clear message. The Ray ac
 """
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,8 @@ import torch
 
 from tandem.agent import build_agent
 from tandem.config import Config
+from tandem.config.validate import check_training
+from tandem.controller.memory import check_memory, machine_memory
 from tandem.data import encode_prompts, load_prompts, load_tokenizer, prompts_from_rows
 from tandem.data.loader import PromptLoader
 from tandem.data.tasks import TASKS
@@ -24,6 +27,7 @@ from tandem.model import CausalLM, ModelConfig, load_model, resolve_model_path
 from tandem.model.checkpoint import check_checkpoint
 from tandem.model.experts import set_router_dtype
 from tandem.registry import Registry
+from tandem.reward.verifiers import VERIFIERS
 from tandem.rollout import (
     BuiltinEngine,
     PagedEngine,
@@ -38,12 +42,20 @@ from tandem.train import TrainWorker
 from tandem.train.critic import CriticWorker, value_model
 
 
+def load_sources(
+    cfg: Config, files: list[str], split: str, size: int, seed: int
+) -> list[tuple[str, list[Prompt]]]:
+    """(file, its prompts) for each file, or one (synthetic task, its rows) when no file is given."""
+    if files:
+        return [(f, load_prompts(f, cfg.data.prompt_key)) for f in files]
+    rows = TASKS.get(cfg.data.task)().make_rows(size, seed=seed, split=split)
+    return [(f"synthetic task {cfg.data.task!r} ({split})", prompts_from_rows(rows))]
+
+
 def load_split(cfg: Config, files: list[str], split: str, size: int, seed: int) -> tuple[list[Prompt], str]:
     """Prompts from files, or rows of the synthetic task when no file is given."""
-    if files:
-        return [p for f in files for p in load_prompts(f, cfg.data.prompt_key)], ", ".join(files)
-    rows = TASKS.get(cfg.data.task)().make_rows(size, seed=seed, split=split)
-    return prompts_from_rows(rows), f"synthetic task {cfg.data.task!r} ({split})"
+    sources = load_sources(cfg, files, split, size, seed)
+    return [p for _, prompts in sources for p in prompts], ", ".join(name for name, _ in sources)
 
 
 def sampling_params(cfg: Config, temperature: float) -> SamplingParams:
@@ -63,20 +75,48 @@ def sampling_params(cfg: Config, temperature: float) -> SamplingParams:
 
 @dataclass
 class PromptLimit:
-    """The longest prompt allowed, and why: data.max_prompt_length or the model's context."""
+    """The longest prompt allowed, and why: data.max_prompt_length or the model's context; and the
+    model's vocabulary, which every prompt token id must fall in."""
 
     tokens: int
+    vocab_size: int
     reason: str = ""
 
     def encode(self, tokenizer, prompts: list[Prompt], source: str) -> list[list[int]]:
-        return encode_prompts(tokenizer, prompts, self.tokens, source=source, limit_reason=self.reason)
+        ids = encode_prompts(tokenizer, prompts, self.tokens, source=source, limit_reason=self.reason)
+        for row, row_ids in enumerate(ids):
+            if row_ids and max(row_ids) >= self.vocab_size:  # the embedding would raise an IndexError
+                raise TandemError(
+                    f"Prompt at row {row} of {source} has the token id {max(row_ids)}, past the model's "
+                    f"vocabulary of {self.vocab_size} ids (vocab_size in its config.json): the tokenizer "
+                    "does not match the model. Use the tokenizer saved with the checkpoint."
+                )
+        return ids
+
+    def encode_sources(
+        self, tokenizer, sources: list[tuple[str, list[Prompt]]]
+    ) -> tuple[list[Prompt], list[list[int]]]:
+        """All the sources' prompts and their ids, a bad row named with its own file."""
+        prompts = [p for _, ps in sources for p in ps]
+        return prompts, [i for name, ps in sources for i in self.encode(tokenizer, ps, name)]
 
 
 def load_checked_tokenizer(cfg: Config):
-    tokenizer = load_tokenizer(cfg.model.tokenizer or resolve_model_path(cfg.model.path))
+    """The run's tokenizer, refused when it has no EOS or more token ids than the model's vocabulary."""
+    path = cfg.model.tokenizer or resolve_model_path(cfg.model.path)
+    tokenizer = load_tokenizer(path)
     if tokenizer.eos_token_id is None:
         raise TandemError(
             f"The tokenizer of {cfg.model.path} has no EOS token, so responses could never end."
+        )
+    config = model_dir(cfg) / "config.json"
+    vocab = ModelConfig.load(config.parent).vocab_size
+    if len(tokenizer) > vocab:
+        raise TandemError(
+            f"The tokenizer {path} has {len(tokenizer)} token ids, more than the model's vocab_size {vocab} "
+            f"in {config}: a token id past {vocab - 1} has no embedding row. Use the "
+            "tokenizer saved with the checkpoint (leave model.tokenizer unset), or a checkpoint whose "
+            "vocabulary covers this tokenizer."
         )
     return tokenizer
 
@@ -91,7 +131,8 @@ def model_dir(cfg: Config) -> Path:
 
 def prompt_limit(cfg: Config) -> PromptLimit:
     """The longest prompt the model's context leaves room for, next to rollout.max_new_tokens."""
-    context = ModelConfig.load(model_dir(cfg)).max_position_embeddings
+    model = ModelConfig.load(model_dir(cfg))
+    context = model.max_position_embeddings
     room = context - cfg.rollout.max_new_tokens
     if room < 1:
         raise TandemError(
@@ -99,9 +140,10 @@ def prompt_limit(cfg: Config) -> PromptLimit:
             f"in the model's context of {context} tokens."
         )
     if room >= cfg.data.max_prompt_length:
-        return PromptLimit(cfg.data.max_prompt_length)
+        return PromptLimit(cfg.data.max_prompt_length, model.vocab_size)
     return PromptLimit(
         room,
+        model.vocab_size,
         f"the model's context of {context} tokens less rollout.max_new_tokens="
         f"{cfg.rollout.max_new_tokens} (lower rollout.max_new_tokens or use a longer-context model)",
     )
@@ -117,6 +159,7 @@ class Data:
 
 
 def build_data(cfg: Config) -> Data:
+    check_training(cfg)
     if cfg.rollout.engine == "vllm":  # the rollout actors would fail on it; fail here, in seconds
         require_vllm()
     # The weights' names, shapes and dtypes from their headers: a bad file fails here, not in every actor.
@@ -128,14 +171,39 @@ def build_data(cfg: Config) -> Data:
             "Use an MoE checkpoint (qwen2_moe, qwen3_moe, mixtral; builtin:addition-moe) or turn it off."
         )
     limit, tokenizer, d = prompt_limit(cfg), load_checked_tokenizer(cfg), cfg.data
-    train_prompts, train_src = load_split(cfg, d.train_files, "train", d.train_size, cfg.run.seed)
-    train_ids = limit.encode(tokenizer, train_prompts, train_src)
-    val_prompts, val_ids = [], []
+    train = load_sources(cfg, d.train_files, "train", d.train_size, cfg.run.seed)
+    train_prompts, train_ids = limit.encode_sources(tokenizer, train)
+    val = []
     if d.val_files or not d.train_files:  # own training data and no val files: no validation
-        val_prompts, val_src = load_split(cfg, d.val_files, "test", d.val_size, cfg.run.seed + 1)
-        val_ids = limit.encode(tokenizer, val_prompts, val_src)
+        val = load_sources(cfg, d.val_files, "test", d.val_size, cfg.run.seed + 1)
+    val_prompts, val_ids = limit.encode_sources(tokenizer, val)
+    if cfg.reward.fn == "auto":
+        check_data_sources(train + val)
+    check_memory(cfg, model_cfg, train_ids, machine_memory())
     loader = PromptLoader(train_prompts, train_ids, cfg.rollout.batch_size, d.shuffle, cfg.run.seed)
     return Data(loader, val_prompts, val_ids)
+
+
+def check_data_sources(sources: list[tuple[str, list[Prompt]]]) -> None:
+    """reward.fn=auto scores each row with the verifier its data_source names: every row needs one
+    (the reward workers would fail on every sample of a row without)."""
+    for name, prompts in sources:
+        for row, prompt in enumerate(prompts):
+            if prompt.data_source not in VERIFIERS:
+                raise _no_verifier(name, row, prompt.data_source, sources)
+
+
+def _no_verifier(name: str, row: int, source: str, sources: list[tuple[str, list[Prompt]]]) -> TandemError:
+    found = Counter(p.data_source for _, prompts in sources for p in prompts)
+    counts = ", ".join(f"{s!r} ({c} row{'s' * (c != 1)})" for s, c in sorted(found.items()))
+    has = f"has data_source {source!r}" if source else "has no data_source"
+    return TandemError(
+        f"Dataset {name}: row {row} {has}, and reward.fn=auto scores each row with the verifier its "
+        f"data_source names. Data sources found: {counts}. Verifiers: {', '.join(VERIFIERS.names())}. "
+        "Give every row one of them as data_source, or set reward.fn to a verifier for all rows "
+        "(reward.fn=exact_match) or to your own function (reward.fn=pkg.module:score or "
+        "reward.fn=path/to/file.py:score)."
+    )
 
 
 def build_rollout(cfg: Config, index: int = 0) -> tuple[RolloutWorker, PromptLimit]:

@@ -93,32 +93,78 @@ def _read_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
     return _read_json_lines(path, text)
 
 
+class _KeyTwice(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object_pairs_hook: an object, or _KeyTwice(key) where plain json keeps the last value."""
+    obj = dict(pairs)
+    if len(obj) < len(pairs):  # rare: only then look for which key it was
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _KeyTwice(key)
+            seen.add(key)
+    return obj
+
+
+def _key_twice(path: str, where: str, e: _KeyTwice) -> TandemError:
+    return TandemError(
+        f"Dataset {path}: {where} has the key {e.args[0]!r} twice in one object; a JSON reader would keep "
+        "the second value without a word. Keep one."
+    )
+
+
 def _read_json_lines(path: str, text: str) -> list[tuple[str, dict[str, Any]]]:
     rows = []
+    decode = json.JSONDecoder(object_pairs_hook=_unique_keys).decode
     for line_number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         where = f"row {len(rows)} (line {line_number})"
         try:
-            row = json.loads(line)
+            row = decode(line)
         except json.JSONDecodeError as e:
             raise TandemError(
                 f"Dataset {path} has malformed JSON on line {line_number}: {e.msg} at column {e.colno}. "
                 "Each line of a JSON-lines file must be one JSON object."
             ) from e
+        except _KeyTwice as e:
+            raise _key_twice(path, where, e) from None
         rows.append((where, _as_object(row, where, path)))
     return rows
 
 
 def _read_json_array(path: str, text: str) -> list[tuple[str, dict[str, Any]]]:
     try:
-        items = json.loads(text)
+        items = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as e:
         raise TandemError(
             f"Dataset {path} has malformed JSON on line {e.lineno}: {e.msg} at column {e.colno}. A .json "
             "dataset is JSON lines (one object per line) or one JSON array of objects."
         ) from e
+    except _KeyTwice as e:
+        raise _key_twice(path, _array_row(text), e) from None
     return [(f"row {i}", _as_object(item, f"row {i}", path)) for i, item in enumerate(items)]
+
+
+def _array_row(text: str) -> str:
+    """The array's first row with a key twice, "row 3 (line 5)": decoded one row at a time, only
+    once the whole-array read has found one (the hook cannot tell which row it is in)."""
+    decoder = json.JSONDecoder(object_pairs_hook=_unique_keys)
+    pos, row = text.index("[") + 1, 0
+    while pos < len(text) and text[pos] != "]":
+        if text[pos] in " \t\r\n,":
+            pos += 1
+            continue
+        start = pos
+        try:
+            _, pos = decoder.raw_decode(text, pos)
+        except _KeyTwice:
+            return f"row {row} (line {text.count(chr(10), 0, start) + 1})"
+        row += 1
+    return "a row"
 
 
 def _read_parquet(path: str) -> list[tuple[str, dict[str, Any]]]:

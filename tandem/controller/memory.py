@@ -1,0 +1,94 @@
+"""The least memory one training step's rollout takes, against this machine's: a rollout.n of 10^8
+is refused in seconds, where it would otherwise build its samples until the machine swaps.
+
+Lower bounds, so a config that fits is never refused: one copy of the step's `Sample` records (the
+driver, the rollout worker and the trainer each hold one), and one engine's KV cache.
+"""
+
+import os
+from collections.abc import Callable
+
+from tandem.config import Config
+from tandem.config.schema import RolloutConfig
+from tandem.errors import TandemError
+from tandem.model import ModelConfig
+from tandem.model.batch_invariant import KEY_TILE, round_up
+
+# A Sample's object, fields and empty lists (measured: 1.1 KiB); a slot of its own copy of the
+# prompt's ids; a response token's id, logprob (a float object), version and loss-mask slots (88 B).
+SAMPLE_BYTES, PROMPT_TOKEN_BYTES, RESPONSE_TOKEN_BYTES = 1024, 8, 64
+GIB = 2**30
+
+
+def machine_memory() -> int | None:
+    """Bytes of physical memory, or None where the system does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(cfg: Config, model: ModelConfig, prompt_ids: list[list[int]], machine: int | None) -> None:
+    """TandemError when the step's samples and the engine's host memory exceed `machine` bytes."""
+    if machine is None or not prompt_ids:
+        return
+    r = cfg.rollout
+    count = r.batch_size * r.n
+    mean_prompt = sum(map(len, prompt_ids)) / len(prompt_ids)
+    per_sample = SAMPLE_BYTES + PROMPT_TOKEN_BYTES * mean_prompt + RESPONSE_TOKEN_BYTES * r.max_new_tokens
+    engine, what = engine_memory(cfg, model, max(map(len, prompt_ids)))
+    need = count * per_sample + engine
+    if need <= machine:
+        return
+    engine_part = f"; {what}: {engine / GIB:.1f} GiB" if what else ""
+    raise TandemError(
+        f"A training step needs at least {need / GIB:.1f} GiB of memory, and this machine has "
+        f"{machine / GIB:.1f} GiB: rollout.batch_size={r.batch_size} prompts x rollout.n={r.n} samples "
+        f"= {count} samples, whose records (tokens, logprobs, versions: {per_sample / 1024:.1f} KiB "
+        f"each) take {count * per_sample / GIB:.1f} GiB{engine_part}. Lower whichever is too large."
+    )
+
+
+def engine_memory(cfg: Config, model: ModelConfig, prompt_tokens: int) -> tuple[int, str]:
+    """(bytes, what they are) one rollout engine allocates in host memory; (0, "") on a GPU, and
+    for vLLM, which sizes its own memory (rollout.vllm_gpu_memory_utilization)."""
+    estimate = ENGINE_MEMORY.get(cfg.rollout.engine)
+    on_host = cfg.run.device == "cpu" or (
+        cfg.run.device == "auto" and not cfg.ray.address and not _cuda_here()
+    )
+    return estimate(cfg.rollout, model, prompt_tokens) if estimate and on_host else (0, "")
+
+
+def _builtin(r: RolloutConfig, model: ModelConfig, prompt_tokens: int) -> tuple[int, str]:
+    """At most rollout.max_batch_size sequences decode at once, each with a KV cache of 2 x layers x
+    kv heads x head_dim values per token over the longest prompt plus rollout.max_new_tokens (whole
+    key tiles), after a prefill of fp32 logits (distinct prompts, T, V)."""
+    rows = min(r.max_batch_size, r.batch_size * r.n)
+    length = round_up(prompt_tokens + r.max_new_tokens, KEY_TILE)
+    itemsize = 4 if r.dtype == "float32" else 2  # auto: bfloat16 at the least
+    per_token = 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * itemsize
+    prompts = -(-rows // r.n)  # a group's samples share their prompt's prefill
+    what = (
+        f"the builtin engine's KV cache and prefill logits, {rows} sequences of {length} tokens "
+        f"(rollout.max_batch_size={r.max_batch_size})"
+    )
+    return rows * length * per_token + prompts * prompt_tokens * model.vocab_size * 4, what
+
+
+def _paged(r: RolloutConfig, model: ModelConfig, prompt_tokens: int) -> tuple[int, str]:
+    """Its block pools, allocated whole when the engine starts."""
+    return int(
+        r.kv_cache_mb * 2**20
+    ), f"the paged engine's KV cache, rollout.kv_cache_mb={r.kv_cache_mb:.10g}"
+
+
+ENGINE_MEMORY: dict[str, Callable[[RolloutConfig, ModelConfig, int], tuple[int, str]]] = {
+    "builtin": _builtin,
+    "paged": _paged,
+}
+
+
+def _cuda_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
