@@ -14,6 +14,11 @@ def verl_score(data_source, solution_str, ground_truth, extra_info=None):
         os._exit(3)
     if "NAN" in solution_str:
         return float("nan")
+    if "HUGE" in solution_str:
+        return 1e300
+    if "PRINT" in solution_str:  # Python's stdout and the process's stderr, as C code would write
+        print("p" * 100_000)
+        os.write(2, b"e" * 50_000)
     return float(solution_str.strip() == str(ground_truth))
 
 
@@ -21,6 +26,10 @@ def verl_dict_score(data_source, solution_str, ground_truth, extra_info):
     """verl's convention, returning a dict with "score" and parts (a non-number part is dropped)."""
     correct = float(solution_str.strip() == str(ground_truth))
     return {"score": correct + 0.5 * extra_info.get("bonus", 0), "acc": correct, "pred": solution_str}
+
+
+def verl_nan_part(data_source, solution_str, ground_truth, extra_info):
+    return {"score": 1.0, "format": float("nan")}
 
 
 def verl_no_score(data_source, solution_str, ground_truth, extra_info):

@@ -28,6 +28,36 @@ def test_gae_matches_a_hand_computation():
     torch.testing.assert_close(returns, torch.tensor([[0.56736, 0.738, 1.0], [0.0, 0.0, 0.0]]))
 
 
+def test_gae_carries_value_and_advantage_across_masked_tokens():
+    """A tool's output inside a response (mask 0) is not a step of the episode: the row of the hand
+    computation above with a masked token (value 7, which must not leak) after its first token has
+    the same advantages on its own tokens, and 0 on the masked one."""
+    rewards = torch.tensor([1.0])
+    values = torch.tensor([[0.5, 7.0, 0.2, 0.1, 99.0]])
+    mask = torch.tensor([[1.0, 0.0, 1.0, 1.0, 0.0]])
+    adv, returns = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    torch.testing.assert_close(adv, torch.tensor([[0.06736, 0.0, 0.538, 0.9, 0.0]]))
+    torch.testing.assert_close(returns, torch.tensor([[0.56736, 0.0, 0.738, 1.0, 0.0]]))
+
+
+def test_gae_over_random_masks_is_gae_over_the_masked_in_tokens():
+    """GAE's definition, written out on each row's masked-in tokens alone, against `gae`."""
+    torch.manual_seed(0)
+    rewards, values = torch.randn(6), torch.randn(6, 9)
+    mask = (torch.rand(6, 9) > 0.4).float()
+    mask[0] = 0.0  # an empty response
+    adv, _ = gae(rewards, values, mask, gamma=0.95, lam=0.7)
+    for row in range(6):
+        steps = mask[row].nonzero().flatten().tolist()
+        expected, next_adv, next_value = torch.zeros(9), 0.0, 0.0
+        for i, t in reversed(list(enumerate(steps))):
+            r = float(rewards[row]) if i == len(steps) - 1 else 0.0
+            delta = r + 0.95 * next_value - float(values[row, t])
+            next_adv, next_value = delta + 0.95 * 0.7 * next_adv, float(values[row, t])
+            expected[t] = next_adv
+        torch.testing.assert_close(adv[row], expected)
+
+
 def test_gae_with_gamma_and_lambda_one_is_reward_minus_value():
     rewards = torch.tensor([2.0])
     values = torch.tensor([[0.5, -1.0, 0.25, 3.0]])

@@ -9,7 +9,7 @@ import pytest
 
 from tandem.errors import TandemError
 from tandem.reward import VERIFIERS, RewardPool, load_reward_fn
-from tandem.reward.user_fn import canonical_spec
+from tandem.reward.user_fn import canonical_spec, load_within
 from tandem.sample import Prompt, Sample
 
 HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reward_fns_example.py")
@@ -195,7 +195,7 @@ def pool():
 
 def test_pool_scores_in_place(pool):
     samples = [sample("7"), sample("8"), sample(" 7 ")]
-    assert pool.score(samples) == {"reward/errors": 0.0, "reward/timeouts": 0.0}
+    assert pool.score(samples) == {"reward/errors": 0.0, "reward/timeouts": 0.0, "reward/output_bytes": 0.0}
     assert [s.reward for s in samples] == [1.0, 0.0, 1.0]
 
 
@@ -205,7 +205,7 @@ def test_pool_contains_raising_dying_and_nan_functions(pool, caplog):
         s.reward = 9.0
     with caplog.at_level(logging.WARNING, logger="tandem.reward"):
         metrics = pool.score(samples)
-    assert metrics == {"reward/errors": 3.0, "reward/timeouts": 0.0}
+    assert metrics == {"reward/errors": 3.0, "reward/timeouts": 0.0, "reward/output_bytes": 0.0}
     assert [s.reward for s in samples] == [0.0, 1.0, 0.0, 0.0, 1.0]
     assert "ValueError: boom" in caplog.text and "'addition'" in caplog.text and "'RAISE'" in caplog.text
     assert "died (exit code 3)" in caplog.text and "non-finite" in caplog.text
@@ -217,11 +217,67 @@ def test_pool_kills_a_hanging_call_and_keeps_working(pool):
     start = time.monotonic()
     metrics = pool.score(samples)
     assert time.monotonic() - start < 5.0
-    assert metrics == {"reward/errors": 0.0, "reward/timeouts": 1.0}
+    assert metrics == {"reward/errors": 0.0, "reward/timeouts": 1.0, "reward/output_bytes": 0.0}
     assert [s.reward for s in samples] == [0.0, 1.0, 0.0]
     again = [sample("7") for _ in range(4)]
-    assert pool.score(again) == {"reward/errors": 0.0, "reward/timeouts": 0.0}
+    assert pool.score(again) == {"reward/errors": 0.0, "reward/timeouts": 0.0, "reward/output_bytes": 0.0}
     assert [s.reward for s in again] == [1.0] * 4
+
+
+def test_a_score_or_part_beyond_the_bound_is_an_error_not_a_reward(pool, caplog):
+    """1e300 is finite, yet one such reward makes every loss of its batch NaN."""
+    samples = [sample("HUGE"), sample("7")]
+    with caplog.at_level(logging.WARNING, logger="tandem.reward"):
+        assert pool.score(samples)["reward/errors"] == 1.0
+    assert [s.reward for s in samples] == [0.0, 1.0]
+    assert "beyond +-1e+06 (reward.max_abs): a score, 1e+300" in caplog.text
+    with RewardPool("reward_fns_example:verl_nan_part", num_workers=1) as p:
+        s = sample("7")
+        assert p.score([s])["reward/errors"] == 1.0
+    assert (s.reward, s.reward_parts) == (0.0, {})
+
+
+@pytest.mark.parametrize("what", ["HANG", "DIE"])
+def test_a_function_that_stalls_most_of_a_batch_ends_the_call_in_two_waves(what):
+    """40 samples, 2 workers, 1 s each: waiting every timeout out would take 20 s, and every worker
+    death a replacement; the call ends after the first two waves, naming the function."""
+    with RewardPool("reward_fns_example:verl_score", num_workers=2, timeout_s=1.0) as p:
+        start = time.monotonic()
+        with pytest.raises(TandemError, match=r"'reward_fns_example:verl_score' stalled on 4 of the first 4"):
+            p.score([sample(what) for _ in range(40)])
+        assert time.monotonic() - start < 8.0
+
+
+def test_a_few_stalls_cost_only_their_samples(pool):
+    samples = [sample("7"), sample("DIE"), sample("7"), sample("DIE"), sample("7"), sample("7")]
+    assert pool.score(samples)["reward/errors"] == 2.0
+    assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 0.0, 1.0, 1.0]
+
+
+def test_what_a_function_prints_is_captured_per_call_and_counted(tmp_path, capfd, caplog):
+    log = tmp_path / "reward_output.log"
+    with RewardPool("reward_fns_example:verl_score", num_workers=2, output_log=log) as p:
+        capfd.readouterr()
+        with caplog.at_level(logging.WARNING, logger="tandem.reward"):
+            metrics = p.score([sample("PRINT 7") for _ in range(6)] + [sample("7")])
+    assert metrics["reward/output_bytes"] == 6 * (100_001 + 50_000)
+    out, err = capfd.readouterr()
+    assert len(out) + len(err) < 10_000  # not 900 kB
+    assert "printed 900006 bytes in 6 of 7 calls" in caplog.text and str(log) in caplog.text
+    kept = log.read_text()
+    assert kept.count("--- data source 'addition': 150001 bytes (first 2000 shown)") == 6
+    assert len(kept) < 6 * 2200
+
+
+def test_a_module_that_hangs_at_import_is_an_error_within_its_limit(tmp_path):
+    module = tmp_path / "sleepy_reward.py"
+    module.write_text(
+        "import time\ntime.sleep(600)\ndef f(data_source, solution_str, ground_truth):\n    return 1.0\n"
+    )
+    start = time.monotonic()
+    with pytest.raises(TandemError, match=r"did not finish within reward.import_timeout_s=1 s"):
+        load_within(f"{module}:f", 1.0)
+    assert time.monotonic() - start < 3.0
 
 
 def test_pool_sets_reward_parts():

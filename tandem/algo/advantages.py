@@ -129,13 +129,16 @@ def gae(
 ) -> tuple[Tensor, Tensor]:
     """rewards (B,), values (B, T), mask (B, T) over each response's tokens -> advantages, returns (B, T).
 
-    The sequence reward is the last response token's reward (r_t = 0 before it), and the value
-    past the last token is 0:
+    The steps of the episode are the tokens where mask == 1; the masked ones inside a response (a
+    tool's output, a user turn) are not the policy's actions, so GAE runs over the masked-in tokens
+    as one sequence and carries its value and advantage across the masked ones (as verl's
+    multi-turn GAE does). The sequence reward is the last masked-in token's reward (r_t = 0 before
+    it), and the value past it is 0:
 
-        δ_t = r_t + γ V_{t+1} - V_t,    A_t = δ_t + γ λ A_{t+1},    G_t = A_t + V_t
+        δ_t = r_t + γ V_next(t) - V_t,    A_t = δ_t + γ λ A_next(t),    G_t = A_t + V_t
 
-    (Schulman et al. 2016). γ = λ = 1 gives A_t = r - V_t, the reward to go against the critic's
-    baseline. Both results are 0 where mask == 0.
+    with next(t) the next masked-in token (Schulman et al. 2016). γ = λ = 1 gives A_t = r - V_t,
+    the reward to go against the critic's baseline. Both results are 0 where mask == 0.
     """
     r = rewards.float()
     m = mask.float()
@@ -148,7 +151,9 @@ def gae(
         delta = token_rewards[:, t] + gamma * next_value - v[:, t]
         a = delta + gamma * lam * next_adv
         adv[:, t] = a * m[:, t]
-        next_adv, next_value = adv[:, t], v[:, t]
+        keep = m[:, t] > 0  # a masked token passes the next step's value and advantage on
+        next_adv = torch.where(keep, a, next_adv)
+        next_value = torch.where(keep, v[:, t], next_value)
     return adv, (adv + v) * m
 
 

@@ -130,6 +130,13 @@ class RewardConfig:
     fn: str = "auto"  # "auto" (by data_source), a verifier name, or "pkg.module:function"
     num_workers: int = 2
     timeout_s: float = 10.0
+    # Importing reward.fn's module may take this long (in the driver, and again in the reward
+    # worker); a longer import ends the run with an error naming the module.
+    import_timeout_s: float = 60.0
+    # A score or reward part that is NaN, infinite or beyond +-max_abs counts as a reward error
+    # (score 0.0, `reward/errors`), like a function that raised: one such number would make every
+    # loss of the batch NaN and skip the step.
+    max_abs: float = 1e6
     # DAPO's overlong shaping of training rewards (not validation's): the last `overlong_buffer`
     # tokens before rollout.max_new_tokens cost up to `overlong_penalty`, linearly. 0 = off.
     overlong_buffer: int = 0

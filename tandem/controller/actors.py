@@ -245,7 +245,9 @@ class CriticActor(_Timed, _DistMember):
 class RewardActor(_Timed):
     def __init__(self, cfg: Config):
         self.name = "reward/0"
-        self.pool = RewardPool.from_config(cfg.reward)
+        # What the reward function prints goes to the run directory, a bounded head per call.
+        output_log = Path(cfg.run.out_dir) / cfg.run.name / "reward_output.log"
+        self.pool = RewardPool.from_config(cfg.reward, output_log)
         self.max_length, self.reward = cfg.rollout.max_new_tokens, cfg.reward
 
     def score(self, samples: list[Sample], kind: str = "reward"):

@@ -134,6 +134,12 @@ def plan_slots(cfg: Config, have: dict[str, float]) -> list[placement.Slot]:
     return placement.plan(cfg, cpus, gpus)
 
 
+def _failed(e: "ray.exceptions.RayTaskError") -> CallFailed | TandemError:
+    """A call's error: a worker's TandemError as it was raised (one paragraph for the user, where
+    Ray's text would wrap it in a traceback), anything else with the worker's traceback."""
+    return e.cause if isinstance(e.cause, TandemError) else CallFailed(str(e))
+
+
 @dataclass
 class RayCluster:
     """The run's actors, by role, and the loop's calls on them (`tandem.controller.protocol.Cluster`)."""
@@ -224,7 +230,23 @@ class RayCluster:
                 m.join.remote(rank, len(members), addr, port, dp_ranks, sync_ranks)
                 for rank, m in enumerate(members)
             ]
-        ray.get(refs, timeout=cfg.sync.timeout_s + 30)
+        try:
+            ray.get(refs, timeout=cfg.sync.timeout_s + 30)
+        except ray.exceptions.GetTimeoutError:
+            raise TandemError(
+                f"The workers did not join their torch.distributed world within sync.timeout_s + 30 = "
+                f"{cfg.sync.timeout_s + 30:g} s (the trainers{' and rollout workers' if broadcast else ''}"
+                f" meet at {addr}). A worker that is still starting on a busy machine needs more: raise "
+                "sync.timeout_s."
+            ) from None
+        except ray.exceptions.RayActorError as e:
+            raise TandemError(f"A worker died while joining the torch.distributed world: {e}") from None
+        except ray.exceptions.RayTaskError as e:
+            raise (
+                _failed(e)
+                if isinstance(e.cause, TandemError)
+                else TandemError(f"Joining the torch.distributed world failed: {e}")
+            ) from None
 
     # -- the loop's calls: the one place that waits on Ray ------------------------------------------
     def actor(self, worker: str):
@@ -254,7 +276,7 @@ class RayCluster:
         except ray.exceptions.RayActorError as e:
             return Done(ready[0], error=WorkerDied(str(e)))
         except ray.exceptions.RayTaskError as e:
-            return Done(ready[0], error=CallFailed(str(e)))
+            return Done(ready[0], error=_failed(e))
 
     def get(self, handles: list[Handle], timeout_s: float) -> list[Any]:
         try:
@@ -262,7 +284,7 @@ class RayCluster:
         except ray.exceptions.RayActorError as e:
             raise WorkerDied(str(e)) from None
         except ray.exceptions.RayTaskError as e:
-            raise CallFailed(str(e)) from None
+            raise _failed(e) from None
         except ray.exceptions.GetTimeoutError as e:
             raise TimeoutError(str(e)) from None
 
@@ -271,7 +293,7 @@ class RayCluster:
 
     def close(self) -> None:
         try:
-            ray.get(self.reward.close.remote(), timeout=30)
+            ray.get(self.reward.close.remote(), timeout=5)
         except Exception:  # the run is ending either way; a dead pool must not mask the real error
             pass
         for actor in [*self.rollouts, *self.trainers, self.ref, *self.critics, self.reward]:

@@ -36,6 +36,8 @@ from tandem.rollout import make_groups
 from tandem.sample import Sample, Status
 from tandem.sync import TRANSPORTS
 
+STOP_POLL_S = 1.0  # the longest the loop waits on the cluster before it looks for a stop signal
+
 
 class Stopped(Exception):
     """SIGINT / SIGTERM: the run saved a checkpoint at a step boundary and stops."""
@@ -188,6 +190,8 @@ class Loop:
         if self.version == 0 or self.validates(self.version):
             self.request_validation(self.version)
         while not self.finished():
+            if self.stop_signal and not self.training:
+                self.stop()
             self.admit()
             self.dispatch()
             self.maybe_train()
@@ -206,17 +210,30 @@ class Loop:
                 f"{self.published}): queued work {len(self.work)}, {self.slots}, buffer "
                 f"{self.buffer.stats()}, receiving {self.receiving}."
             )
-        done = self.cluster.wait_next(self.pending, self.cfg.run.timeout_s)
-        if done is None:
-            waiting = ", ".join(sorted({str(c) for c in self.pending.values()}))
-            raise TandemError(
-                f"Nothing finished in run.timeout_s={self.cfg.run.timeout_s:g} s; waiting for: {waiting}."
-            )
+        start = self.cluster.now()
+        while (done := self.cluster.wait_next(self.pending, STOP_POLL_S)) is None:
+            if self.stop_signal and not self.training:
+                self.stop()
+            if self.cluster.now() - start >= self.cfg.run.timeout_s:
+                waiting = ", ".join(sorted({str(c) for c in self.pending.values()}))
+                raise TandemError(
+                    f"Nothing finished in run.timeout_s={self.cfg.run.timeout_s:g} s; waiting for: {waiting}."
+                )
         return done, self.pending.pop(done.handle)
+
+    def stop(self) -> None:
+        """SIGINT / SIGTERM while no train step runs: the trainers hold the last step boundary's
+        weights, so save it now with whatever was in flight (a resume generates that again) -> Stopped."""
+        latest = self.checkpoints.latest()
+        if self.version > self.first_version and (latest is None or latest.name != f"step_{self.version}"):
+            latest = self.save(f"step_{self.version}")
+        raise Stopped(self.stop_signal, self.version, latest)
 
     def handle(self, done: Done, call: Call) -> None:
         if isinstance(done.error, WorkerDied):
             return self.on_worker_died(call, done.error)
+        if isinstance(done.error, TandemError):  # the worker's own paragraph for the user
+            raise done.error
         if done.error is not None:
             raise TandemError(f"{call} failed:\n{done.error}") from None
         getattr(self, f"on_{call.kind.value}")(call, done.result)
@@ -375,12 +392,19 @@ class Loop:
         samples, metrics, span = result
         self.timeline.add(span)
         self.logger.log(call.version, self.validation.scored(call.version, samples, metrics))
+        if metrics.get("reward/errors", 0.0) + metrics.get("reward/timeouts", 0.0) >= len(samples):
+            raise TandemError(
+                f"Every reward of the {len(samples)} held-out samples of version {call.version} failed "
+                f"(reward.fn={self.cfg.reward.fn!r}; the reward worker's log above says why), so no "
+                "step could learn either: the run stops now rather than after run.steps steps."
+            )
 
     # -- steps, failures, the end ------------------------------------------------------------------
     def log_step(self, batch: list[Sample], train: dict[str, float]) -> None:
         metrics = self.stats.step(batch, train, self.version, self.buffer, self.timeline, self.cluster.now())
         self.logger.log(self.version, metrics)
         self.logger.log_batch(self.version, sorted({s.group_id for s in batch}))
+        self.stats.check_learning(self.version, self.cfg.run.steps, self.first_version)
         if (
             self.cfg.run.deterministic
             and metrics.get("mismatch/logprob_abs_diff_max", 0.0)

@@ -30,7 +30,7 @@ class Done:
 
     handle: Handle
     result: Any = None
-    error: WorkerDied | CallFailed | None = None
+    error: Exception | None = None  # WorkerDied, CallFailed, or a TandemError the worker raised
 
 
 class Cluster(Protocol):

@@ -1,4 +1,4 @@
-"""Batch statistics of a step's samples, under verl's metric names."""
+"""Batch statistics of a step's samples, under verl's metric names, and held-out ones (val/*)."""
 
 from statistics import mean
 
@@ -34,3 +34,22 @@ def agent_stats(samples: list[Sample], prefix: str = "agent") -> dict[str, float
     single-turn samples."""
     names = sorted({k for s in samples for k in s.agent_stats})
     return {f"{prefix}/{k}/mean": mean(float(s.agent_stats.get(k, 0.0)) for s in samples) for k in names}
+
+
+CORRECT = 1.0  # the full score of every built-in verifier: a held-out sample scored this is right
+
+
+def val_stats(samples: list[Sample], reward: dict[str, float], version: float) -> dict[str, float]:
+    """The val/* metrics of scored held-out samples; `reward` is the reward call's counters.
+
+    val/accuracy is the fraction of samples scored at least CORRECT, so a fraction in [0, 1]
+    whatever the reward's scale; val/score/mean is the mean reward. A failed reward scores 0.
+    """
+    return {
+        "val/accuracy": mean(float(s.reward >= CORRECT) for s in samples),
+        "val/score/mean": mean(s.reward for s in samples),
+        "val/response_length/mean": mean(len(s.response_ids) for s in samples),
+        "val/reward_errors": reward.get("reward/errors", 0.0) + reward.get("reward/timeouts", 0.0),
+        "val/version": version,
+        **agent_stats(samples, "val/agent"),  # e.g. val/agent/tool_use/mean: held-out tool use
+    }

@@ -9,9 +9,18 @@ import math
 from tandem.buffer import RolloutBuffer
 from tandem.controller.stats import rollout_stats
 from tandem.controller.timeline import Timeline
+from tandem.errors import TandemError
 from tandem.sample import Sample
 
-STEP_COUNTERS = ("rollout/aborted", "rollout/restarts", "reward/errors", "reward/timeouts")
+DEAD_STEPS = 5  # consecutive steps with nothing to learn from (or all of a shorter run) end the run
+
+STEP_COUNTERS = (
+    "rollout/aborted",
+    "rollout/restarts",
+    "reward/errors",
+    "reward/timeouts",
+    "reward/output_bytes",
+)
 FILTER_COUNTERS = ("filter/dropped_groups", "filter/extra_prompts")
 
 
@@ -20,7 +29,10 @@ class StepMetrics:
         self.filtering = filtering  # DAPO's dynamic sampling: its counters too
         self.extra = self.zeroed()  # this step's counters (and the engines' sleep figures)
         self.rewards = {"scored": 0.0, "failed": 0.0}  # training samples, over the run
+        self.window = {"scored": 0.0, "failed": 0.0}  # and in this step's window
+        self.rewards_in_step = dict(self.window)  # the last step's window
         self.last: dict[str, float] = {}  # the latest step's line
+        self.dead: list[str] = []  # why each of the latest consecutive steps learned nothing
         self.started = self.step_start = 0.0
 
     def zeroed(self) -> dict[str, float]:
@@ -36,8 +48,10 @@ class StepMetrics:
         """A reward call's counters, and its samples scored (or failed) over the run."""
         for k, v in metrics.items():
             self.count(k, v)
-        self.rewards["scored"] += len(samples)
-        self.rewards["failed"] += metrics.get("reward/errors", 0.0) + metrics.get("reward/timeouts", 0.0)
+        failed = metrics.get("reward/errors", 0.0) + metrics.get("reward/timeouts", 0.0)
+        for counts in (self.rewards, self.window):
+            counts["scored"] += len(samples)
+            counts["failed"] += failed
 
     def slept(self, metrics: dict[str, float]) -> None:
         """A rollout engine freed its memory: the bytes add up, the workers slept (and woke) in parallel."""
@@ -70,6 +84,7 @@ class StepMetrics:
             "version": float(version),
         }
         self.extra, self.step_start = self.zeroed(), now
+        self.rewards_in_step, self.window = self.window, {"scored": 0.0, "failed": 0.0}
         return self.last
 
     def summary(self, trained: int, val: dict[int, dict], steps: int, now: float) -> dict[str, float]:
@@ -87,3 +102,34 @@ class StepMetrics:
                 "val/accuracy_gain_points": 100 * (end - start),
             }
         return out
+
+    def check_learning(self, version: int, steps: int, first: int) -> None:
+        """A TandemError once DEAD_STEPS consecutive steps (every step of a shorter run, counted from
+        `first`) had nothing to learn from: every reward failed, every update was skipped for a
+        non-finite loss or gradient, or every advantage was 0. The run would exit 0 having learned
+        nothing, so it ends non-zero and says which."""
+        m, rewards = self.last, self.rewards_in_step
+        if rewards["failed"] >= rewards["scored"] > 0:
+            why = "every reward failed (reward/errors, reward/timeouts; the reward worker's log says why)"
+        elif m.get("actor/skipped_fraction", 0.0) == 1.0:
+            why = (
+                "every update was skipped for a non-finite loss or gradient (actor/skipped_steps): "
+                "check the rewards' scale and the weights (e.g. a checkpoint that was trained into NaN)"
+            )
+        elif m.get("critic/advantages/max", 1.0) == 0.0 == m.get("critic/advantages/min", 1.0):
+            why = (
+                f"every advantage was 0: within each group every response got the same reward (mean "
+                f"{m['critic/score/mean']:.3g}), so the policy gradient is 0. With the task solved, the "
+                "run is done (lower run.steps); otherwise raise rollout.n or rollout.temperature, or use "
+                "an easier task or a warm start"
+            )
+        else:
+            self.dead = []
+            return
+        self.dead.append(why)
+        if len(self.dead) >= min(DEAD_STEPS, steps - first):
+            raise TandemError(
+                f"{len(self.dead)} steps in a row (to step {version}) learned nothing; in the last, {why}. "
+                "The run stops instead of exiting 0 with nothing learned; metrics.jsonl has every "
+                "step's figures."
+            )

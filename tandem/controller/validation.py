@@ -7,7 +7,7 @@ split into one chunk per worker; the chunks' samples are scored together when th
 
 from collections.abc import Callable
 
-from tandem.controller.stats import agent_stats
+from tandem.controller.stats import val_stats
 from tandem.rollout import make_groups
 from tandem.sample import Prompt, Sample
 
@@ -58,11 +58,5 @@ class Validation:
     def scored(self, version: int, samples: list[Sample], reward: dict[str, float]) -> dict[str, float]:
         """The version's val/* metrics, from its scored samples and the reward call's counters."""
         versions = [v for s in samples for v in s.versions]
-        self.metrics[version] = {
-            "val/accuracy": sum(s.reward for s in samples) / len(samples),
-            "val/response_length/mean": sum(len(s.response_ids) for s in samples) / len(samples),
-            "val/reward_errors": reward.get("reward/errors", 0.0) + reward.get("reward/timeouts", 0.0),
-            "val/version": float(min(versions) if versions else version),
-            **agent_stats(samples, "val/agent"),  # e.g. val/agent/tool_use/mean: held-out tool use
-        }
+        self.metrics[version] = val_stats(samples, reward, float(min(versions) if versions else version))
         return self.metrics[version]

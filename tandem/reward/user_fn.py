@@ -13,6 +13,7 @@ import inspect
 import numbers
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -182,6 +183,35 @@ def load_reward_fn(spec: str, code_limits: CodeLimits | None = None) -> RewardFn
         "convention: verl's (data_source, solution_str, ground_truth, extra_info) or TRL's "
         "(prompts, completions, **kwargs)."
     )
+
+
+def load_within(spec: str, timeout_s: float, code_limits: CodeLimits | None = None) -> RewardFn:
+    """`load_reward_fn`, or a TandemError if importing the spec's module takes over `timeout_s`.
+
+    The import runs in a daemon thread, so a module that sleeps or waits at import time cannot
+    hold up the caller; the thread is left behind (Python cannot stop it) and ends with the process.
+    """
+    result: list = []
+
+    def load() -> None:
+        try:
+            result.append(load_reward_fn(spec, code_limits))
+        except BaseException as e:  # noqa: B036  # handed to the caller, whatever it is
+            result.append(e)
+
+    thread = threading.Thread(target=load, name="tandem-reward-import", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not result:
+        raise TandemError(
+            f"Importing reward function {spec!r} did not finish within reward.import_timeout_s="
+            f"{timeout_s:g} s: its module waits or loops at import time. Move slow set-up into the "
+            "function (it runs in the reward workers, each call within reward.timeout_s), or raise "
+            "reward.import_timeout_s."
+        )
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
 
 
 def canonical_spec(spec: str) -> str:

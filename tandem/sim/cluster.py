@@ -106,7 +106,8 @@ class SimCluster:
                 if isinstance(job.result, (WorkerDied, CallFailed)):  # a worker may end a call so
                     return Done(job, error=job.result)
                 return Done(job, job.result)
-            if not self._step():
+            if not self._step():  # nothing can end: the clock runs on to the timeout
+                self.clock += timeout_s
                 return None
 
     def get(self, handles: list[Job], timeout_s: float) -> list[Any]:

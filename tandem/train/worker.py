@@ -220,7 +220,7 @@ class TrainWorker:
         adv = self.advantages(samples, mask)
         self._theta = torch.zeros(len(samples), width)  # π_θ detached, as the forwards compute it
         sums: dict[str, float] = defaultdict(float)
-        updates = 0
+        updates, skipped = 0, self.skipped_steps
         for _ in range(self.cfg.epochs):
             for rows in self._mini_batches(len(samples)):
                 batch = MiniBatch(
@@ -242,6 +242,7 @@ class TrainWorker:
         metrics = {k: v / updates for k, v in sums.items()}
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         metrics["actor/skipped_steps"] = float(self.skipped_steps)
+        metrics["actor/skipped_fraction"] = (self.skipped_steps - skipped) / updates  # of this step's updates
         metrics["timing_s/logp"] = logp_s
         metrics.update({f"actor/old_logprob_source/{n}": float(n == source) for n in OLD_SOURCES})
         valid = adv[mask > 0]  # over the tokens trained on, as verl reports them
