@@ -1,7 +1,16 @@
-"""Output paths checked before the work that fills them: an unwritable directory fails in seconds."""
+"""Output paths checked before the work that fills them: an unwritable directory fails in seconds,
+and a directory another run is writing into is refused at once."""
 
+import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not POSIX (Windows): no flock
+    fcntl = None
 
 from tandem.errors import TandemError
 
@@ -21,3 +30,36 @@ def check_writable(path: Path, key: str) -> None:
             f"Cannot write to {path}, the directory {key} sets: {e.strerror or e}{where}. "
             f"Set {key} to a directory you can write to."
         ) from None
+
+
+LOCK = "run.lock"
+
+
+@contextmanager
+def run_lock(run_dir: Path) -> Iterator[None]:
+    """Hold an exclusive `flock` on `run_dir/run.lock` (which records the holder's pid) while the
+    block runs, or raise a TandemError at once when another process holds it: two runs writing one
+    directory would interleave their metrics and checkpoints. The OS releases the lock when its
+    holder exits, however it exits (SIGKILL included), so a crash never leaves it stuck; the file
+    stays. Without fcntl (Windows) nothing is locked: keeping one run per directory is then the
+    user's to do."""
+    if fcntl is None:
+        yield
+        return
+    path = run_dir / LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            raise TandemError(
+                f"Another run is using {run_dir} ({f'pid {pid} holds ' if pid.isdigit() else ''}{path}); "
+                "two runs in one directory would interleave their metrics and checkpoints. Wait for it "
+                "to end or stop it, or give this run another run.name or run.out_dir."
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

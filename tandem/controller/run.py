@@ -10,15 +10,15 @@ from pathlib import Path
 import ray
 
 from tandem import devices
-from tandem.config import Config, load_config, save_config
-from tandem.controller.checkpoint import check_compatible, find_resume
+from tandem.config import Config, save_config
+from tandem.controller.checkpoint import find_resume
 from tandem.controller.cluster import RayCluster, plan_slots, start_ray
 from tandem.controller.loop import Loop, Stopped
 from tandem.controller.metrics import MetricsLogger, require_wandb
 from tandem.controller.roles import build_data
 from tandem.determinism import check_batch_invariance, machine
 from tandem.errors import TandemError
-from tandem.paths import check_writable
+from tandem.paths import check_writable, run_lock
 from tandem.reward.user_fn import canonical_spec, load_reward_fn
 
 
@@ -59,13 +59,17 @@ def role_threads(cfg: Config) -> set[int]:
 def run_training(cfg: Config, on_step=None) -> dict[str, float]:
     """Train for cfg.run.steps versions in cfg.run.mode; -> the summary (held-out accuracy before and
     after, throughput). `on_step(loop)` is called after each train step (tests use it).
-    `run.resume` continues from a checkpoint; SIGINT / SIGTERM save one and raise `Stopped`."""
+    `run.resume` continues from a checkpoint; SIGINT / SIGTERM save one and raise `Stopped`.
+    One run per run directory at a time: a second is refused at once (`run_lock`)."""
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     check_writable(run_dir / "checkpoints", "run.out_dir")  # now, not at the first save
+    with run_lock(run_dir):  # held until the run ends, however it ends
+        return _train(cfg, run_dir, on_step)
+
+
+def _train(cfg: Config, run_dir: Path, on_step) -> dict[str, float]:
     cfg = with_absolute_paths(cfg)
-    resume = find_resume(cfg, run_dir)
-    if resume is not None:  # refused here, before anything starts
-        check_compatible(load_config(resume / "config.yaml"), cfg, resume)
+    resume = find_resume(cfg, run_dir)  # a damaged or incompatible checkpoint is refused here
     if cfg.run.wandb:
         require_wandb()
     data = build_data(cfg)  # bad input fails here, before any actor starts

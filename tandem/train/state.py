@@ -11,6 +11,7 @@ computes exactly what it would have computed without the interruption.
 
 import random
 import warnings
+import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,49 @@ def load_state(worker, path: Path, directory: str = SHARDS) -> None:
     worker.scheduler.load_state_dict(own["scheduler"])
     worker.generator.set_state(own["generator"])
     set_rng_states(own["rng"])
+
+
+def damaged_state(path: Path, directory: str = SHARDS, ranks: int = 1) -> list[str]:
+    """What keeps `load_state` from reading `path/<directory>/` into `ranks` ranks, checked without
+    loading it: DCP's `.metadata` unpickles, every shard file it names is there and long enough for
+    the bytes it reads, and every rank's `rank_<r>.pt` is a whole torch.save archive. [] = intact."""
+    root = path / directory
+    if not root.is_dir():
+        return [f"{root}/ is missing"]
+    try:
+        metadata = dcp.FileSystemReader(str(root)).read_metadata()
+    except Exception as e:  # a missing, truncated or foreign file: unpickling raises anything
+        return [f"{root / '.metadata'} is unreadable ({type(e).__name__}: {e})"]
+    needed: dict[str, int] = {}  # shard file -> the bytes it must hold
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    found = []
+    for name, size in sorted(needed.items()):
+        file = root / name
+        if not file.is_file():
+            found.append(f"{file} is missing")
+        elif file.stat().st_size < size:
+            found.append(f"{file} is truncated ({file.stat().st_size} of at least {size} bytes)")
+    own = sorted({*(root / f"rank_{r}.pt" for r in range(ranks)), *root.glob("rank_*.pt")})
+    return found + [problem for file in own if (problem := torch_file_damage(file))]
+
+
+def torch_file_damage(file: Path) -> str | None:
+    """None when `file` is a whole `torch.save` archive: a zip whose every record's CRC matches
+    (truncation, a flipped byte and a missing file all show), else what is wrong with it."""
+    if not file.is_file():
+        return f"{file} is missing"
+    try:
+        with zipfile.ZipFile(file) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        return f"{file} is not a whole torch.save file ({e})"
+    return f"{file} is corrupt (record {bad} fails its checksum)" if bad else None
+
+
+def saved_version(path: Path, directory: str = SHARDS) -> int:
+    """The policy version a checkpoint's rank 0 saved (after `damaged_state` found nothing)."""
+    return torch.load(path / directory / "rank_0.pt", weights_only=False)["version"]
 
 
 @contextmanager
