@@ -238,6 +238,14 @@ def _child_setup(timeout_s: float, memory_mb: int) -> Callable[[], None]:
     return setup
 
 
+def die_with_parent() -> None:
+    """This process gets SIGKILL when its parent dies (Linux; elsewhere nothing): a reward pool's
+    fork server and workers must not outlive the reward actor that Ray kills at a run's end."""
+    libc = _libc()
+    if libc is not None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
 def _clamped(which: int, soft: int, hard: int) -> tuple[int, tuple[int, int]]:
     """(which, (soft, hard)) lowered to the inherited hard limit: raising it would fail in the
     child, where the reason is lost."""

@@ -236,7 +236,7 @@ def test_code_through_the_pool_within_its_timeout():
     # response is scored (0, 3 tests out of time) rather than killed as a pool timeout.
     with RewardPool("code", num_workers=2, timeout_s=2.0, sandbox_timeout_s=5.0) as pool:
         metrics = pool.score(samples)
-    assert metrics == {"reward/errors": 1.0, "reward/timeouts": 0.0}  # the row without tests
+    assert metrics == {"reward/errors": 1.0, "reward/timeouts": 0.0, "reward/output_bytes": 0.0}  # no tests
     assert samples[0].reward == pytest.approx(2 / 3, abs=1e-4)
     assert samples[0].reward_parts == {"code/passed": samples[0].reward, "code/timeouts": 0.0}
     assert (samples[1].reward, samples[1].reward_parts) == (0.0, {"code/passed": 0.0, "code/timeouts": 3.0})

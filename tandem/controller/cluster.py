@@ -31,17 +31,22 @@ from tandem.sync import TRANSPORTS, free_port
 RAY_CONNECT_TIMEOUT_S = 30.0  # the longest wait for ray.address to answer (or run.timeout_s if less)
 
 
-def start_ray(cfg: Config) -> None:
+def start_ray(cfg: Config) -> bool:
+    """Start (or join) Ray for the run -> whether this call did (False: it was up already)."""
     if ray.is_initialized():
-        return
+        return False
     # Actors import reward functions by dotted path from the current directory, as the driver does.
-    path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
+    # An OpenMP thread that waits for its team spins (libgomp's default), burning the core that the
+    # thread it waits for, or another process, needs: beside one busy core of two the default run's
+    # steps took ~5x as long. Passive threads sleep instead (docs/training.md#threads-and-load).
+    env["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
     runtime_env = None
     if cfg.ray.address:  # a running cluster's workers do not inherit this process's environment
-        runtime_env = {"env_vars": {"PYTHONPATH": path}}
+        runtime_env = {"env_vars": env}
         check_ray_address(cfg.ray.address, min(RAY_CONNECT_TIMEOUT_S, cfg.run.timeout_s))
     else:  # local Ray's workers do; without a runtime env they also start ~2 s sooner
-        os.environ["PYTHONPATH"] = path
+        os.environ.update(env)
     # Every local start logs that token authentication is on (Ray's default): no news, and a line
     # in front of the one paragraph an error after it should be.
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
@@ -55,6 +60,7 @@ def start_ray(cfg: Config) -> None:
         )
     except ConnectionError as e:  # e.g. "auto" with no cluster recorded on this machine
         raise TandemError(f"ray.address={cfg.ray.address!r}: {e}") from None
+    return True
 
 
 def check_ray_address(address: str, timeout: float) -> None:
@@ -152,6 +158,7 @@ class RayCluster:
     pg: object = None
     names: dict[str, list[str]] = field(default_factory=dict)  # role -> worker names
     critics: list = field(default_factory=list)  # PPO's value model's ranks (algo.adv_estimator=gae)
+    outstanding: set = field(default_factory=set)  # submitted calls whose result was not taken yet
 
     @classmethod
     def start(cls, cfg: Config) -> "RayCluster":
@@ -262,7 +269,9 @@ class RayCluster:
         call = getattr(self.actor(worker), method)
         if until_restarted:  # Ray answers "unavailable" while the actor restarts; retry until it is back
             call = call.options(max_task_retries=-1)
-        return call.remote(*args)
+        handle = call.remote(*args)
+        self.outstanding.add(handle)
+        return handle
 
     def share(self, obj: Any) -> Any:
         return ray.put(obj)
@@ -271,6 +280,7 @@ class RayCluster:
         ready, _ = ray.wait(list(handles), num_returns=1, timeout=timeout_s)
         if not ready:
             return None
+        self.outstanding.discard(ready[0])
         try:
             return Done(ready[0], ray.get(ready[0]))
         except ray.exceptions.RayActorError as e:
@@ -279,6 +289,7 @@ class RayCluster:
             return Done(ready[0], error=_failed(e))
 
     def get(self, handles: list[Handle], timeout_s: float) -> list[Any]:
+        self.outstanding.difference_update(handles)
         try:
             return ray.get(handles, timeout=timeout_s)
         except ray.exceptions.RayActorError as e:
@@ -292,10 +303,17 @@ class RayCluster:
         return time.time()
 
     def close(self) -> None:
-        try:
-            ray.get(self.reward.close.remote(), timeout=5)
-        except Exception:  # the run is ending either way; a dead pool must not mask the real error
-            pass
+        # Calls still queued or running (a run that failed or was stopped) are cancelled, so that Ray
+        # does not retry them on the actors killed below and say so after the run's last word. The
+        # reward pool then dies with its actor (Ray kills a killed worker's child processes); a
+        # finished run's pool stops its workers itself.
+        for handle in self.outstanding:
+            ray.cancel(handle)
+        if not self.outstanding:
+            try:
+                ray.get(self.reward.close.remote(), timeout=5)
+            except Exception:  # the run is ending either way; a dead pool must not mask the real error
+                pass
         for actor in [*self.rollouts, *self.trainers, self.ref, *self.critics, self.reward]:
             if actor is not None:
                 ray.kill(actor)

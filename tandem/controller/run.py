@@ -3,7 +3,7 @@
 import json
 import signal
 import sys
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -19,7 +19,7 @@ from tandem.controller.roles import build_data
 from tandem.determinism import check_batch_invariance, machine
 from tandem.errors import TandemError
 from tandem.paths import check_writable, run_lock
-from tandem.reward.user_fn import canonical_spec, load_reward_fn
+from tandem.reward.user_fn import canonical_spec, load_within
 
 
 def with_absolute_paths(cfg: Config) -> Config:
@@ -63,18 +63,27 @@ def run_training(cfg: Config, on_step=None) -> dict[str, float]:
     One run per run directory at a time: a second is refused at once (`run_lock`)."""
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     check_writable(run_dir / "checkpoints", "run.out_dir")  # now, not at the first save
-    with run_lock(run_dir):  # held until the run ends, however it ends
-        return _train(cfg, run_dir, on_step)
+    signals = Signals()
+    with run_lock(run_dir), signals.installed(), ExitStack() as stack:  # held until the run ends
+        try:
+            return _train(cfg, run_dir, on_step, signals, stack)
+        except KeyboardInterrupt:  # what a signal raises inside Ray's waits: see Signals
+            if signals.stopped is None:
+                raise
+            raise signals.stopped from None
+        finally:
+            signals.closing = True  # for Ray's shutdown too
 
 
-def _train(cfg: Config, run_dir: Path, on_step) -> dict[str, float]:
+def _train(cfg: Config, run_dir: Path, on_step, signals: "Signals", stack: ExitStack) -> dict[str, float]:
     cfg = with_absolute_paths(cfg)
     resume = find_resume(cfg, run_dir)  # a damaged or incompatible checkpoint is refused here
     if cfg.run.wandb:
         require_wandb()
     data = build_data(cfg)  # bad input fails here, before any actor starts
-    load_reward_fn(cfg.reward.fn)
-    start_ray(cfg)
+    load_within(cfg.reward.fn, cfg.reward.import_timeout_s)  # a module that hangs at import ends it here
+    if start_ray(cfg):  # Ray started here stops here, before the signal handlers go (see Signals)
+        stack.callback(ray.shutdown)
     cfg = devices.resolve(cfg, ray.cluster_resources().get("GPU", 0))
     if cfg.run.deterministic:  # refused here, in seconds, if this machine's kernels cannot keep it
         threads = role_threads(cfg)
@@ -97,11 +106,12 @@ def _train(cfg: Config, run_dir: Path, on_step) -> dict[str, float]:
         )
         if on_step is not None:
             loop.on_step = lambda version: on_step(loop)
-        with stop_on_signals(loop):
-            summary = loop.run(log)
-            loop.save("final")
+        signals.loop = loop
+        summary = loop.run(log)
+        loop.save("final")
         log.log(cfg.run.steps, summary)
     finally:
+        signals.closing = True  # a signal now would cut the clean-up short: it is ignored
         loop.timeline.write(run_dir / "timeline.json")
         if log is not None:
             log.close()
@@ -117,28 +127,51 @@ def _train(cfg: Config, run_dir: Path, on_step) -> dict[str, float]:
     return summary
 
 
-@contextmanager
-def stop_on_signals(loop: Loop):
-    """SIGINT / SIGTERM: save a checkpoint at the end of the running step and stop (`Stopped`);
-    a second one stops at once, keeping the newest complete checkpoint."""
+class Signals:
+    """SIGINT / SIGTERM during `tandem train`.
 
-    def handler(signum, frame):
-        name = signal.Signals(signum).name
-        if loop.stop_signal:
-            raise Stopped(name, loop.version, loop.checkpoints.latest())
-        loop.stop_signal = name
-        print(
-            f"\n{name}: saving a checkpoint when step {loop.version + 1} ends, then stopping "
-            "(send it again to stop now).",
-            file=sys.stderr,
-        )
+    Once the loop runs, the first asks it to stop (`Loop.stop_signal`): it saves a checkpoint when
+    the running train step ends, or at once while none runs, and raises `Stopped`; the loop looks
+    at least every `STOP_POLL_S`. A second signal, or any signal before the loop runs, stops at once:
+    the handler keeps a `Stopped` naming the newest complete checkpoint and raises KeyboardInterrupt,
+    the one exception that Ray's waits let through (they swallow others, and turn a subclass of it
+    into KeyboardInterrupt itself); `run_training` raises the kept `Stopped` in its place. Either
+    way the run's `finally` blocks stop its actors and the Ray it started; signals during that
+    clean-up are ignored, so it leaves no process behind.
+    """
 
-    try:
-        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    except ValueError:  # not the main thread: signals stay as they were
-        previous = {}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+    def __init__(self):
+        self.loop: Loop | None = None
+        self.stopped: Stopped | None = None
+        self.closing = False  # the run's clean-up has begun
+
+    def handler(self, signum, frame) -> None:
+        name, loop = signal.Signals(signum).name, self.loop
+        if self.closing:
+            print(f"\n{name}: already stopping; the actors and Ray are being shut down.", file=sys.stderr)
+            return
+        if loop is not None and not loop.stop_signal:
+            loop.stop_signal = name
+            if loop.training:
+                what = f"saving a checkpoint when step {loop.version + 1} ends, then stopping"
+            elif loop.version > loop.first_version:
+                what = f"saving a checkpoint of step {loop.version}, then stopping"
+            else:
+                what = "stopping (no step trained since the start, nothing to save)"
+            print(f"\n{name}: {what} (send it again to stop at once).", file=sys.stderr)
+            return
+        latest = loop.checkpoints.latest() if loop is not None else None
+        self.stopped = Stopped(name, loop.version if loop is not None else 0, latest)
+        raise KeyboardInterrupt
+
+    @contextmanager
+    def installed(self):
+        try:
+            previous = {s: signal.signal(s, self.handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        except ValueError:  # not the main thread: signals stay as they were
+            previous = {}
+        try:
+            yield self
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)

@@ -39,6 +39,7 @@ from tandem.errors import TandemError
 from tandem.reward.code import CodeLimits
 from tandem.reward.user_fn import AutoReward, RewardFn, canonical_spec, load_reward_fn, load_within
 from tandem.sample import Prompt, Sample
+from tandem.sandbox import die_with_parent
 
 if TYPE_CHECKING:
     from tandem.config.schema import RewardConfig
@@ -116,11 +117,14 @@ class RewardPool:
         # fork rather than spawn's fresh interpreter and re-imports. Measured: both start 2
         # workers in ~0.1 s here. Where forkserver is unavailable (Windows), spawn.
         method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+        context = multiprocessing.get_context(method)
+        if method == "forkserver":
+            context.set_forkserver_preload(["tandem.reward.orphans"])
         pool = ProcessPool(
             max_workers=self.num_workers,
             initializer=_warm_worker,
             initargs=(self.spec, self.code_limits),
-            context=multiprocessing.get_context(method),
+            context=context,
         )
         # pebble starts its workers on the first task; start them now, so that the fork server's
         # start (which re-imports the main module, e.g. torch: ~1.5 s) overlaps the caller's setup.
@@ -292,6 +296,7 @@ def _worker_fn(spec: str, code_limits: CodeLimits) -> RewardFn:
 
 def _warm_worker(spec: str, code_limits: CodeLimits) -> None:
     """Resolve the reward function when the worker starts, not inside a timed call."""
+    die_with_parent()  # with the fork server, or the pool's process under spawn
     try:
         _captured(lambda: _worker_fn(spec, code_limits))  # what its import prints is not a call's
         if spec in ("auto", "math"):
