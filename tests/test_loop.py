@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tandem.config import load_config
-from tandem.controller.loop import Loop
+from tandem.controller.loop import Loop, Stopped
 from tandem.controller.protocol import CallFailed, WorkerDied
 from tandem.controller.roles import Data
 from tandem.data.loader import PromptLoader
@@ -65,9 +65,9 @@ class FakeRollout(TimedWorker):
 
 
 class FakeTrainer(TimedWorker):
-    def __init__(self, name: str, fail: bool = False, mismatch: float = 0.0):
+    def __init__(self, name: str, fail: bool = False, mismatch: float = 0.0, metrics: dict | None = None):
         super().__init__(name)
-        self.version, self.fail, self.mismatch = 0, fail, mismatch
+        self.version, self.fail, self.mismatch, self.metrics = 0, fail, mismatch, metrics or {}
 
     def cost(self, job: Job) -> float:
         return 3.0 if job.method == "train_step" else 0.1
@@ -77,7 +77,7 @@ class FakeTrainer(TimedWorker):
             if self.fail:
                 return CallFailed("Traceback: RuntimeError: the loss is nan")
             self.version += 1
-            metrics = {"actor/loss": 0.0, "mismatch/logprob_abs_diff_max": self.mismatch}
+            metrics = {"actor/loss": 0.0, "mismatch/logprob_abs_diff_max": self.mismatch, **self.metrics}
             return metrics, [self.span("train", job, now)]
         if job.method == "send_weights":
             return ("handle", self.version), self.span("sync", job, now)
@@ -91,16 +91,22 @@ class FakeTrainer(TimedWorker):
 
 
 class FakeReward(TimedWorker):
+    def __init__(self, name: str, fails: bool = False):
+        super().__init__(name)
+        self.fails, self.on_call = fails, None  # every reward errors; a callback(job) per call
+
     def cost(self, job: Job) -> float:
         return 0.01
 
     def result(self, job: Job, now: float):
+        if self.on_call is not None:
+            self.on_call(job)
         samples = job.args[0]
         for s in samples:
-            s.reward = float(s.index % 2)
+            s.reward = 0.0 if self.fails else float(s.index % 2)
         return (
             samples,
-            {"reward/errors": 0.0},
+            {"reward/errors": float(len(samples)) if self.fails else 0.0},
             self.span(job.args[1] if len(job.args) > 1 else "reward", job, now),
         )
 
@@ -116,12 +122,14 @@ class Log:
         self.batches.append((step, groups))
 
 
-def fake_cluster(rollouts=2, die_at_call=-1, trainer_fails=False, mismatch=0.0):
+def fake_cluster(
+    rollouts=2, die_at_call=-1, trainer_fails=False, mismatch=0.0, metrics=None, rewards_fail=False
+):
     workers = {
         f"rollout/{i}": FakeRollout(f"rollout/{i}", die_at_call if i == 0 else -1) for i in range(rollouts)
     }
-    workers["train/0"] = FakeTrainer("train/0", trainer_fails, mismatch)
-    workers["reward/0"] = FakeReward("reward/0")
+    workers["train/0"] = FakeTrainer("train/0", trainer_fails, mismatch, metrics)
+    workers["reward/0"] = FakeReward("reward/0", rewards_fail)
     names = {
         "rollout": [f"rollout/{i}" for i in range(rollouts)],
         "train": ["train/0"],
@@ -282,3 +290,55 @@ def test_pushing_every_n_steps_needs_the_staleness_to_cover_them():
         load_config(None, ["run.mode=async", "run.max_staleness=2", "sync.every=4"])
     with pytest.raises(TandemError, match=r"'sync.every' is 2: .*mode 'sync'"):
         load_config(None, ["sync.every=2"])
+
+
+@pytest.mark.parametrize(
+    "metrics, why",
+    [
+        ({"critic/advantages/max": 0.0, "critic/advantages/min": 0.0}, "every advantage was 0"),
+        ({"actor/skipped_fraction": 1.0}, "every update was skipped for a non-finite loss or gradient"),
+    ],
+)
+def test_a_run_that_learns_nothing_for_five_steps_in_a_row_ends_saying_why(tmp_path, metrics, why):
+    with pytest.raises(
+        TandemError, match=rf"5 steps in a row \(to step 5\) learned nothing; in the last, {why}"
+    ):
+        run(tmp_path, "run.steps=20", cluster=fake_cluster(metrics=metrics))
+    with pytest.raises(TandemError, match=r"3 steps in a row \(to step 3\)"):  # a shorter run: all of it
+        run(tmp_path / "short", "run.steps=3", cluster=fake_cluster(metrics=metrics))
+    _, log, _ = run(
+        tmp_path / "some", "run.steps=20", cluster=fake_cluster(metrics={"actor/skipped_fraction": 0.5})
+    )
+    assert len(log.steps) == 20
+
+
+def test_a_run_whose_held_out_rewards_all_fail_stops_before_its_first_step(tmp_path):
+    with pytest.raises(TandemError, match=r"Every reward of the 6 held-out samples of version 0 failed"):
+        run(tmp_path, cluster=fake_cluster(rewards_fail=True))
+    with pytest.raises(TandemError, match=r"5 steps in a row .*every reward failed"):  # no held-out data
+        run(tmp_path / "train", "run.steps=20", cluster=fake_cluster(rewards_fail=True), val=0)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_stop_signal_while_no_train_step_runs_saves_that_version_at_once_and_resumes(tmp_path, mode):
+    """The signal comes while step 3's samples are being rewarded (in sync mode no train step runs
+    then): the loop stops within a poll, with a checkpoint of version 2 it can resume to the end."""
+    cfg = load_config(None, [*BASE, f"run.out_dir={tmp_path}", f"run.mode={mode}", "run.steps=6"])
+    cluster = fake_cluster()
+    loop = Loop(cfg, fake_data(cfg), cluster)
+
+    def signal_after_step_2(job):
+        if loop.version >= 2 and not loop.stop_signal and (mode == "async" or not loop.training):
+            loop.stop_signal = "SIGINT"
+
+    cluster.workers["reward/0"].on_call = signal_after_step_2
+    with pytest.raises(Stopped) as stopped:
+        loop.run(Log())
+    version = stopped.value.version  # async: the signal may come while a step trains (it saves at its end)
+    assert version == 2 or mode == "async" and 2 <= version < 6
+    assert stopped.value.checkpoint.name == f"step_{version}"
+    again = Loop(cfg, fake_data(cfg), fake_cluster())
+    again.resume(stopped.value.checkpoint)
+    log = Log()
+    again.run(log)
+    assert [step for step, _ in log.batches] == list(range(version + 1, 7))

@@ -84,6 +84,7 @@ def _train(cfg: Config, run_dir: Path, on_step, signals: "Signals", stack: ExitS
     load_within(cfg.reward.fn, cfg.reward.import_timeout_s)  # a module that hangs at import ends it here
     if start_ray(cfg):  # Ray started here stops here, before the signal handlers go (see Signals)
         stack.callback(ray.shutdown)
+    signals.install()  # again: ray.init puts its own SIGTERM handler in (it aborts the process)
     cfg = devices.resolve(cfg, ray.cluster_resources().get("GPU", 0))
     if cfg.run.deterministic:  # refused here, in seconds, if this machine's kernels cannot keep it
         threads = role_threads(cfg)
@@ -164,12 +165,17 @@ class Signals:
         self.stopped = Stopped(name, loop.version if loop is not None else 0, latest)
         raise KeyboardInterrupt
 
+    def install(self) -> dict:
+        """This handler for SIGINT and SIGTERM -> the handlers it replaced ({} off the main thread,
+        where signals stay as they were)."""
+        try:
+            return {s: signal.signal(s, self.handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        except ValueError:
+            return {}
+
     @contextmanager
     def installed(self):
-        try:
-            previous = {s: signal.signal(s, self.handler) for s in (signal.SIGINT, signal.SIGTERM)}
-        except ValueError:  # not the main thread: signals stay as they were
-            previous = {}
+        previous = self.install()
         try:
             yield self
         finally:
