@@ -81,6 +81,16 @@ CASES: dict[str, tuple[list[str], str]] = {
     "unknown engine": (["train", "rollout.engine=sglang"], r"'rollout.engine' is 'sglang'.*builtin, paged"),
     "unknown transport": (["train", "sync.transport=nccl"], r"'sync.transport' is 'nccl'"),
     "zero reward timeout": (["train", "reward.timeout_s=0"], r"'reward.timeout_s' must be > 0"),
+    "zero reward bound": (["train", "reward.max_abs=0"], r"'reward.max_abs' must be > 0"),
+    "negative import timeout": (
+        ["train", "reward.import_timeout_s=-1"],
+        r"'reward.import_timeout_s' must be > 0",
+    ),
+    "reward module that hangs at import": (
+        ["train", "reward.fn={r}/sleepy_rewards.py:score", "reward.import_timeout_s=1"],
+        r"Importing reward function .*sleepy_rewards.py:score' did not finish within "
+        r"reward.import_timeout_s=1 s",
+    ),
     "sleeping engine in async": (
         ["train", "run.mode=async", "rollout.free_memory_during_train=true"],
         r"'rollout.free_memory_during_train' needs run.mode=sync",
@@ -543,6 +553,10 @@ def _write_data(root: Path) -> None:
 
 
 def _write_rewards(root: Path) -> None:
+    (root / "sleepy_rewards.py").write_text(
+        "import time\n\ntime.sleep(600)\n\n\n"
+        "def score(data_source, solution_str, ground_truth):\n    return 1.0\n"
+    )
     (root / "rewards.py").write_text(
         "THRESHOLD = 0.5\n\n\n"
         "def two_args(a, b):\n    return 0.0\n\n\n"

@@ -304,7 +304,10 @@ def test_a_run_that_learns_nothing_for_five_steps_in_a_row_ends_saying_why(tmp_p
         TandemError, match=rf"5 steps in a row \(to step 5\) learned nothing; in the last, {why}"
     ):
         run(tmp_path, "run.steps=20", cluster=fake_cluster(metrics=metrics))
-    with pytest.raises(TandemError, match=r"3 steps in a row \(to step 3\)"):  # a shorter run: all of it
+    if "actor/skipped_fraction" in metrics:  # broken, not just flat: a shorter run stops at its end
+        with pytest.raises(TandemError, match=r"3 steps in a row \(to step 3\)"):
+            run(tmp_path / "short", "run.steps=3", cluster=fake_cluster(metrics=metrics))
+    else:  # a smoke run of an untrained model: 3 flat steps are no error
         run(tmp_path / "short", "run.steps=3", cluster=fake_cluster(metrics=metrics))
     _, log, _ = run(
         tmp_path / "some", "run.steps=20", cluster=fake_cluster(metrics={"actor/skipped_fraction": 0.5})

@@ -103,6 +103,8 @@ def validate(cfg: Config) -> None:
     _check(cfg.data.val_size >= 0, "data.val_size", f"must be >= 0, got {cfg.data.val_size}.")
     _check(cfg.reward.num_workers >= 1, "reward.num_workers", "must be >= 1.")
     _check(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0 seconds.")
+    _check(cfg.reward.import_timeout_s > 0, "reward.import_timeout_s", "must be > 0 seconds.")
+    _check(cfg.reward.max_abs > 0, "reward.max_abs", "must be > 0 (the largest |reward| trained on).")
     _check(
         0 <= cfg.reward.overlong_buffer < cfg.rollout.max_new_tokens,
         "reward.overlong_buffer",

@@ -455,10 +455,22 @@ class Loop:
 
     # -- checkpoints and resume (docs/resume.md; the work is in `tandem.controller.resume`) --------
     def save(self, name: str) -> Path:
-        return save_checkpoint(self, name)
+        try:
+            return save_checkpoint(self, name)
+        except TimeoutError:
+            raise self.timed_out(f"writing checkpoint {name}") from None
 
     def resume(self, path: Path) -> None:
-        resume_from(self, path)
+        try:
+            resume_from(self, path)
+        except TimeoutError:
+            raise self.timed_out(f"resuming from {path}") from None
+
+    def timed_out(self, what: str) -> TandemError:
+        return TandemError(
+            f"The workers did not answer within run.timeout_s={self.cfg.run.timeout_s:g} s while {what}; "
+            f"the newest complete checkpoint is {self.checkpoints.latest() or 'none yet'}."
+        )
 
     def summary(self) -> dict[str, float]:
         trained = (self.cfg.run.steps - self.first_version) * self.cfg.rollout.batch_size * self.cfg.rollout.n

@@ -32,7 +32,7 @@ class StepMetrics:
         self.window = {"scored": 0.0, "failed": 0.0}  # and in this step's window
         self.rewards_in_step = dict(self.window)  # the last step's window
         self.last: dict[str, float] = {}  # the latest step's line
-        self.dead: list[str] = []  # why each of the latest consecutive steps learned nothing
+        self.dead = 0  # the latest consecutive steps that learned nothing
         self.started = self.step_start = 0.0
 
     def zeroed(self) -> dict[str, float]:
@@ -104,11 +104,13 @@ class StepMetrics:
         return out
 
     def check_learning(self, version: int, steps: int, first: int) -> None:
-        """A TandemError once DEAD_STEPS consecutive steps (every step of a shorter run, counted from
-        `first`) had nothing to learn from: every reward failed, every update was skipped for a
-        non-finite loss or gradient, or every advantage was 0. The run would exit 0 having learned
-        nothing, so it ends non-zero and says which."""
+        """A TandemError once DEAD_STEPS consecutive steps had nothing to learn from: every reward
+        failed or every update was skipped for a non-finite loss or gradient (then also every step
+        of a shorter run, counted from `first`), or every advantage was 0 (a short smoke run of an
+        untrained model may well see only that, so it needs all DEAD_STEPS). The run would exit 0
+        having learned nothing, so it ends non-zero and says which."""
         m, rewards = self.last, self.rewards_in_step
+        broken = min(DEAD_STEPS, steps - first)
         if rewards["failed"] >= rewards["scored"] > 0:
             why = "every reward failed (reward/errors, reward/timeouts; the reward worker's log says why)"
         elif m.get("actor/skipped_fraction", 0.0) == 1.0:
@@ -123,13 +125,14 @@ class StepMetrics:
                 "run is done (lower run.steps); otherwise raise rollout.n or rollout.temperature, or use "
                 "an easier task or a warm start"
             )
+            broken = DEAD_STEPS
         else:
-            self.dead = []
+            self.dead = 0
             return
-        self.dead.append(why)
-        if len(self.dead) >= min(DEAD_STEPS, steps - first):
+        self.dead += 1
+        if self.dead >= broken:
             raise TandemError(
-                f"{len(self.dead)} steps in a row (to step {version}) learned nothing; in the last, {why}. "
+                f"{self.dead} steps in a row (to step {version}) learned nothing; in the last, {why}. "
                 "The run stops instead of exiting 0 with nothing learned; metrics.jsonl has every "
                 "step's figures."
             )
