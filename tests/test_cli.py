@@ -179,8 +179,8 @@ def test_train_on_trl_and_verl_files_with_a_user_reward(ckpt, tmp_path, capsys):
     """Own data in TRL's columns (plain prompt, `solution` column) and verl's, scored by a user function."""
     (tmp_path / "my_reward.py").write_text(
         "def score(prompts, completions, solution, **kwargs):\n"
-        "    pairs = zip(completions, solution)\n"
-        "    return [float(c.strip() == s) + 0.5 * float(len(c) > 0) for c, s in pairs]\n"
+        "    texts = [c if isinstance(c, str) else c[0]['content'] for c in completions]  # chat rows\n"
+        "    return [float(t.strip() == s) + 0.5 * float(len(t) > 0) for t, s in zip(texts, solution)]\n"
     )
     save_rows([{"prompt": f"{i}+1=", "solution": str(i + 1)} for i in range(8)], str(tmp_path / "trl.jsonl"))
     verl = [
@@ -216,8 +216,17 @@ def test_train_on_trl_and_verl_files_with_a_user_reward(ckpt, tmp_path, capsys):
 def test_a_run_whose_rewards_all_failed_says_so_and_exits_non_zero(tmp_path, capsys):
     broken = "def score(data_source, solution_str, ground_truth, extra_info=None):\n    raise ValueError()\n"
     (tmp_path / "broken.py").write_text(broken)
-    args = ["train", *FAST, "run.steps=1", "run.val_every=0", f"run.out_dir={tmp_path}"]
-    code, out, err = run_cli([*args, f"reward.fn={tmp_path}/broken.py:score"], capsys)
+    args = ["train", *FAST, "run.steps=3", f"run.out_dir={tmp_path}", f"reward.fn={tmp_path}/broken.py:score"]
+    code, out, err = run_cli(args, capsys)  # it stops at the first validation, before any step
     assert code == 2 and "Traceback" not in err
-    assert re.search(r"Every reward of the run failed \(all 8 training samples", err), err
+    assert re.search(r"Every reward of the \d+ held-out samples of version 0 failed", err), err
     assert (tmp_path / "default" / "metrics.jsonl").exists()  # nothing lost
+    # With no held-out data: after every step of this 3-step run
+    data = tmp_path / "train.jsonl"
+    save_rows(
+        [{"prompt": f"{i}+1=", "data_source": "addition", "solution": str(i + 1)} for i in range(8)],
+        str(data),
+    )
+    code, out, err = run_cli([*args, f"data.train_files=[{data}]", "run.name=no_val"], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert "3 steps in a row (to step 3) learned nothing; in the last, every reward failed" in err, err

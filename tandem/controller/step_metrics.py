@@ -132,7 +132,8 @@ class StepMetrics:
         self.dead += 1
         if self.dead >= broken:
             raise TandemError(
-                f"{self.dead} steps in a row (to step {version}) learned nothing; in the last, {why}. "
+                f"{self.dead} step{'s' * (self.dead > 1)} in a row (to step {version}) learned nothing; "
+                f"in the last, {why}. "
                 "The run stops instead of exiting 0 with nothing learned; metrics.jsonl has every "
                 "step's figures."
             )
