@@ -38,8 +38,8 @@ def start_ray(cfg: Config) -> bool:
     # Actors import reward functions by dotted path from the current directory, as the driver does.
     env = {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
     # An OpenMP thread that waits for its team spins (libgomp's default), burning the core that the
-    # thread it waits for, or another process, needs: beside one busy core of two the default run's
-    # steps took ~5x as long. Passive threads sleep instead (docs/training.md#threads-and-load).
+    # thread it waits for, or another process, needs: beside one busy core of two a 10-step default run
+    # took 2.8x its idle time. Passive threads sleep instead: 1.57x (docs/results.md, bench/load.py).
     env["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
     runtime_env = None
     if cfg.ray.address:  # a running cluster's workers do not inherit this process's environment
