@@ -11,10 +11,10 @@ left when the budget is spent count as timed out. So the verifier returns its pa
 time rather than lose the whole sample to the pool's kill (were the worker killed, its sandbox
 child would die with it: see `tandem.sandbox`). Set `timeout_s` >= tests x time per test + 1 s.
 
-Three things end a `score` call with a TandemError instead, because no run can learn through them:
-a function that times out or kills its worker on most samples of a batch (checked as results come
-in, so the error comes after two waves of timeouts, not after every sample has waited out its own).
-A score or part that is not a finite number within +-`max_abs` costs its sample like an exception.
+A function that times out or kills its worker on most samples of a batch ends the `score` call with
+a TandemError instead, as no run can learn through it (checked as results come in, so the error
+comes after two waves of timeouts, not after every sample has waited out its own). A score or part
+that is not a finite number within +-`max_abs` costs its sample like an exception.
 Whatever a call prints (fds 1 and 2, so C code and subprocesses too) is captured: its first
 `OUTPUT_HEAD` bytes go to `output_log`, the total to `reward/output_bytes`.
 """
