@@ -55,7 +55,9 @@ def main() -> None:
                 print(f"{kind} run {i + 1}: {seconds:.1f} s", flush=True)
     idle, busy = statistics.median(times["idle"]), statistics.median(times["busy"])
     cpu = f"{machine('cpu')}, {os.cpu_count()} cores"
-    print(f"median idle {idle:.1f} s, beside {args.busy} busy core(s) {busy:.1f} s: {busy / idle:.2f}x ({cpu})")
+    print(
+        f"median idle {idle:.1f} s, beside {args.busy} busy core(s) {busy:.1f} s: {busy / idle:.2f}x ({cpu})"
+    )
     if args.json:
         figures = dict(idle_s=idle, busy_s=busy, load_ratio=busy / idle, busy_processes=args.busy, cpu=cpu)
         with open(args.json, "w") as f:
