@@ -391,8 +391,9 @@ class Loop:
     def on_val_reward(self, call: Call, result) -> None:
         samples, metrics, span = result
         self.timeline.add(span)
-        self.logger.log(call.version, self.validation.scored(call.version, samples, metrics))
-        if metrics.get("reward/errors", 0.0) + metrics.get("reward/timeouts", 0.0) >= len(samples):
+        scored = self.validation.scored(call.version, samples, metrics)
+        self.logger.log(call.version, scored)
+        if scored["val/reward_errors"] >= len(samples):
             raise TandemError(
                 f"Every reward of the {len(samples)} held-out samples of version {call.version} failed "
                 f"(reward.fn={self.cfg.reward.fn!r}; the reward worker's log above says why), so no "
