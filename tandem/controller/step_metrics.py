@@ -12,7 +12,7 @@ from tandem.controller.timeline import Timeline
 from tandem.errors import TandemError
 from tandem.sample import Sample
 
-DEAD_STEPS = 5  # consecutive steps with nothing to learn from (or all of a shorter run) end the run
+DEAD_STEPS = 5  # consecutive steps with nothing to learn from that end a run (`check_learning`)
 
 STEP_COUNTERS = (
     "rollout/aborted",
