@@ -32,10 +32,14 @@ from tandem.config import AlgoConfig, TrainConfig
 from tandem.data import encode_prompts, load_tokenizer, prompts_from_rows
 from tandem.data.tasks import TASKS
 from tandem.determinism import machine
-from tandem.devices import DTYPES, cpu_has_native_bf16
-from tandem.model import load_model, resolve_model_path
-from tandem.rollout import BuiltinEngine, PagedEngine, SamplingParams, make_groups
-from tandem.train import TrainWorker
+from tandem.devices import cpu_has_native_bf16
+from tandem.dtypes import DTYPES
+from tandem.model.checkpoint import load_model, resolve_model_path
+from tandem.rollout.engine import BuiltinEngine
+from tandem.rollout.group import make_groups
+from tandem.rollout.paged_engine import PagedEngine
+from tandem.rollout.protocol import SamplingParams
+from tandem.train.worker import TrainWorker
 
 
 def prompts(tokenizer, count: int, seed: int):

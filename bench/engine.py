@@ -54,8 +54,13 @@ from torch import nn
 
 from tandem.data import encode_prompts, load_tokenizer, prompts_from_rows
 from tandem.data.tasks import TASKS
-from tandem.model import CausalLM, ModelConfig, init_weights, load_model, resolve_model_path, save_model
-from tandem.rollout import BuiltinEngine, PagedEngine, SamplingParams, make_groups
+from tandem.model.checkpoint import load_model, resolve_model_path, save_model
+from tandem.model.config import ModelConfig
+from tandem.model.decoder import CausalLM, init_weights
+from tandem.rollout.engine import BuiltinEngine
+from tandem.rollout.group import make_groups
+from tandem.rollout.paged_engine import PagedEngine
+from tandem.rollout.protocol import SamplingParams
 from tandem.sample import Prompt, Sample
 
 # compiled: the built-in engine with compile=True; graphs: the paged engine with cuda_graphs=True

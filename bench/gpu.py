@@ -52,12 +52,17 @@ import transformers
 
 from tandem.algo import mismatch_metrics
 from tandem.config import AlgoConfig, TrainConfig
-from tandem.model import CausalLM, ModelConfig, init_weights, save_model
-from tandem.rollout import BuiltinEngine, PagedEngine, SamplingParams, make_groups
+from tandem.model.checkpoint import save_model
+from tandem.model.config import ModelConfig
+from tandem.model.decoder import CausalLM, init_weights
+from tandem.rollout.engine import BuiltinEngine
+from tandem.rollout.group import make_groups
+from tandem.rollout.paged_engine import PagedEngine
+from tandem.rollout.protocol import SamplingParams
 from tandem.sample import Prompt, Sample, Status
 from tandem.sync.dist import free_port
-from tandem.train import TrainWorker
 from tandem.train.batch import pad_rows
+from tandem.train.worker import TrainWorker
 
 QWEN2_05B = ModelConfig(
     model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,

@@ -29,12 +29,14 @@ from tandem.algo import mismatch_metrics
 from tandem.config import AlgoConfig, TrainConfig
 from tandem.data import encode_prompts, load_tokenizer, prompts_from_rows
 from tandem.data.tasks import TASKS
-from tandem.model import load_model, resolve_model_path
+from tandem.model.checkpoint import load_model, resolve_model_path
 from tandem.model.experts import Routing, agreement, routing, set_router_dtype
-from tandem.rollout import BuiltinEngine, SamplingParams, make_groups
+from tandem.rollout.engine import BuiltinEngine
+from tandem.rollout.group import make_groups
+from tandem.rollout.protocol import SamplingParams
 from tandem.sample import Sample
-from tandem.train import TrainWorker
 from tandem.train.batch import packed, pad_rows
+from tandem.train.worker import TrainWorker
 
 ENGINES = {  # name -> (engine dtype, quantization, fp8 scale, trainer compute dtype)
     "fp32": (torch.float32, "none", "fp32", torch.float32),

@@ -41,7 +41,8 @@ from tandem.controller.roles import (
     pad_token_id,
     sampling_params,
 )
-from tandem.rollout import BuiltinEngine, make_groups
+from tandem.rollout.engine import BuiltinEngine
+from tandem.rollout.group import make_groups
 from tandem.sync import destroy_world, free_port, init_world
 
 CONFIGS = {

@@ -18,9 +18,10 @@ import numpy as np
 import torch
 
 from tandem.config import Config
-from tandem.devices import DTYPES
+from tandem.dtypes import DTYPES
 from tandem.errors import TandemError
-from tandem.model import ModelConfig, resolve_model_path
+from tandem.model.checkpoint import resolve_model_path
+from tandem.model.config import ModelConfig
 from tandem.model.invariance import first_difference, probe_model
 from tandem.rollout.sampler import row_seed
 

@@ -10,8 +10,6 @@ import torch
 from tandem.config import Config
 from tandem.errors import TandemError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def cpu_has_native_bf16() -> bool:
     """True on x86 CPUs with AVX512-BF16 or AMX-BF16, where a bf16 matmul runs ~4x an fp32 one."""

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tandem.model import load_model
+from tandem.model.checkpoint import load_model
 from tandem.rollout.protocol import SamplingParams as TandemParams
 from tandem.rollout.sampler import processed_logprobs
 

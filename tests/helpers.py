@@ -4,7 +4,8 @@ import random
 
 import torch
 
-from tandem.model import CausalLM, ModelConfig, init_weights
+from tandem.model.config import ModelConfig
+from tandem.model.decoder import CausalLM, init_weights
 from tandem.sample import Prompt, Sample, Status
 
 VOCAB = 50
@@ -68,7 +69,7 @@ def grads(model: CausalLM) -> dict[str, torch.Tensor]:
 def write_tiny_checkpoint(path, max_positions: int = 64, seed: int = 0):
     """A tiny random Qwen2-shaped checkpoint with tandem's byte-level tokenizer, as `tandem sft` writes."""
     from tandem.data import build_char_tokenizer
-    from tandem.model import save_model
+    from tandem.model.checkpoint import save_model
 
     tokenizer = build_char_tokenizer()
     cfg = tiny_config(

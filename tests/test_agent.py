@@ -22,10 +22,13 @@ from tandem.controller.stats import rollout_stats
 from tandem.data import build_char_tokenizer
 from tandem.data.tasks import TASKS
 from tandem.errors import TandemError
-from tandem.model import CausalLM, init_weights
+from tandem.model.decoder import CausalLM, init_weights
 from tandem.reward.verifiers import VERIFIERS
-from tandem.rollout import BuiltinEngine, PagedEngine, RolloutWorker, SamplingParams, make_groups
-from tandem.rollout.worker import StopStrings
+from tandem.rollout.engine import BuiltinEngine
+from tandem.rollout.group import make_groups
+from tandem.rollout.paged_engine import PagedEngine
+from tandem.rollout.protocol import SamplingParams
+from tandem.rollout.worker import RolloutWorker, StopStrings
 from tandem.sample import Prompt, Sample, Status
 
 TOK = build_char_tokenizer()

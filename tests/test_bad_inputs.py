@@ -31,7 +31,8 @@ from tandem.controller.memory import check_memory
 from tandem.controller.roles import PromptLimit
 from tandem.data import build_char_tokenizer, save_rows
 from tandem.errors import TandemError
-from tandem.model import ModelConfig, resolve_model_path
+from tandem.model.checkpoint import resolve_model_path
+from tandem.model.config import ModelConfig
 from tandem.sample import Prompt
 
 FAST = ["rollout.batch_size=2", "rollout.n=2", "data.train_size=16", "data.val_size=4", "run.progress=false"]
@@ -514,7 +515,8 @@ def _write_vocab_mismatches(root: Path) -> None:
     from helpers import tiny_config
 
     from tandem.data import build_char_tokenizer
-    from tandem.model import CausalLM, save_model
+    from tandem.model.checkpoint import save_model
+    from tandem.model.decoder import CausalLM
 
     tokenizer = build_char_tokenizer()
     ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}

@@ -21,8 +21,10 @@ from helpers import random_samples, tiny_model
 from tandem.config import AlgoConfig, TrainConfig, load_config
 from tandem.determinism import check_batch_invariance
 from tandem.errors import TandemError
-from tandem.model import CausalLM, ModelConfig, resolve_model_path, token_logprobs
 from tandem.model import batch_invariant as bi
+from tandem.model.checkpoint import resolve_model_path
+from tandem.model.config import ModelConfig
+from tandem.model.decoder import CausalLM
 from tandem.model.invariance import (
     Paged,
     first_difference,
@@ -31,10 +33,14 @@ from tandem.model.invariance import (
     padded_logits,
     probe_model,
 )
-from tandem.rollout import BuiltinEngine, PagedEngine, SamplingParams, make_groups
+from tandem.model.logprobs import token_logprobs
+from tandem.rollout.engine import BuiltinEngine
+from tandem.rollout.group import make_groups
+from tandem.rollout.paged_engine import PagedEngine
+from tandem.rollout.protocol import SamplingParams
 from tandem.sample import Prompt
-from tandem.train import TrainWorker
 from tandem.train.batch import sequence_logprobs
+from tandem.train.worker import TrainWorker
 
 SIZES = [1, 2, 3, 4, 5, 7, 8, 12, 16, 31, 33, 48, 64]  # batch sizes every path is checked at
 DTYPES = [torch.float32, torch.bfloat16]

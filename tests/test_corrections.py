@@ -20,9 +20,8 @@ from tandem.algo import (
 from tandem.config import AlgoConfig, TrainConfig, load_config
 from tandem.errors import TandemError
 from tandem.sample import Sample
-from tandem.train import TrainWorker
 from tandem.train.batch import pad_rows
-from tandem.train.worker import MiniBatch
+from tandem.train.worker import MiniBatch, TrainWorker
 
 T = torch.tensor
 

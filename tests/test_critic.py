@@ -10,8 +10,8 @@ from tandem.algo import ADV_ESTIMATORS, gae, masked_whiten
 from tandem.config import AlgoConfig, TrainConfig
 from tandem.errors import TandemError
 from tandem.sync import destroy_world, free_port, init_world
-from tandem.train import TrainWorker
 from tandem.train.critic import CriticWorker, explained_variance, value_loss, value_model
+from tandem.train.worker import TrainWorker
 
 
 def test_gae_matches_a_hand_computation():

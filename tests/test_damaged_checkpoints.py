@@ -18,7 +18,7 @@ from tandem.cli.main import main
 from tandem.config import load_config
 from tandem.controller import run_training
 from tandem.errors import TandemError
-from tandem.model import load_model, resolve_model_path
+from tandem.model.checkpoint import load_model, resolve_model_path
 
 
 class RayStarted(Exception):

@@ -116,7 +116,10 @@ def test_a_greedy_request_gets_one_completion_in_any_batch(on):
     import torch
     from helpers import tiny_model
 
-    from tandem.rollout import BuiltinEngine, PagedEngine, SamplingParams, make_groups
+    from tandem.rollout.engine import BuiltinEngine
+    from tandem.rollout.group import make_groups
+    from tandem.rollout.paged_engine import PagedEngine
+    from tandem.rollout.protocol import SamplingParams
     from tandem.sample import Prompt
 
     rng = random.Random(0)

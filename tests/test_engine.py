@@ -9,9 +9,14 @@ import torch
 from helpers import VOCAB, clone_model, tiny_model
 
 from tandem.errors import TandemError
-from tandem.model import KVCache, token_logprobs
-from tandem.rollout import BuiltinEngine, PagedEngine, RolloutWorker, SamplingParams, make_groups
+from tandem.model.kv_cache import KVCache
+from tandem.model.logprobs import token_logprobs
+from tandem.rollout.engine import BuiltinEngine
+from tandem.rollout.group import make_groups
+from tandem.rollout.paged_engine import PagedEngine
+from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.sampler import filter_top_k_top_p
+from tandem.rollout.worker import RolloutWorker
 from tandem.sample import Prompt, Sample, Status
 
 EOS = 2

@@ -23,8 +23,12 @@ from helpers import tiny_config
 from test_engine import assert_aligned, at_step, partial, stepwise_logprobs
 
 from tandem.data import build_char_tokenizer
-from tandem.model import CausalLM, init_weights, load_model, save_model
-from tandem.rollout import BuiltinEngine, PagedEngine, SamplingParams, make_groups
+from tandem.model.checkpoint import load_model, save_model
+from tandem.model.decoder import CausalLM, init_weights
+from tandem.rollout.engine import BuiltinEngine
+from tandem.rollout.group import make_groups
+from tandem.rollout.paged_engine import PagedEngine
+from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.vllm_engine import VLLMEngine
 from tandem.sample import Prompt, Sample, Status
 from tandem.train.batch import sequence_logprobs

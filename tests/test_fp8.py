@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.model import CausalLM, ModelConfig, fuse_projections, init_weights
+from tandem.model.config import ModelConfig
+from tandem.model.decoder import CausalLM, fuse_projections, init_weights
 from tandem.model.fp8 import (
     FP8,
     Fp8Linear,
@@ -308,14 +309,15 @@ def test_gpu_fp8_linear_agrees_with_the_dequantised_matmul(scale):
 
 
 def fp8_engine(engine_cls, model: CausalLM, scale: str):
-    from tandem.rollout import BuiltinEngine
+    from tandem.rollout.engine import BuiltinEngine
 
     kw = dict(max_batch_size=8) if engine_cls is BuiltinEngine else dict(block_size=4, num_kv_blocks=64)
     return engine_cls(model, [2], 0, seed=1, quantization="fp8", fp8_scale=scale, **kw)
 
 
 def greedy(engine) -> list[tuple[list[int], list[float]]]:
-    from tandem.rollout import SamplingParams, make_groups
+    from tandem.rollout.group import make_groups
+    from tandem.rollout.protocol import SamplingParams
     from tandem.sample import Prompt
 
     prompts = [[5, 9, 11, 20], [7, 7, 30], [40, 3, 8, 9, 10]]
@@ -330,7 +332,8 @@ def test_an_fp8_engine_quantises_each_push_and_its_sleep_frees_the_fp8_copy(engi
     """rollout.quantization=fp8: after a push the engine serves the new weights in fp8 (exactly what
     an engine built on them serves), its sleep frees the fp8 copy with the weights, and after wake +
     push it answers as before, bit for bit."""
-    from tandem.rollout import BuiltinEngine, PagedEngine
+    from tandem.rollout.engine import BuiltinEngine
+    from tandem.rollout.paged_engine import PagedEngine
 
     cls = {"builtin": BuiltinEngine, "paged": PagedEngine}[engine]
     old, new = CausalLM(CFG), CausalLM(CFG)

@@ -7,7 +7,9 @@ import torch
 import transformers
 
 from tandem.errors import TandemError
-from tandem.model import KVCache, fuse_projections, load_model, save_model
+from tandem.model.checkpoint import load_model, save_model
+from tandem.model.decoder import fuse_projections
+from tandem.model.kv_cache import KVCache
 
 SHAPE = dict(
     vocab_size=97,

@@ -10,12 +10,17 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from tandem.config import AlgoConfig, TrainConfig
 from tandem.errors import TandemError
-from tandem.model import CausalLM, ModelConfig, fuse_projections, load_model, save_model
+from tandem.model.checkpoint import load_model, save_model
+from tandem.model.config import ModelConfig
+from tandem.model.decoder import CausalLM, fuse_projections
 from tandem.model.experts import Routing, SparseMoE, agreement, routing
-from tandem.rollout import BuiltinEngine, PagedEngine, SamplingParams, make_groups
+from tandem.rollout.engine import BuiltinEngine
+from tandem.rollout.group import make_groups
+from tandem.rollout.paged_engine import PagedEngine
+from tandem.rollout.protocol import SamplingParams
 from tandem.sample import Prompt
-from tandem.train import TrainWorker
 from tandem.train.batch import packed, padded, score
+from tandem.train.worker import TrainWorker
 
 BASE = dict(
     vocab_size=64,
@@ -287,7 +292,7 @@ def test_the_batch_invariant_switch_reaches_every_moe_layer(tmp_path, dtype):
 
 def test_the_shipped_moe_warm_start_is_a_qwen3_moe_with_transformers_logits():
     """builtin:addition-moe loads in transformers (its own class) and in tandem to the same logits."""
-    from tandem.model import resolve_model_path
+    from tandem.model.checkpoint import resolve_model_path
 
     path = resolve_model_path("builtin:addition-moe")
     hf = AutoModelForCausalLM.from_pretrained(path).eval()

@@ -17,8 +17,10 @@ from test_engine import (
     run,
 )
 
-from tandem.rollout import BuiltinEngine, SamplingParams, make_groups
+from tandem.rollout.engine import BuiltinEngine
+from tandem.rollout.group import make_groups
 from tandem.rollout.paged_engine import PagedEngine
+from tandem.rollout.protocol import SamplingParams
 from tandem.sample import Prompt, Status
 
 

@@ -6,8 +6,8 @@ import torch
 from helpers import VOCAB, tiny_config, tiny_model
 from torch import Tensor
 
-from tandem.model import CausalLM, KVCache
-from tandem.model.decoder import apply_rope
+from tandem.model.decoder import CausalLM, apply_rope
+from tandem.model.kv_cache import KVCache
 from tandem.model.paged_kv import PagedKVCache, key_mask, paged_attention, real_tokens
 from tandem.rollout.block_manager import BlockCopy, BlockManager
 

@@ -20,10 +20,10 @@ from tandem.controller import run_training
 from tandem.controller.loop import Stopped
 from tandem.controller.run import with_absolute_paths
 from tandem.errors import TandemError
-from tandem.model import load_model
+from tandem.model.checkpoint import load_model
 from tandem.sync import destroy_world, free_port, init_world
-from tandem.train import TrainWorker
 from tandem.train.state import load_state, save_state
+from tandem.train.worker import TrainWorker
 
 TRAIN = dict(lr=1e-3, micro_batch_tokens=40, mini_batch_size=8, warmup_steps=3, schedule="cosine")
 

@@ -13,8 +13,10 @@ from transformers import (
 )
 
 import tandem.rollout.engine as engine_module
-from tandem.model import token_logprobs
-from tandem.rollout import BuiltinEngine, RolloutWorker, SamplingParams, make_groups
+from tandem.model.logprobs import token_logprobs
+from tandem.rollout.engine import BuiltinEngine
+from tandem.rollout.group import make_groups
+from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.sampler import (
     apply_repetition_penalty,
     exponential_noise,
@@ -22,7 +24,7 @@ from tandem.rollout.sampler import (
     processed_logprobs,
     sample_next,
 )
-from tandem.rollout.worker import StopStrings
+from tandem.rollout.worker import RolloutWorker, StopStrings
 from tandem.sample import Prompt, Sample, Status
 
 EOS = 2

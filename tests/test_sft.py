@@ -6,7 +6,7 @@ from tandem.cli.main import main
 from tandem.config import load_config
 from tandem.data import build_char_tokenizer
 from tandem.data.tasks import TASKS
-from tandem.model import load_model
+from tandem.model.checkpoint import load_model
 from tandem.train.sft import demonstrations
 
 TINY = [

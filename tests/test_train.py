@@ -7,10 +7,10 @@ import torch
 from helpers import VOCAB, clone_model, grads, random_samples, tiny_model
 
 from tandem.config import AlgoConfig, TrainConfig
-from tandem.model import token_logprobs
-from tandem.train import TrainWorker
+from tandem.model.logprobs import token_logprobs
 from tandem.train.batch import micro_batches, rank_micro_batches, shard
 from tandem.train.optim import lr_factor
+from tandem.train.worker import TrainWorker
 
 AGGS = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 

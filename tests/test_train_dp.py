@@ -10,9 +10,9 @@ from helpers import clone_model, grads, random_samples, tiny_model
 from tandem.config import AlgoConfig, TrainConfig
 from tandem.controller.roles import save_checkpoint
 from tandem.data import build_char_tokenizer
-from tandem.model import load_model
+from tandem.model.checkpoint import load_model
 from tandem.sync import destroy_world, free_port, init_world
-from tandem.train import TrainWorker
+from tandem.train.worker import TrainWorker
 
 ALGO = {"kl_coef": 0.1, "entropy_coef": 0.01, "loss_agg": "seq-mean-token-mean", "corrections": ["tis"]}
 

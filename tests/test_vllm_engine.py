@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from tandem.errors import TandemError
-from tandem.rollout import SamplingParams
+from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.sampler import processed_logprobs
-from tandem.rollout.vllm_engine import VLLMEngine, choose_logprobs_mode, vllm_logprobs_modes
+from tandem.rollout.vllm_config import choose_logprobs_mode, vllm_logprobs_modes
+from tandem.rollout.vllm_engine import VLLMEngine
 
 
 def vllm_logprobs(mode: str, logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor):

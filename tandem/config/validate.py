@@ -222,7 +222,7 @@ def _check_vllm(cfg: Config) -> None:
     """What rollout.engine=vllm adds: its memory share, and logprobs vLLM can record (whether vLLM is
     installed is checked when the run starts, so a config still loads on a machine without it)."""
     from tandem.rollout.protocol import SamplingParams
-    from tandem.rollout.vllm_engine import choose_logprobs_mode
+    from tandem.rollout.vllm_config import choose_logprobs_mode
 
     r = cfg.rollout
     _check(

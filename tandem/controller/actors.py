@@ -23,10 +23,10 @@ from tandem.controller.roles import (
 )
 from tandem.controller.timeline import Span
 from tandem.determinism import make_deterministic
-from tandem.devices import DTYPES
+from tandem.dtypes import DTYPES
 from tandem.reward import RewardPool
 from tandem.reward.shaping import overlong_penalty
-from tandem.rollout import SamplingParams
+from tandem.rollout.protocol import SamplingParams
 from tandem.sample import Sample
 from tandem.sync import TRANSPORTS, BucketPlan, StagingBuffer, init_world, new_group
 from tandem.train.ref import RefWorker

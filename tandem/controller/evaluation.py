@@ -2,7 +2,9 @@
 
 from tandem.controller.stats import val_stats
 from tandem.reward import RewardPool
-from tandem.rollout import RolloutWorker, SamplingParams, make_groups
+from tandem.rollout.group import make_groups
+from tandem.rollout.protocol import SamplingParams
+from tandem.rollout.worker import RolloutWorker
 from tandem.sample import Prompt, Sample
 
 

@@ -32,7 +32,7 @@ from tandem.controller.timeline import Timeline
 from tandem.controller.validation import Validation
 from tandem.determinism import request_seed
 from tandem.errors import TandemError
-from tandem.rollout import make_groups
+from tandem.rollout.group import make_groups
 from tandem.sample import Sample, Status
 from tandem.sync import TRANSPORTS
 

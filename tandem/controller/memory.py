@@ -11,8 +11,8 @@ from collections.abc import Callable
 from tandem.config import Config
 from tandem.config.schema import RolloutConfig
 from tandem.errors import TandemError
-from tandem.model import ModelConfig
 from tandem.model.batch_invariant import KEY_TILE, round_up
+from tandem.model.config import ModelConfig
 
 # A Sample's object, fields and empty lists (measured: 1.1 KiB); a slot of its own copy of the
 # prompt's ids; a response token's id, logprob (a float object), version and loss-mask slots (88 B).

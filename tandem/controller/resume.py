@@ -13,7 +13,7 @@ from tandem.controller.calls import Kind
 from tandem.controller.checkpoint import read_driver_state, write_driver_state
 from tandem.controller.protocol import CallFailed, WorkerDied
 from tandem.errors import TandemError
-from tandem.rollout import make_groups
+from tandem.rollout.group import make_groups
 from tandem.sample import Sample, Status
 
 if TYPE_CHECKING:

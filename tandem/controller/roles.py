@@ -21,25 +21,25 @@ from tandem.controller.memory import check_memory, machine_memory
 from tandem.data import encode_prompts, load_prompts, load_tokenizer, prompts_from_rows
 from tandem.data.loader import PromptLoader
 from tandem.data.tasks import TASKS
-from tandem.devices import DTYPES, check_runnable
+from tandem.devices import check_runnable
+from tandem.dtypes import DTYPES
 from tandem.errors import TandemError
-from tandem.model import CausalLM, ModelConfig, load_model, resolve_model_path
-from tandem.model.checkpoint import check_checkpoint
+from tandem.model.checkpoint import check_checkpoint, load_model, resolve_model_path
+from tandem.model.config import ModelConfig
+from tandem.model.decoder import CausalLM
 from tandem.model.experts import set_router_dtype
 from tandem.registry import Registry
 from tandem.reward.verifiers import VERIFIERS
-from tandem.rollout import (
-    BuiltinEngine,
-    PagedEngine,
-    RolloutEngine,
-    RolloutWorker,
-    SamplingParams,
-    VLLMEngine,
-)
-from tandem.rollout.vllm_engine import choose_logprobs_mode, require_vllm
+from tandem.rollout.base import RolloutEngine
+from tandem.rollout.engine import BuiltinEngine
+from tandem.rollout.paged_engine import PagedEngine
+from tandem.rollout.protocol import SamplingParams
+from tandem.rollout.vllm_config import choose_logprobs_mode, require_vllm
+from tandem.rollout.vllm_engine import VLLMEngine
+from tandem.rollout.worker import RolloutWorker
 from tandem.sample import Prompt
-from tandem.train import TrainWorker
 from tandem.train.critic import CriticWorker, value_model
+from tandem.train.worker import TrainWorker
 
 
 def load_sources(
@@ -357,7 +357,7 @@ def build_critic(cfg: Config, tokenizer) -> CriticWorker:
 def save_checkpoint(trainer: TrainWorker, tokenizer, path: Path) -> None:
     """A Hugging Face checkpoint directory: model and tokenizer, loadable by transformers. Every
     train rank calls it (under fsdp2 the weights are gathered from the shards); rank 0 writes."""
-    from tandem.model import save_model
+    from tandem.model.checkpoint import save_model
 
     tensors = trainer.full_weights()
     if trainer.rank == 0:

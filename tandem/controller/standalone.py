@@ -7,7 +7,7 @@ from tandem.config import Config
 from tandem.controller.evaluation import evaluate
 from tandem.controller.roles import build_rollout, load_split, sampling_params
 from tandem.reward import RewardPool
-from tandem.rollout import make_groups
+from tandem.rollout.group import make_groups
 from tandem.sample import Prompt
 
 

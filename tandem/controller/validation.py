@@ -8,7 +8,7 @@ split into one chunk per worker; the chunks' samples are scored together when th
 from collections.abc import Callable
 
 from tandem.controller.stats import val_stats
-from tandem.rollout import make_groups
+from tandem.rollout.group import make_groups
 from tandem.sample import Prompt, Sample
 
 

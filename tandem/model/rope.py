@@ -7,18 +7,25 @@ in the same float32 order, so logits match Hugging Face's at any position.
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from tandem.errors import TandemError
 
-if TYPE_CHECKING:
-    from tandem.model.config import ModelConfig
+
+class RopeShape(Protocol):
+    """What RoPE reads of a model's config (`tandem.model.config.ModelConfig` has these fields)."""
+
+    head_dim: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+
 
 # (cfg, device) -> inverse frequencies (D/2,), factor on cos and sin.
-InvFreq = Callable[["ModelConfig", torch.device], tuple[Tensor, float]]
+InvFreq = Callable[[RopeShape, torch.device], tuple[Tensor, float]]
 ROPE_TYPES: dict[str, InvFreq] = {}
 REQUIRED_KEYS: dict[str, tuple[str, ...]] = {}
 REFUSED: dict[str, str] = {}
@@ -63,20 +70,20 @@ def _exponents(head_dim: int, device: torch.device) -> Tensor:
 
 
 @register("default")
-def _default(cfg: "ModelConfig", device: torch.device) -> tuple[Tensor, float]:
+def _default(cfg: RopeShape, device: torch.device) -> tuple[Tensor, float]:
     """inv_freq_i = theta^(-2i/D)."""
     return 1.0 / (cfg.rope_theta ** _exponents(cfg.head_dim, device)), 1.0
 
 
 @register("linear", "factor")
-def _linear(cfg: "ModelConfig", device: torch.device) -> tuple[Tensor, float]:
+def _linear(cfg: RopeShape, device: torch.device) -> tuple[Tensor, float]:
     """Position interpolation: every frequency divided by `factor` (positions p -> p / factor)."""
     inv_freq, _ = _default(cfg, device)
     return inv_freq / cfg.rope_scaling["factor"], 1.0
 
 
 @register("llama3", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-def _llama3(cfg: "ModelConfig", device: torch.device) -> tuple[Tensor, float]:
+def _llama3(cfg: RopeShape, device: torch.device) -> tuple[Tensor, float]:
     """Llama 3.1: with L = original length, wavelengths over L / low_freq_factor are divided by
     `factor`, those under L / high_freq_factor kept, and those between blended linearly in L / wavelength.
     """
@@ -93,7 +100,7 @@ def _llama3(cfg: "ModelConfig", device: torch.device) -> tuple[Tensor, float]:
 
 
 @register("yarn", "original_max_position_embeddings")
-def _yarn(cfg: "ModelConfig", device: torch.device) -> tuple[Tensor, float]:
+def _yarn(cfg: RopeShape, device: torch.device) -> tuple[Tensor, float]:
     """YaRN (arXiv 2309.00071): dimensions that turn more than beta_fast times over the original
     length keep their frequency, those turning under beta_slow times are interpolated by `factor`,
     a linear ramp between. cos and sin are scaled by the attention factor, 0.1·ln(factor) + 1 unless given.
@@ -129,7 +136,7 @@ def _yarn(cfg: "ModelConfig", device: torch.device) -> tuple[Tensor, float]:
 
 
 @register("dynamic", "factor")
-def _dynamic(cfg: "ModelConfig", device: torch.device) -> tuple[Tensor, float]:
+def _dynamic(cfg: RopeShape, device: torch.device) -> tuple[Tensor, float]:
     """Dynamic NTK: base' = base · (factor · L / C − (factor − 1))^(D / (D − 2)) with L the longest
     position of the forward and C = max_position_embeddings, L taken as C when shorter. Up to C the
     base is unchanged, so these are the plain frequencies; past C they would change with the
@@ -139,7 +146,7 @@ def _dynamic(cfg: "ModelConfig", device: torch.device) -> tuple[Tensor, float]:
     return _default(cfg, device)
 
 
-def check_positions(cfg: "ModelConfig", needed: int) -> None:
+def check_positions(cfg: RopeShape, needed: int) -> None:
     """ValueError when a forward needs positions the rope type computes only within the context."""
     rope_type = (cfg.rope_scaling or {}).get("rope_type", "default")
     if rope_type in WITHIN_CONTEXT_ONLY and needed > cfg.max_position_embeddings:
@@ -154,13 +161,13 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def inv_freq(cfg: "ModelConfig", device: torch.device) -> tuple[Tensor, float]:
+def inv_freq(cfg: RopeShape, device: torch.device) -> tuple[Tensor, float]:
     """-> inverse frequencies (D/2,) of cfg's rope type, and the factor that scales cos and sin."""
     rope_type = (cfg.rope_scaling or {}).get("rope_type", "default")
     return ROPE_TYPES[rope_type](cfg, device)
 
 
-def rope_table(cfg: "ModelConfig", max_positions: int, device: torch.device) -> tuple[Tensor, Tensor]:
+def rope_table(cfg: RopeShape, max_positions: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """cos, signed sin (max_positions, D) for rotate-half RoPE: angle(p, i) = p · inv_freq_i, both
     times the rope type's attention factor (1 but for yarn).
 

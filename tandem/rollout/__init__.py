@@ -1,20 +1,8 @@
-"""Rollout: the engine contract, the built-in engines and their sampler, the vLLM adapter."""
+"""Rollout: the engine contract (`base`, `protocol`), the engines (`engine`: builtin, `paged_engine`:
+paged, `vllm_engine`: the vLLM adapter) and what the driver may know of them without loading one
+(`engines`: names and traits, `vllm_config`), the sampler, and the worker that runs an agent over
+an engine (`worker`).
 
-from tandem.rollout.base import RolloutEngine
-from tandem.rollout.engine import BuiltinEngine
-from tandem.rollout.group import make_groups
-from tandem.rollout.paged_engine import PagedEngine
-from tandem.rollout.protocol import ON_UPDATE_POLICIES, SamplingParams
-from tandem.rollout.vllm_engine import VLLMEngine
-from tandem.rollout.worker import RolloutWorker
-
-__all__ = [
-    "ON_UPDATE_POLICIES",
-    "BuiltinEngine",
-    "PagedEngine",
-    "RolloutEngine",
-    "RolloutWorker",
-    "SamplingParams",
-    "VLLMEngine",
-    "make_groups",
-]
+This package imports nothing by itself, so the driver can import `tandem.rollout.group` without
+loading a model: import each name from its module.
+"""

@@ -13,7 +13,7 @@ the path the CPU tests check against the eager engine.
 import torch
 from torch import Tensor
 
-from tandem.model import CausalLM
+from tandem.model.decoder import CausalLM
 from tandem.model.paged_kv import PagedBatch, PagedKVCache
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from tandem.errors import TandemError
-from tandem.model import CausalLM, fuse_projections
+from tandem.model.decoder import CausalLM, fuse_projections
 from tandem.model.experts import Routing, moe_layers, routing
 from tandem.model.fp8 import quantize_model, requantize
 from tandem.rollout.base import RolloutEngine, Storages

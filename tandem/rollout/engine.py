@@ -7,8 +7,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tandem.model import CausalLM, KVCache
 from tandem.model.batch_invariant import KEY_TILE, round_up
+from tandem.model.decoder import CausalLM
+from tandem.model.kv_cache import KVCache
 from tandem.rollout.base import Generation
 from tandem.rollout.call import GenerateCall
 from tandem.rollout.decoder_engine import DecoderEngine

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from tandem.model import CausalLM
+from tandem.model.decoder import CausalLM
 from tandem.model.paged_kv import PagedBatch, PagedKVCache
 from tandem.rollout.block_manager import BlockManager
 from tandem.rollout.cuda_graphs import DecodeGraphs

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import Tensor
 
-from tandem.model import CausalLM
+from tandem.model.decoder import CausalLM
 from tandem.model.paged_kv import PagedKVCache
 from tandem.rollout.base import Generation, Storages
 from tandem.rollout.block_manager import BlockManager

@@ -35,7 +35,7 @@ from pathlib import Path
 import yaml
 
 from tandem.errors import TandemError
-from tandem.model import ModelConfig
+from tandem.model.config import ModelConfig
 
 
 @dataclass

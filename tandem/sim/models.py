@@ -1,7 +1,7 @@
 """Decoder shapes the simulator knows by name (`sim.model`), from their Hugging Face config.json."""
 
 from tandem.errors import TandemError
-from tandem.model import ModelConfig
+from tandem.model.config import ModelConfig
 
 # name -> (hidden, intermediate, layers, heads, key/value heads, vocab, tied embeddings)
 MODELS = {

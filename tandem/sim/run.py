@@ -18,7 +18,7 @@ from tandem.controller.loop import Loop
 from tandem.controller.roles import Data
 from tandem.data.loader import PromptLoader
 from tandem.errors import TandemError
-from tandem.model import ModelConfig
+from tandem.model.config import ModelConfig
 from tandem.sample import Prompt
 from tandem.sim.cluster import SimCluster
 from tandem.sim.costs import Calibration, Costs, Shape

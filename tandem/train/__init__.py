@@ -1,5 +1,6 @@
-"""The train worker: logprob recompute, micro-batched loss, optimizer with a non-finite guard."""
+"""The train workers: `worker` (TrainWorker: logprob recompute, micro-batched loss, optimizer with a
+non-finite guard), `critic` (PPO's value model), `ref` (reference logprobs), `sft`, and the pieces
+they share (`batch`, `optim`, `parallel`, `state`).
 
-from tandem.train.worker import TrainWorker
-
-__all__ = ["TrainWorker"]
+This package imports nothing by itself: import each name from its module.
+"""

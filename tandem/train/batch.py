@@ -6,9 +6,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tandem.model import Segments, Targets
 from tandem.model.experts import Routing, agreement
 from tandem.model.experts import routing as routing_context
+from tandem.model.logprobs import Targets
+from tandem.model.segments import Segments
 from tandem.sample import Sample
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from tandem.algo import aggregate, gae, masked_mean, masked_var, masked_whiten
-from tandem.model import CausalLM
+from tandem.model.decoder import CausalLM
 from tandem.sample import Sample
 from tandem.train.batch import pad_rows
 from tandem.train.worker import TrainWorker

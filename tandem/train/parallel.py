@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from tandem.model import CausalLM
+from tandem.model.decoder import CausalLM
 from tandem.sync.bucket import full_tensor
 
 

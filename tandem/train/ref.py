@@ -4,7 +4,7 @@ Run as its own actor, it fills `Sample.ref_logprobs` while the trainer is busy w
 (the seeds' "async ref_logp"), so the KL term costs the train step no forward pass.
 """
 
-from tandem.model import CausalLM
+from tandem.model.decoder import CausalLM
 from tandem.sample import Sample
 from tandem.train.batch import sequence_logprobs
 

@@ -16,7 +16,9 @@ from tandem.config import Config
 from tandem.data import build_char_tokenizer, encode_prompts, load_tokenizer, prompts_from_rows
 from tandem.data.tasks import TASKS
 from tandem.errors import TandemError
-from tandem.model import CausalLM, ModelConfig, init_weights, load_model, resolve_model_path, save_model
+from tandem.model.checkpoint import load_model, resolve_model_path, save_model
+from tandem.model.config import ModelConfig
+from tandem.model.decoder import CausalLM, init_weights
 from tandem.paths import check_writable
 from tandem.sample import Sample
 from tandem.train.batch import packed, pad_rows, score

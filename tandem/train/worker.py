@@ -33,7 +33,7 @@ from tandem.algo import (
 from tandem.algo.corrections import MASKING
 from tandem.config import AlgoConfig, TrainConfig
 from tandem.errors import TandemError
-from tandem.model import CausalLM
+from tandem.model.decoder import CausalLM
 from tandem.sample import Sample
 from tandem.train import parallel
 from tandem.train.batch import Rows, packed, pad_rows, padded, rank_micro_batches, score

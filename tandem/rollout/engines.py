@@ -1,0 +1,45 @@
+"""The rollout engines a run may name, and what the rest of tandem asks about each before one is
+built: config validation, placement and the driver's start-up checks read these traits; the role
+that runs an engine builds it (`tandem.controller.roles.build_engine`). Importing this loads no
+engine and no model.
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tandem.registry import Registry
+from tandem.rollout.protocol import SamplingParams
+from tandem.rollout.vllm_config import choose_logprobs_mode, require_vllm
+
+
+def _nothing(*_: object) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine's traits."""
+
+    needs_gpu: bool  # it cannot run on a CPU: placement gives it a GPU of its own
+    batch_invariant: bool  # run.deterministic: it can run tandem's batch-invariant forward
+    fp8: bool  # rollout.quantization=fp8: tandem's blockwise FP8 weights
+    records_routing: bool  # algo.routing_replay: it records the experts each token was routed to
+    # ValueError when no logprobs mode records what every one of the run's calls asks for
+    check_sampling: Callable[[Sequence[SamplingParams]], object] = _nothing
+    check_installed: Callable[[], None] = _nothing  # TandemError when its package is missing
+
+
+ENGINES: Registry[EngineSpec] = Registry("engine")
+BUILTIN = EngineSpec(needs_gpu=False, batch_invariant=True, fp8=True, records_routing=True)
+ENGINES.register("builtin")(BUILTIN)
+ENGINES.register("paged")(BUILTIN)
+ENGINES.register("vllm")(
+    EngineSpec(
+        needs_gpu=True,
+        batch_invariant=False,
+        fp8=False,
+        records_routing=False,
+        check_sampling=choose_logprobs_mode,
+        check_installed=require_vllm,
+    )
+)

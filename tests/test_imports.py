@@ -1,0 +1,105 @@
+"""The package's import graph: no circles, and a driver that loads no model, trainer or engine.
+
+Every import counts, wherever it is written (module top, inside a function, under TYPE_CHECKING),
+and `from tandem.a.b import c` also imports the package `tandem.a`, whose `__init__` runs first:
+a circle through any of them is one a reader has to untangle, and one that breaks when an import
+moves.
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "tandem"
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The tandem modules `name` imports, anywhere in its file, with the packages they sit in."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            # `from pkg import mod` imports pkg.mod; `from pkg import name` takes name from pkg's __init__
+            found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names)
+    explicit = {m for m in found if m in known}
+    packages = {".".join(m.split(".")[:i]) for m in explicit for i in range(2, m.count(".") + 1)}
+    # The packages `name` sits in are being imported already when it runs: no edge to them, unless
+    # it takes a name from one of them (then their __init__ must have run past the import of `name`).
+    packages = {p for p in packages if p in known and not name.startswith(p + ".")}
+    return (explicit | packages) - {name}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                out.append(sorted([v, *component]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_import_graph_has_no_cycles():
+    known = modules()
+    graph = {name: imported(name, path, known) for name, path in known.items()}
+    assert cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+HEAVY = (
+    "tandem.model",
+    "tandem.train",
+    "tandem.rollout.engine",
+    "tandem.rollout.paged_engine",
+    "tandem.rollout.vllm_engine",
+    "tandem.rollout.worker",
+    "tandem.rollout.model_runner",
+)
+
+
+def loaded_by(module: str) -> list[str]:
+    code = f"import sys, {module}; print(' '.join(m for m in sys.modules if m.startswith('tandem')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return out.split()
+
+
+def test_the_driver_loop_and_the_simulator_load_no_model_trainer_or_engine():
+    for module in ("tandem.controller.loop", "tandem.sim"):
+        heavy = [m for m in loaded_by(module) if m.startswith(HEAVY)]
+        assert heavy == [], f"importing {module} loads {heavy}"
