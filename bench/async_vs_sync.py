@@ -18,7 +18,7 @@ import time
 import ray
 
 from tandem.config import load_config
-from tandem.controller import run_training
+from tandem.runtime.run import run_training
 
 MODES = {
     "sync": ["run.mode=sync"],

@@ -29,8 +29,10 @@ import time
 import torch
 
 from tandem.config import AlgoConfig, TrainConfig
-from tandem.data import encode_prompts, load_tokenizer, prompts_from_rows
+from tandem.data.dataset import prompts_from_rows
 from tandem.data.tasks import TASKS
+from tandem.data.template import encode_prompts
+from tandem.data.tokenizer import load_tokenizer
 from tandem.determinism import machine
 from tandem.devices import cpu_has_native_bf16
 from tandem.dtypes import DTYPES

@@ -52,8 +52,10 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
-from tandem.data import encode_prompts, load_tokenizer, prompts_from_rows
+from tandem.data.dataset import prompts_from_rows
 from tandem.data.tasks import TASKS
+from tandem.data.template import encode_prompts
+from tandem.data.tokenizer import load_tokenizer
 from tandem.model.checkpoint import load_model, resolve_model_path, save_model
 from tandem.model.config import ModelConfig
 from tandem.model.decoder import CausalLM, init_weights

@@ -27,8 +27,10 @@ import torch
 
 from tandem.algo import mismatch_metrics
 from tandem.config import AlgoConfig, TrainConfig
-from tandem.data import encode_prompts, load_tokenizer, prompts_from_rows
+from tandem.data.dataset import prompts_from_rows
 from tandem.data.tasks import TASKS
+from tandem.data.template import encode_prompts
+from tandem.data.tokenizer import load_tokenizer
 from tandem.model.checkpoint import load_model, resolve_model_path
 from tandem.model.experts import Routing, agreement, routing, set_router_dtype
 from tandem.rollout.engine import BuiltinEngine

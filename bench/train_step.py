@@ -33,16 +33,16 @@ import torch.multiprocessing as mp
 
 from tandem import devices
 from tandem.config import load_config
-from tandem.controller.roles import (
+from tandem.controller.inputs import sampling_params
+from tandem.rollout.engine import BuiltinEngine
+from tandem.rollout.group import make_groups
+from tandem.runtime.roles import (
     build_data,
     build_trainer,
     load_checked_tokenizer,
     load_policy,
     pad_token_id,
-    sampling_params,
 )
-from tandem.rollout.engine import BuiltinEngine
-from tandem.rollout.group import make_groups
 from tandem.sync import destroy_world, free_port, init_world
 
 CONFIGS = {

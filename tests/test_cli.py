@@ -10,7 +10,7 @@ import transformers
 from helpers import write_tiny_checkpoint
 
 from tandem.cli.main import main
-from tandem.data import save_rows
+from tandem.data.dataset import save_rows
 
 FAST = [
     "rollout.batch_size=4",

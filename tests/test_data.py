@@ -8,18 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tandem.data import (
-    TASKS,
-    build_char_tokenizer,
-    encode_prompts,
-    load_prompts,
-    load_tokenizer,
-    make_dataset,
-    render_prompt,
-    save_rows,
-    save_tokenizer,
-)
-from tandem.data.tasks import split_of
+from tandem.data.dataset import load_prompts, save_rows
+from tandem.data.tasks import TASKS, make_dataset, split_of
+from tandem.data.template import encode_prompts, render_prompt
+from tandem.data.tokenizer import build_char_tokenizer, load_tokenizer, save_tokenizer
 from tandem.errors import TandemError
 from tandem.sample import Prompt
 

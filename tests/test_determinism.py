@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from tandem.config import load_config
-from tandem.determinism import request_seed
 from tandem.errors import TandemError
+from tandem.rollout.sampler import request_seed
 
 # Wall-clock figures differ between any two runs; everything else must not.
 # Wall-clock readings: seconds and rates, and how many of the groups generating ahead had finished
@@ -57,7 +57,7 @@ TINY = [
 
 
 def _run(out: Path, overrides: list[str]) -> tuple[list[dict], str]:
-    from tandem.controller import run_training
+    from tandem.runtime.run import run_training
 
     run_training(load_config(None, [*TINY, *overrides, f"run.out_dir={out}"]))
     rows = [json.loads(line) for line in (out / "default" / "metrics.jsonl").read_text().splitlines()]

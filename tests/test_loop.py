@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from tandem.config import load_config
+from tandem.controller.inputs import Data
 from tandem.controller.loop import Loop, Stopped
 from tandem.controller.protocol import CallFailed, WorkerDied
-from tandem.controller.roles import Data
 from tandem.data.loader import PromptLoader
 from tandem.errors import TandemError
 from tandem.sample import Prompt, Status

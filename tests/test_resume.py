@@ -16,11 +16,10 @@ from test_async import TINY
 
 from tandem.cli.main import main
 from tandem.config import AlgoConfig, TrainConfig, load_config, save_config
-from tandem.controller import run_training
 from tandem.controller.loop import Stopped
-from tandem.controller.run import with_absolute_paths
 from tandem.errors import TandemError
 from tandem.model.checkpoint import load_model
+from tandem.runtime.run import run_training, with_absolute_paths
 from tandem.sync import destroy_world, free_port, init_world
 from tandem.train.state import load_state, save_state
 from tandem.train.worker import TrainWorker
@@ -176,7 +175,7 @@ def test_a_resume_that_changes_the_batch_is_refused_before_anything_starts(tmp_p
     step.mkdir(parents=True)
     save_config(with_absolute_paths(saved), step / "config.yaml")
     (step.parent / "latest").write_text("step_2\n")
-    monkeypatch.setattr("tandem.controller.run.start_ray", lambda cfg: pytest.fail("Ray started"))
+    monkeypatch.setattr("tandem.runtime.run.start_ray", lambda cfg: pytest.fail("Ray started"))
     cfg = load_config(
         None, [f"run.out_dir={tmp_path}", "run.resume=auto", "rollout.batch_size=8", "rollout.n=2"]
     )
@@ -231,7 +230,7 @@ def test_a_stopped_train_says_how_to_continue_and_exits_as_a_shell_would(monkeyp
     def stopped(cfg, on_step=None):
         raise Stopped("SIGINT", 7, tmp_path / "step_7")
 
-    monkeypatch.setattr("tandem.controller.run_training", stopped)
+    monkeypatch.setattr("tandem.runtime.run.run_training", stopped)
     assert main(["train", "run.steps=9", "run.resume=/old"]) == 130
     out = capsys.readouterr().out
     assert "after step 7" in out and "continue with: tandem train run.steps=9 run.resume=auto" in out

@@ -8,9 +8,9 @@ import torch.multiprocessing as mp
 from helpers import clone_model, grads, random_samples, tiny_model
 
 from tandem.config import AlgoConfig, TrainConfig
-from tandem.controller.roles import save_checkpoint
-from tandem.data import build_char_tokenizer
+from tandem.data.tokenizer import build_char_tokenizer
 from tandem.model.checkpoint import load_model
+from tandem.runtime.roles import save_hf_model
 from tandem.sync import destroy_world, free_port, init_world
 from tandem.train.worker import TrainWorker
 
@@ -30,7 +30,7 @@ def _rank(
     w = worker(tiny_model(), strategy, dtype, **(extra or {}))
     w.parallelize(torch.distributed.group.WORLD)
     metrics = w.train_step(random_samples(4, 4))  # 16 samples, 2 mini-batches of 8: two steps
-    save_checkpoint(w, build_char_tokenizer(), Path(out) / "ckpt")  # every rank: fsdp2 gathers, rank 0 writes
+    save_hf_model(w, build_char_tokenizer(), Path(out) / "ckpt")  # every rank: fsdp2 gathers, rank 0 writes
     local = {
         n: p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for n, p in w.model.named_parameters()
     }

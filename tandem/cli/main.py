@@ -71,8 +71,8 @@ def split_args(args: list[str]) -> tuple[str | None, list[str]]:
 
 def cmd_train(ns: argparse.Namespace) -> int:
     from tandem.config import load_config
-    from tandem.controller import run_training
     from tandem.controller.loop import Stopped
+    from tandem.runtime.run import run_training
 
     try:  # run_training checks that run.out_dir is writable before anything starts
         summary = run_training(load_config(*split_args(ns.args)))
@@ -103,7 +103,7 @@ def cmd_sft(ns: argparse.Namespace) -> None:
 
 def cmd_eval(ns: argparse.Namespace) -> None:
     from tandem.config import load_config
-    from tandem.controller.standalone import evaluate_checkpoint
+    from tandem.runtime.standalone import evaluate_checkpoint
 
     recipe, overrides = split_args(ns.args)
     flags = {}
@@ -120,7 +120,7 @@ def cmd_eval(ns: argparse.Namespace) -> None:
 
 def cmd_generate(ns: argparse.Namespace) -> None:
     from tandem.config import load_config
-    from tandem.controller.standalone import generate_text
+    from tandem.runtime.standalone import generate_text
 
     if not ns.prompt.strip():  # the model would continue nothing but the chat template's header
         raise TandemError(

@@ -1,14 +1,5 @@
-"""The controller: placement of roles on Ray, the modes' event loop, validation, metrics, timeline.
-
-Ray is imported only when a run starts, so `tandem.controller.placement` and friends load without it.
+"""The driver: one event loop (`loop`) over a cluster (`protocol`), the calls it makes (`calls`),
+and what it keeps between them: rollout slots, validation, tail lengths, dynamic sampling, step
+statistics, the timeline, checkpoints. No Ray and no model: the Ray shell is `tandem.runtime`,
+the simulated cluster `tandem.sim`.
 """
-
-
-def run_training(cfg, on_step=None) -> dict[str, float]:
-    """See `tandem.controller.run.run_training`."""
-    from tandem.controller.run import run_training as run
-
-    return run(cfg, on_step)
-
-
-__all__ = ["run_training"]

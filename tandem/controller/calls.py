@@ -1,4 +1,5 @@
-"""What each call the loop has in flight is for: its kind, its worker, its samples and version."""
+"""Every call the driver makes: its kind, the role that runs it and the worker method it names
+(`ROUTES`, the one place a method name is written), and what a call in flight was for (`Call`)."""
 
 from dataclasses import dataclass, field
 from enum import Enum
@@ -7,7 +8,8 @@ from tandem.sample import Sample
 
 
 class Kind(str, Enum):
-    """The kinds of call; the loop's handler for a kind is `on_<value>`."""
+    """The kinds of call. The first eleven are the loop's, each with a handler (`Loop.handlers`);
+    the last four are checkpoint calls the driver waits on at a step boundary."""
 
     GENERATE = "generate"  # training prompts on a rollout worker
     VAL = "val"  # held-out prompts on a rollout worker
@@ -20,7 +22,35 @@ class Kind(str, Enum):
     SEND = "send"  # a train rank's part of a weight push
     RECEIVE = "receive"  # a rollout worker stages a push
     RESYNC = "resync"  # a restarted rollout worker gets the newest weights
+    SAVE = "save"  # a train (or critic) rank writes its part of a checkpoint
+    LOAD = "load"  # a train (or critic) rank loads its part of one
+    RNG_STATE = "rng_state"  # a rollout engine's sampling stream, for a checkpoint
+    SET_RNG_STATE = "set_rng_state"  # ... and back, on resume
 
+
+@dataclass(frozen=True)
+class Route:
+    roles: tuple[str, ...]  # the roles whose workers run this kind of call
+    method: str  # the worker method it calls (`tandem.runtime.actors`, `tandem.sim.workers`)
+
+
+ROUTES: dict[Kind, Route] = {
+    Kind.GENERATE: Route(("rollout",), "generate"),
+    Kind.VAL: Route(("rollout",), "generate"),
+    Kind.REWARD: Route(("reward",), "score"),
+    Kind.VAL_REWARD: Route(("reward",), "score"),
+    Kind.REF: Route(("ref",), "score"),
+    Kind.SLEEP: Route(("rollout",), "sleep"),
+    Kind.VALUES: Route(("critic",), "estimate"),
+    Kind.TRAIN: Route(("train", "critic"), "train_step"),
+    Kind.SEND: Route(("train",), "send_weights"),
+    Kind.RECEIVE: Route(("rollout",), "receive_weights"),
+    Kind.RESYNC: Route(("rollout",), "receive_weights"),
+    Kind.SAVE: Route(("train", "critic"), "save"),
+    Kind.LOAD: Route(("train", "critic"), "load"),
+    Kind.RNG_STATE: Route(("rollout",), "rng_state"),
+    Kind.SET_RNG_STATE: Route(("rollout",), "set_rng_state"),
+}
 
 GENERATING = (Kind.GENERATE, Kind.VAL)  # the calls that hold a rollout worker's slot
 
@@ -34,6 +64,10 @@ class Call:
     samples: list[Sample] = field(default_factory=list)
     version: int = -1  # the policy version it generates under, trains, or pushes
     rank: int = 0  # the worker's index within its role
+
+    @property
+    def method(self) -> str:
+        return ROUTES[self.kind].method
 
     def __str__(self) -> str:
         return f"{self.kind.value} on {self.worker} (version {self.version})"

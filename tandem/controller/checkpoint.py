@@ -10,52 +10,25 @@
 A checkpoint is written into `.tmp-<name>/`, every file fsynced, then renamed into place, and only
 then does `latest` move (its own temporary file, fsync, rename): a crash at any moment leaves the
 previous checkpoint and the pointer to it intact. A checkpoint damaged later (a copy cut short, a
-deleted file) is found before a resume starts (`damage`): `run.resume=auto` falls back to the
-newest intact one, an explicit path is refused.
+deleted file) is found before a resume starts (`tandem.runtime.resume`): `run.resume=auto` falls
+back to the newest intact one, an explicit path is refused.
 """
 
 import os
 import shutil
-import sys
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tandem.config import Config, load_config
-from tandem.controller.placement import role_counts
+from tandem.config import Config, save_config
+from tandem.controller.calls import ROUTES, Kind
+from tandem.controller.protocol import CallFailed, Cluster, WorkerDied
+from tandem.controller.timeline import Span
 from tandem.errors import TandemError
-from tandem.model.checkpoint import check_checkpoint
-from tandem.train.state import CRITIC, SHARDS, damaged_state, saved_version, torch_file_damage
 
 LATEST = "latest"
 TMP = ".tmp-"
-
-# Keys a resumed run must share with the checkpoint: they decide which prompts form which group,
-# which weights and optimizer the state belongs to, and the staleness bound the buffer held.
-FIXED = [
-    "model.path",
-    "model.tokenizer",
-    "data.task",
-    "data.train_files",
-    "data.train_size",
-    "data.prompt_key",
-    "data.max_prompt_length",
-    "data.shuffle",
-    "run.seed",
-    "run.mode",
-    "run.generate_ahead_steps",
-    "run.max_staleness",
-    "rollout.batch_size",
-    "rollout.n",
-    "rollout.num_workers",
-    "rollout.engine",
-    "train.num_workers",
-    "train.strategy",
-    "train.offload",
-    "algo.adv_estimator",  # gae's critic has its own state in the checkpoint; the others have none
-]
 
 
 class Checkpoints:
@@ -104,15 +77,6 @@ class Checkpoints:
             if old != latest:
                 shutil.rmtree(old)
 
-    def newest_first(self) -> list[Path]:
-        """Every checkpoint directory of the run: the one `latest` names, then the others by the step
-        they were saved at, newest first (final's step is read from it when it can be)."""
-        if not self.root.is_dir():
-            return []
-        saved = [p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(TMP)]
-        latest = self.latest()
-        return sorted(saved, key=lambda p: (p != latest, -_step(p)))
-
     def latest(self) -> Path | None:
         pointer = self.root / LATEST
         if not pointer.exists():
@@ -135,123 +99,67 @@ def read_driver_state(path: Path) -> dict[str, Any]:
     return torch.load(path / "driver.pt", weights_only=False)
 
 
-def find_resume(cfg: Config, run_dir: Path) -> Path | None:
-    """The checkpoint `run.resume` names, checked before anything starts: "auto" = the newest intact
-    one of this run (None when the run has none yet: it starts fresh), a path = that checkpoint,
-    "" = None. TandemError when its config changed a FIXED key (`check_compatible`), when the path's
-    checkpoint is damaged (`damage`), when no checkpoint of the run is intact, or when the
-    checkpoint already holds run.steps steps."""
-    resume = cfg.run.resume
-    if not resume:
-        return None
-    if resume == "auto":
-        path = newest_intact(Checkpoints(run_dir), cfg)
-    else:
-        path = Path(resume)
-        if found := damage(path, cfg):
-            raise TandemError(
-                f"run.resume={resume!r} cannot be resumed from: {'; '.join(found)}. Nothing was changed "
-                "or deleted. Restore the files, or resume from another checkpoint (run.resume=auto "
-                f"takes the newest intact one of {run_dir / 'checkpoints'})."
-            )
-    if path is not None and (version := saved_version(path)) >= cfg.run.steps:
-        raise TandemError(
-            f"The checkpoint {path} is at step {version}, and run.steps={cfg.run.steps} counts from the "
-            "start of the run, so nothing is left to train. To train on from it, raise run.steps "
-            f"above {version}; to train from the start, give the run another run.name."
-        )
-    return path
-
-
-def newest_intact(checkpoints: Checkpoints, cfg: Config) -> Path | None:
-    """The newest checkpoint without damage, saying in one line which newer ones it skipped and why.
-    None when there is no checkpoint at all. When every one is damaged, a TandemError rather than a
-    fresh start: that would lose the work they hold and, step by step, write over them."""
-    skipped = []
-    for path in checkpoints.newest_first():
-        if not (found := damage(path, cfg)):
-            if skipped:
-                reasons = ", ".join(f"{p.name} ({'; '.join(f)})".replace(f"{p}/", "") for p, f in skipped)
-                print(f"run.resume=auto: skipped {reasons}; continuing from {path}.", file=sys.stderr)
-            return path
-        skipped.append((path, found))
-    if not skipped:
-        return None
-    listed = "; ".join(problem for _, found in skipped for problem in found)
-    raise TandemError(
-        f"run.resume=auto found no intact checkpoint in {checkpoints.root}: {listed}. Nothing was "
-        "changed or deleted. Restore the files or point run.resume at a checkpoint; to start afresh "
-        "instead, give the run another run.name."
-    )
-
-
-def damage(path: Path, cfg: Config | None = None) -> list[str]:
-    """What keeps the checkpoint at `path` from being resumed, one phrase per damaged or missing file;
-    [] when it is intact. Every file a resume reads is checked without loading any state:
-    config.yaml parses, driver.pt and each train rank's rank_<r>.pt are whole torch.save archives
-    (their records' checksums match), the DCP shards of trainer/ (and critic/ under
-    algo.adv_estimator=gae) are all there at full length, and the Hugging Face weights match
-    config.json and hold no NaN or inf (`check_checkpoint`). What no check sees is a flipped byte
-    inside a DCP shard or the weights. With `cfg`, a saved config that differs in a FIXED key is
-    refused first (`check_compatible` raises): that is the user's to set back, not damage."""
-    if not path.is_dir():
-        return [f"{path} is not a directory"]
-    found = []
-    config = path / "config.yaml"
-    ranks = {"actor_train": 1, "critic": 1 if (path / CRITIC).exists() else 0}  # unless the config says
-    if not config.is_file():
-        found.append(f"{config} is missing")
-    else:
-        try:
-            saved = load_config(config)
-        except TandemError as e:
-            found.append(f"{config} is unreadable ({e})")
-        else:
-            if cfg is not None:
-                check_compatible(saved, cfg, path)
-            ranks = role_counts(saved)
-    if problem := torch_file_damage(path / "driver.pt"):
-        found.append(problem)
-    found += damaged_state(path, SHARDS, ranks["actor_train"])
-    if ranks["critic"]:
-        found += damaged_state(path, CRITIC, ranks["critic"])
-    try:
-        check_checkpoint(path)
-    except TandemError as e:
-        found.append(str(e).rstrip("."))
-    return found
-
-
-def check_compatible(saved: Config, cfg: Config, path: Path) -> None:
-    """Refuse a resume whose config changed a key the saved state depends on (FIXED)."""
-    old, new = _flat(saved), _flat(cfg)
-    changed = [k for k in FIXED if old.get(k) != new.get(k)]
-    if changed:
-        diffs = "; ".join(f"{k}: {old.get(k)!r} in the checkpoint, {new.get(k)!r} now" for k in changed)
-        raise TandemError(
-            f"Cannot resume from {path}: {diffs}. The saved buffer, data cursor and optimizer state "
-            "belong to the checkpoint's values of these keys. Set them back (the checkpoint's "
-            f"config is {path / 'config.yaml'}), or start a new run (another run.name, or "
-            "run.resume unset). Changing other keys, such as run.steps or logging, is allowed."
-        )
-
-
-def _flat(cfg: Config) -> dict[str, object]:
-    return {f"{section}.{key}": value for section, keys in asdict(cfg).items() for key, value in keys.items()}
-
-
-def _step(path: Path) -> int:
-    """The step a checkpoint was saved at: step_N's N, final's from its rank 0 state; -1 unknown."""
-    if path.name.startswith("step_") and path.name[5:].isdigit():
-        return int(path.name[5:])
-    if torch_file_damage(path / SHARDS / "rank_0.pt") is None:
-        return saved_version(path)
-    return -1
-
-
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def save_checkpoint(
+    cluster: Cluster, cfg: Config, checkpoints: Checkpoints, name: str, driver: dict[str, Any]
+) -> tuple[Path, list[Span]]:
+    """A full checkpoint at this step boundary, written atomically -> its path, the ranks' spans.
+    Every train (and critic) rank writes its part (under fsdp2 the weights are gathered from all
+    shards, the optimizer state stays sharded); `driver` (`Loop.state_dict`) joins it with each
+    engine's sampling stream. A rank that dies raises WorkerDied with its `worker` set."""
+    tmp = checkpoints.begin(name)
+    saves = {w: cluster.submit(w, ROUTES[Kind.SAVE].method, str(tmp)) for w in _ranks(cluster, Kind.SAVE)}
+    streams = [cluster.submit(w, ROUTES[Kind.RNG_STATE].method) for w in _ranks(cluster, Kind.RNG_STATE)]
+    spans = []
+    try:
+        for worker, handle in saves.items():
+            try:
+                spans += cluster.get([handle], cfg.run.timeout_s)
+            except WorkerDied as e:
+                e.worker = worker
+                raise
+        write_driver_state(
+            tmp, {**driver, "engine_rngs": _engine_streams(cluster, streams, cfg.run.timeout_s)}
+        )
+        save_config(cfg, tmp / "config.yaml")
+        return checkpoints.commit(tmp, name), spans
+    except (CallFailed, OSError) as e:  # e.g. a full disk
+        raise TandemError(
+            f"Writing checkpoint {name} failed; the previous one ({checkpoints.latest()}) is intact: {e}"
+        ) from None
+
+
+def load_workers(cluster: Cluster, path: Path, timeout: float) -> dict[str, Any]:
+    """The workers' part of a resume from the checkpoint at `path`: the trainers load their state,
+    the engines their sampling streams -> the driver's state, for `Loop.load_state_dict`."""
+    state = read_driver_state(path)
+    load = ROUTES[Kind.LOAD].method
+    versions = cluster.get([cluster.submit(w, load, str(path)) for w in _ranks(cluster, Kind.LOAD)], timeout)
+    if set(versions) != {state["version"]}:
+        raise TandemError(f"{path}: the trainers hold versions {versions}, driver.pt {state['version']}.")
+    streams = zip(_ranks(cluster, Kind.SET_RNG_STATE), state["engine_rngs"], strict=True)
+    set_rng = ROUTES[Kind.SET_RNG_STATE].method
+    cluster.get([cluster.submit(w, set_rng, s) for w, s in streams if s is not None], timeout)
+    return state
+
+
+def _ranks(cluster: Cluster, kind: Kind) -> list[str]:
+    """Every worker of the roles that run `kind`, role by role in the table's order."""
+    return [w for role in ROUTES[kind].roles for w in cluster.names.get(role, [])]
+
+
+def _engine_streams(cluster: Cluster, handles: list, timeout: float) -> list:
+    out = []
+    for handle in handles:
+        try:
+            out.extend(cluster.get([handle], timeout))
+        except WorkerDied:  # a dead worker restarts with a fresh stream
+            out.append(None)
+    return out

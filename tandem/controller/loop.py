@@ -1,38 +1,52 @@
 """The controller: one event loop drives every mode over a cluster (`tandem.controller.protocol`).
 
 The driver holds no model. It admits prompt groups into generation as the rollout buffer allows
-(`tandem.buffer`: the staleness rule and the version fence), and reacts to whatever finishes next:
-generated samples go to the reward worker (then the ref worker), rewarded groups into the buffer,
-a full batch to the train workers, new weights out to the rollout workers, validation prompts to
-the rollout workers ahead of training prompts. Modes only change the admission:
+(`tandem.buffer`: the staleness rule and the version fence), and reacts to whatever finishes next.
+One training step, call by call (`calls.ROUTES` names each kind's role and worker method;
+`Loop.handlers` its handler here):
+
+    admit -> dispatch    GENERATE  rollout/i.generate      -> on_generate: a group is whole
+                         REWARD    reward/0.score          -> on_reward: (dynamic sampling)
+                         REF       ref/0.score             -> on_ref (with algo.kl_coef > 0)
+                                   buffer.finish(group)    ... until a batch is ready:
+    maybe_train          SLEEP     rollout/*.sleep         -> on_sleep (free_memory_during_train)
+                         VALUES    critic/*.estimate       -> on_values (gae: values, advantages)
+                         TRAIN     train/*.train_step      -> on_train: the last rank -> version+1,
+                                   critic/*.train_step        log_step, then:
+    push_weights         SEND      train/*.send_weights    -> on_send
+    deliver              RECEIVE   rollout/*.receive_weights -> on_receive: all -> published
+    validation           VAL, VAL_REWARD (held-out prompts first in the queue) -> on_val_reward
+
+Modes only change the admission:
 
     sync          max_staleness=0, whole batches: generate, then train, strictly on-policy
     one_step_off  max_staleness=k (generate_ahead_steps), whole batches: batch n+k generates while n trains
     async         max_staleness=k, groups stream in chunks of rollout.chunk_groups
 
 It blocks on the cluster's `wait_next` (never sleep-polls) with a timeout that names what it waited
-for. The cluster is Ray's actors (`RayCluster`) or simulated workers on a virtual clock (`tandem.sim`).
+for. The cluster is Ray's actors (`tandem.runtime.cluster.RayCluster`) or simulated workers on a
+virtual clock (`tandem.sim`). A dead rollout worker is restarted and re-synced (RESYNC).
 """
 
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 from tandem.buffer import RolloutBuffer
 from tandem.config import Config
 from tandem.controller.calls import GENERATING, Call, Kind
-from tandem.controller.checkpoint import Checkpoints
+from tandem.controller.checkpoint import Checkpoints, load_workers, save_checkpoint
 from tandem.controller.dynamic_sampling import DynamicSampling
+from tandem.controller.inputs import Data, sampling_params
 from tandem.controller.lengths import TailLengths
 from tandem.controller.protocol import Cluster, Done, Handle, WorkerDied
-from tandem.controller.resume import resume_from, save_checkpoint
-from tandem.controller.roles import Data, sampling_params
 from tandem.controller.slots import RolloutSlots
-from tandem.controller.step_metrics import StepMetrics
+from tandem.controller.stats import StepMetrics
 from tandem.controller.timeline import Timeline
 from tandem.controller.validation import Validation
-from tandem.determinism import request_seed
 from tandem.errors import TandemError
 from tandem.rollout.group import make_groups
+from tandem.rollout.sampler import request_seed
 from tandem.sample import Sample, Status
 from tandem.sync import TRANSPORTS
 
@@ -79,6 +93,19 @@ class Loop:
         self.checkpoints = Checkpoints(Path(r.out_dir) / r.name, r.keep_checkpoints)
         self.first_version = 0  # the version this process started from (a resume's checkpoint)
         self.stop_signal: str | None = None  # SIGINT / SIGTERM seen: save and stop at the step's end
+        self.handlers = {  # what the loop does when a call of each kind comes back
+            Kind.GENERATE: self.on_generate,
+            Kind.REWARD: self.on_reward,
+            Kind.REF: self.on_ref,
+            Kind.SLEEP: self.on_sleep,
+            Kind.VALUES: self.on_values,
+            Kind.TRAIN: self.on_train,
+            Kind.SEND: self.on_send,
+            Kind.RECEIVE: self.on_receive,
+            Kind.RESYNC: self.on_resync,
+            Kind.VAL: self.on_val,
+            Kind.VAL_REWARD: self.on_val_reward,
+        }
 
     # -- admission and dispatch ------------------------------------------------------------------
     def admit(self) -> None:
@@ -119,20 +146,21 @@ class Loop:
             kind, samples, version = self.work.popleft()
             params = self.val_params if kind == Kind.VAL else self.params
             worker = self.cluster.names["rollout"][i]
-            self.call(Call(kind, worker, samples, version, i), "generate", samples, params, kind.value)
+            self.call(Call(kind, worker, samples, version, i), samples, params, kind.value)
             self.slots.took(i)
 
-    def call(self, call: Call, method: str, *args, until_restarted: bool = False) -> Handle:
-        """`call.worker.method(*args)`, in flight until its result comes back to `on_<kind>`."""
-        handle = self.cluster.submit(call.worker, method, *args, until_restarted=until_restarted)
+    def call(self, call: Call, *args, until_restarted: bool = False) -> Handle:
+        """`call.worker.<call.method>(*args)`, in flight until its result comes back to its kind's
+        handler."""
+        handle = self.cluster.submit(call.worker, call.method, *args, until_restarted=until_restarted)
         self.pending[handle] = call
         return handle
 
-    def call_role(self, role: str, kind: Kind, method: str, batch: list[Sample], *args) -> list[Handle]:
+    def call_role(self, role: str, kind: Kind, batch: list[Sample], *args) -> list[Handle]:
         """The same call on every rank of `role`, at the current version."""
         workers = enumerate(self.cluster.names.get(role, []))
         calls = [Call(kind, w, batch, self.version, rank) for rank, w in workers]
-        return [self.call(c, method, *args) for c in calls]
+        return [self.call(c, *args) for c in calls]
 
     def maybe_train(self) -> None:
         if self.training or self.version >= self.cfg.run.steps:
@@ -147,7 +175,7 @@ class Loop:
         self.train_metrics = {}
         if not self.cfg.rollout.free_memory_during_train:
             return self.estimate(batch)
-        self.call_role("rollout", Kind.SLEEP, "sleep", batch)  # the engines free the device first
+        self.call_role("rollout", Kind.SLEEP, batch)  # the engines free the device first
 
     def on_sleep(self, call: Call, result) -> None:
         metrics, span = result
@@ -165,7 +193,7 @@ class Loop:
         if not self.cluster.names.get("critic"):
             return self.start_train(batch)
         # each critic rank computes its share of the values
-        self.call_role("critic", Kind.VALUES, "estimate", batch, self.cluster.share(batch))
+        self.call_role("critic", Kind.VALUES, batch, self.cluster.share(batch))
 
     def on_values(self, call: Call, result) -> None:
         """Every critic rank returns the same advantages (the values are all-reduced); the step
@@ -178,8 +206,8 @@ class Loop:
 
     def start_train(self, batch: list[Sample]) -> None:
         shared = self.cluster.share(batch)
-        self.call_role("train", Kind.TRAIN, "train_step", batch, shared)
-        self.call_role("critic", Kind.TRAIN, "train_step", batch, shared)  # beside the policy's update
+        self.call_role("train", Kind.TRAIN, batch, shared)
+        self.call_role("critic", Kind.TRAIN, batch, shared)  # beside the policy's update
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, logger) -> dict[str, float]:
@@ -236,7 +264,7 @@ class Loop:
             raise done.error
         if done.error is not None:
             raise TandemError(f"{call} failed:\n{done.error}") from None
-        getattr(self, f"on_{call.kind.value}")(call, done.result)
+        self.handlers[call.kind](call, done.result)
 
     # -- handlers, one per kind of call ------------------------------------------------------------
     def on_generate(self, call: Call, result) -> None:
@@ -258,7 +286,7 @@ class Loop:
             self.score(done, call.version)
 
     def score(self, samples: list[Sample], version: int) -> None:
-        self.call(Call(Kind.REWARD, "reward/0", samples, version), "score", samples)
+        self.call(Call(Kind.REWARD, "reward/0", samples, version), samples)
 
     def on_reward(self, call: Call, result) -> None:
         samples, metrics, span = result
@@ -270,7 +298,7 @@ class Loop:
             if not samples:
                 return
         if self.cluster.names.get("ref"):
-            self.call(Call(Kind.REF, "ref/0", samples, call.version), "score", samples)
+            self.call(Call(Kind.REF, "ref/0", samples, call.version), samples)
         else:
             self.finish_groups(samples)
 
@@ -319,7 +347,7 @@ class Loop:
 
     def push_weights(self) -> None:
         # Every train rank takes part (under fsdp2 each tensor is gathered from all shards); rank 0 sends.
-        sends = self.call_role("train", Kind.SEND, "send_weights", [], self.version)
+        sends = self.call_role("train", Kind.SEND, [], self.version)
         # The object store's receivers take the send's result (the cluster hands it over once the
         # send is done); broadcast receivers must run while the send runs, so they take none.
         self.last_handle = None if self.collective else sends[0]
@@ -338,7 +366,7 @@ class Loop:
             self.receiving[version] = len(self.cluster.names["rollout"])
             for i, worker in enumerate(self.cluster.names["rollout"]):
                 call = Call(Kind.RECEIVE, worker, version=version, rank=i)
-                self.call(call, "receive_weights", handle, version)
+                self.call(call, handle, version)
 
     def generating_before(self, version: int) -> bool:
         """Generate or validation calls under weights older than `version`, queued or running."""
@@ -368,7 +396,7 @@ class Loop:
     def resync(self, i: int) -> None:
         """Bring restarted rollout worker `i` the newest weights; it gets no work until then."""
         call = Call(Kind.RESYNC, self.cluster.names["rollout"][i], version=self.version, rank=i)
-        self.call(call, "receive_weights", self.last_handle, self.version, until_restarted=True)
+        self.call(call, self.last_handle, self.version, until_restarted=True)
 
     # -- validation: prompts at the front of the rollout queue, never in training data ------------
     def request_validation(self, version: int) -> None:
@@ -386,7 +414,7 @@ class Loop:
         self.slots.returned(call.rank)
         batch = self.validation.returned(call.version, samples)
         if batch is not None:
-            self.call(Call(Kind.VAL_REWARD, "reward/0", version=call.version), "score", batch, "val_reward")
+            self.call(Call(Kind.VAL_REWARD, "reward/0", version=call.version), batch, "val_reward")
 
     def on_val_reward(self, call: Call, result) -> None:
         samples, metrics, span = result
@@ -454,18 +482,86 @@ class Loop:
         )
         return TandemError(f"{worker} died {when}{why}: {reason} {then}")
 
-    # -- checkpoints and resume (docs/resume.md; the work is in `tandem.controller.resume`) --------
+    # -- checkpoints and resume (docs/resume.md; the files are `tandem.controller.checkpoint`'s) ----
     def save(self, name: str) -> Path:
         try:
-            return save_checkpoint(self, name)
+            path, spans = save_checkpoint(self.cluster, self.cfg, self.checkpoints, name, self.state_dict())
         except TimeoutError:
             raise self.timed_out(f"writing checkpoint {name}") from None
+        except WorkerDied as e:
+            raise self.died(e.worker, f"while saving {name}", e) from None
+        self.timeline.add(*spans)
+        return path
 
     def resume(self, path: Path) -> None:
+        """Continue from the checkpoint at `path`: the trainers load their state, the engines get its
+        weights (before anything generates) and sampling streams, the groups that were in flight
+        go back into the queue."""
+        timeout = self.cfg.run.timeout_s
         try:
-            resume_from(self, path)
+            state = load_workers(self.cluster, path, timeout)
+            self.load_state_dict(state)
+            self.push_weights()  # synchronously: nothing may generate on the initial weights
+            self.cluster.get(list(self.pending), timeout)
         except TimeoutError:
             raise self.timed_out(f"resuming from {path}") from None
+        self.pending.clear()
+        self.receiving.clear()
+        self.published = self.version
+        self.requeue(state["in_flight"])
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the driver must remember at a step boundary: counters, the data cursor, the buffer,
+        and every sample of the groups still in flight (queued, generating, finished but not yet
+        rewarded) as the driver last saw it: fresh, a partial response, or finished."""
+        in_flight = [s for _, samples, _ in self.work for s in samples if s.group_id >= 0]
+        for call in self.pending.values():
+            if call.kind in (Kind.GENERATE, Kind.REWARD, Kind.REF):
+                in_flight += call.samples
+        in_flight += [s for group in self.groups.values() for s in group]
+        return {
+            "version": self.version,
+            "next_group": self.next_group,
+            "loader": self.data.train.state_dict(),
+            "buffer": self.buffer.state_dict(),
+            "in_flight": in_flight,
+            "val_metrics": self.validation.metrics,
+            "rewards": self.stats.rewards,
+            "lengths": self.lengths.getstate(),
+            "filter": self.sampling.state_dict() if self.sampling else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """All of `state_dict` but the in-flight samples, which `requeue` puts back once the
+        engines hold the checkpoint's weights."""
+        self.version = self.first_version = state["version"]
+        self.next_group, self.validation.metrics = state["next_group"], state["val_metrics"]
+        self.stats.rewards = state["rewards"]
+        self.lengths.setstate(state["lengths"])
+        if self.sampling and state.get("filter"):
+            self.sampling.load_state_dict(state["filter"])
+        self.data.train.load_state_dict(state["loader"])
+        self.buffer.load_state_dict(state["buffer"])
+
+    def requeue(self, saved: list[Sample]) -> None:
+        """The in-flight groups of a checkpoint: finished samples wait for their group (or go to the
+        reward when the group is whole), the others generate again from where they were."""
+        by_group: dict[int, dict[int, Sample]] = {g: {} for g in self.buffer.in_flight_ids}
+        for s in saved:
+            by_group[s.group_id][s.index] = s
+        for gid, samples in by_group.items():
+            if len(samples) < self.cfg.rollout.n:  # never when saved whole; a fresh group otherwise
+                prompt, ids = self.data.train.at(gid)
+                fresh = make_groups([prompt], [ids], self.cfg.rollout.n, first_group=gid)
+                samples = {s.index: samples.get(s.index, s) for s in fresh}
+            ordered = [s for _, s in sorted(samples.items())]
+            finished = [s for s in ordered if s.status == Status.FINISHED]
+            rest = [s for s in ordered if s.status != Status.FINISHED]
+            if rest:
+                self.groups[gid] = finished
+                self.work.append((Kind.GENERATE, rest, self.version))
+            else:
+                self.score(finished, self.version)
 
     def timed_out(self, what: str) -> TandemError:
         return TandemError(

@@ -1,6 +1,6 @@
 """The cluster the controller loop talks to: submit a call to a worker, wait for the next to finish.
 
-Two implementations: `tandem.controller.cluster.RayCluster` (Ray actors, wall-clock time) and
+Two implementations: `tandem.runtime.cluster.RayCluster` (Ray actors, wall-clock time) and
 `tandem.sim.cluster.SimCluster` (simulated workers on a virtual clock, for `tandem simulate`).
 Neither the loop nor this module imports Ray.
 

@@ -1,7 +1,17 @@
-"""Batch statistics of a step's samples, under verl's metric names, and held-out ones (val/*)."""
+"""The loop's statistics: each step's batch statistics under verl's metric names (`rollout_stats`),
+the held-out ones (`val_stats`, val/*), the counters per train step, each step's metrics line, the
+learning checks and the summary (`StepMetrics`).
 
+Counters (rollout aborts and restarts, reward errors and timeouts, DAPO's filter) add up over a
+step's window and start again at zero; the rewards scored and failed add up over the run.
+"""
+
+import math
 from statistics import mean
 
+from tandem.buffer import RolloutBuffer
+from tandem.controller.timeline import Timeline
+from tandem.errors import TandemError
 from tandem.sample import Sample
 
 
@@ -53,3 +63,130 @@ def val_stats(samples: list[Sample], reward: dict[str, float], version: float) -
         "val/version": version,
         **agent_stats(samples, "val/agent"),  # e.g. val/agent/tool_use/mean: held-out tool use
     }
+
+
+DEAD_STEPS = 5  # consecutive steps with nothing to learn from that end a run (`check_learning`)
+
+STEP_COUNTERS = (
+    "rollout/aborted",
+    "rollout/restarts",
+    "reward/errors",
+    "reward/timeouts",
+    "reward/output_bytes",
+)
+FILTER_COUNTERS = ("filter/dropped_groups", "filter/extra_prompts")
+
+
+class StepMetrics:
+    def __init__(self, filtering: bool):
+        self.filtering = filtering  # DAPO's dynamic sampling: its counters too
+        self.extra = self.zeroed()  # this step's counters (and the engines' sleep figures)
+        self.rewards = {"scored": 0.0, "failed": 0.0}  # training samples, over the run
+        self.window = {"scored": 0.0, "failed": 0.0}  # and in this step's window
+        self.rewards_in_step = dict(self.window)  # the last step's window
+        self.last: dict[str, float] = {}  # the latest step's line
+        self.dead = 0  # the latest consecutive steps that learned nothing
+        self.started = self.step_start = 0.0
+
+    def zeroed(self) -> dict[str, float]:
+        return dict.fromkeys((*STEP_COUNTERS, *(FILTER_COUNTERS if self.filtering else ())), 0.0)
+
+    def start(self, now: float) -> None:
+        self.started = self.step_start = now
+
+    def count(self, key: str, value: float = 1.0) -> None:
+        self.extra[key] = self.extra.get(key, 0.0) + value
+
+    def rewarded(self, samples: list[Sample], metrics: dict[str, float]) -> None:
+        """A reward call's counters, and its samples scored (or failed) over the run."""
+        for k, v in metrics.items():
+            self.count(k, v)
+        failed = metrics.get("reward/errors", 0.0) + metrics.get("reward/timeouts", 0.0)
+        for counts in (self.rewards, self.window):
+            counts["scored"] += len(samples)
+            counts["failed"] += failed
+
+    def slept(self, metrics: dict[str, float]) -> None:
+        """A rollout engine freed its memory: the bytes add up, the workers slept (and woke) in parallel."""
+        self.count("memory/engine_bytes", metrics["memory/engine_bytes"])
+        for k in ("perf/sleep_s", "perf/wake_s"):
+            self.extra[k] = max(self.extra.get(k, 0.0), metrics[k])
+
+    def step(
+        self,
+        batch: list[Sample],
+        train: dict[str, float],
+        version: int,
+        buffer: RolloutBuffer,
+        timeline: Timeline,
+        now: float,
+    ) -> dict[str, float]:
+        """The line of the step that made `version` from `batch`; the counters start again."""
+        wall = now - self.step_start
+        tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch)
+        self.last = {
+            **rollout_stats(batch, version - 1),
+            **train,
+            **self.extra,
+            **buffer.stats(),
+            **timeline.idle_ratios(self.step_start, now),
+            **timeline.seconds_by_name(self.step_start, now),
+            "timing_s/step": wall,
+            "perf/samples_per_s": len(batch) / wall,
+            "perf/throughput_tokens_per_s": tokens / wall,
+            "version": float(version),
+        }
+        self.extra, self.step_start = self.zeroed(), now
+        self.rewards_in_step, self.window = self.window, {"scored": 0.0, "failed": 0.0}
+        return self.last
+
+    def summary(self, trained: int, val: dict[int, dict], steps: int, now: float) -> dict[str, float]:
+        """`trained` samples in this process; `val`: validation metrics by version; `steps` the last."""
+        out = {
+            "critic/score/mean_final": self.last.get("critic/score/mean", math.nan),
+            "perf/run_samples_per_s": trained / (now - self.started),
+            "reward/failed_fraction": self.rewards["failed"] / max(self.rewards["scored"], 1.0),
+        }
+        if 0 in val and steps in val:
+            start, end = val[0]["val/accuracy"], val[steps]["val/accuracy"]
+            out |= {
+                "val/accuracy_start": start,
+                "val/accuracy_final": end,
+                "val/accuracy_gain_points": 100 * (end - start),
+            }
+        return out
+
+    def check_learning(self, version: int, steps: int, first: int) -> None:
+        """A TandemError once DEAD_STEPS consecutive steps had nothing to learn from: every reward
+        failed or every update was skipped for a non-finite loss or gradient (then also every step
+        of a shorter run, counted from `first`), or every advantage was 0 (a short smoke run of an
+        untrained model may well see only that, so it needs all DEAD_STEPS). The run would exit 0
+        having learned nothing, so it ends non-zero and says which."""
+        m, rewards = self.last, self.rewards_in_step
+        broken = min(DEAD_STEPS, steps - first)
+        if rewards["failed"] >= rewards["scored"] > 0:
+            why = "every reward failed (reward/errors, reward/timeouts; the reward worker's log says why)"
+        elif m.get("actor/skipped_fraction", 0.0) == 1.0:
+            why = (
+                "every update was skipped for a non-finite loss or gradient (actor/skipped_steps): "
+                "check the rewards' scale and the weights (e.g. a checkpoint that was trained into NaN)"
+            )
+        elif m.get("critic/advantages/max", 1.0) == 0.0 == m.get("critic/advantages/min", 1.0):
+            why = (
+                f"every advantage was 0: within each group every response got the same reward (mean "
+                f"{m['critic/score/mean']:.3g}), so the policy gradient is 0. With the task solved, the "
+                "run is done (lower run.steps); otherwise raise rollout.n or rollout.temperature, or use "
+                "an easier task or a warm start"
+            )
+            broken = DEAD_STEPS
+        else:
+            self.dead = 0
+            return
+        self.dead += 1
+        if self.dead >= broken:
+            raise TandemError(
+                f"{self.dead} step{'s' * (self.dead > 1)} in a row (to step {version}) learned nothing; "
+                f"in the last, {why}. "
+                "The run stops instead of exiting 0 with nothing learned; metrics.jsonl has every "
+                "step's figures."
+            )

@@ -7,7 +7,7 @@ shapes and dtype (one decoder layer: every layer has the same shapes), the same 
 and in batches of several sizes among random others, at every thread count the run's roles use,
 through the trainer's padded and packed forwards and the engines' prefill and decode on the
 contiguous and the paged KV cache. A deterministic run calls it before it starts anything
-(`tandem.controller.run`), and tests/test_batch_invariant.py uses the same path functions.
+(`tandem.runtime.run`), and tests/test_batch_invariant.py uses the same path functions.
 """
 
 import dataclasses

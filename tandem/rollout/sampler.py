@@ -89,6 +89,12 @@ def row_seed(seed: int, position: int) -> int:
     return x ^ (x >> 31)
 
 
+def request_seed(seed: int, group_id: int, index: int) -> int:
+    """A sample's sampling seed from (run.seed, group id, index in the group): each request draws
+    its own noise, so its tokens do not depend on which worker or batch generates it."""
+    return row_seed(row_seed(seed, group_id), index)
+
+
 def exponential_noise(
     shape: tuple[int, int],
     device: torch.device,

@@ -2,7 +2,7 @@
 
 Every check of user input (files, names, prompt lengths) runs in `build_data`, in the driver, before
 any actor starts, so a mistake fails in seconds with a clear message. The Ray actors
-(`tandem.controller.actors`) and `tandem eval` / `tandem generate` build their roles here too.
+(`tandem.runtime.actors`) and `tandem eval` / `tandem generate` build their roles here too.
 """
 
 import dataclasses
@@ -17,10 +17,12 @@ import torch
 from tandem.agent import build_agent
 from tandem.config import Config
 from tandem.config.validate import check_training
-from tandem.controller.memory import check_memory, machine_memory
-from tandem.data import encode_prompts, load_prompts, load_tokenizer, prompts_from_rows
+from tandem.controller.inputs import Data, sampling_params
+from tandem.data.dataset import load_prompts, prompts_from_rows
 from tandem.data.loader import PromptLoader
 from tandem.data.tasks import TASKS
+from tandem.data.template import encode_prompts
+from tandem.data.tokenizer import load_tokenizer
 from tandem.devices import check_runnable
 from tandem.dtypes import DTYPES
 from tandem.errors import TandemError
@@ -33,10 +35,10 @@ from tandem.reward.verifiers import VERIFIERS
 from tandem.rollout.base import RolloutEngine
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.paged_engine import PagedEngine
-from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.vllm_config import choose_logprobs_mode, require_vllm
 from tandem.rollout.vllm_engine import VLLMEngine
 from tandem.rollout.worker import RolloutWorker
+from tandem.runtime.memory import check_memory, machine_memory
 from tandem.sample import Prompt
 from tandem.train.critic import CriticWorker, value_model
 from tandem.train.worker import TrainWorker
@@ -56,21 +58,6 @@ def load_split(cfg: Config, files: list[str], split: str, size: int, seed: int) 
     """Prompts from files, or rows of the synthetic task when no file is given."""
     sources = load_sources(cfg, files, split, size, seed)
     return [p for _, prompts in sources for p in prompts], ", ".join(name for name, _ in sources)
-
-
-def sampling_params(cfg: Config, temperature: float) -> SamplingParams:
-    r = cfg.rollout
-    return SamplingParams(
-        temperature=temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        max_new_tokens=r.max_new_tokens,
-        stop_token_ids=list(r.stop_token_ids),
-        stop=list(r.stop),
-        min_p=r.min_p,
-        repetition_penalty=r.repetition_penalty,
-        logprobs_mode=r.logprobs_mode,
-    )
 
 
 @dataclass
@@ -147,15 +134,6 @@ def prompt_limit(cfg: Config) -> PromptLimit:
         f"the model's context of {context} tokens less rollout.max_new_tokens="
         f"{cfg.rollout.max_new_tokens} (lower rollout.max_new_tokens or use a longer-context model)",
     )
-
-
-@dataclass
-class Data:
-    """What the driver feeds the run: training prompt batches and the held-out prompts."""
-
-    train: PromptLoader
-    val_prompts: list[Prompt]
-    val_ids: list[list[int]]
 
 
 def build_data(cfg: Config) -> Data:
@@ -354,7 +332,7 @@ def build_critic(cfg: Config, tokenizer) -> CriticWorker:
     )
 
 
-def save_checkpoint(trainer: TrainWorker, tokenizer, path: Path) -> None:
+def save_hf_model(trainer: TrainWorker, tokenizer, path: Path) -> None:
     """A Hugging Face checkpoint directory: model and tokenizer, loadable by transformers. Every
     train rank calls it (under fsdp2 the weights are gathered from the shards); rank 0 writes."""
     from tandem.model.checkpoint import save_model

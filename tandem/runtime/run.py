@@ -11,14 +11,14 @@ import ray
 
 from tandem import devices
 from tandem.config import Config, save_config
-from tandem.controller.checkpoint import find_resume
-from tandem.controller.cluster import RayCluster, plan_slots, start_ray
 from tandem.controller.loop import Loop, Stopped
 from tandem.controller.metrics import MetricsLogger, require_wandb
-from tandem.controller.roles import build_data
 from tandem.determinism import check_batch_invariance, machine
 from tandem.paths import check_writable, run_lock
 from tandem.reward.user_fn import canonical_spec, load_within
+from tandem.runtime.cluster import RayCluster, plan_slots, start_ray
+from tandem.runtime.resume import find_resume
+from tandem.runtime.roles import build_data
 
 
 def with_absolute_paths(cfg: Config) -> Config:

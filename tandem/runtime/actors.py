@@ -13,20 +13,20 @@ import ray
 import torch
 
 from tandem.config import Config
-from tandem.controller.roles import (
-    build_critic,
-    build_rollout,
-    build_trainer,
-    load_checked_tokenizer,
-    load_policy,
-    save_checkpoint,
-)
 from tandem.controller.timeline import Span
 from tandem.determinism import make_deterministic
 from tandem.dtypes import DTYPES
 from tandem.reward import RewardPool
 from tandem.reward.shaping import overlong_penalty
 from tandem.rollout.protocol import SamplingParams
+from tandem.runtime.roles import (
+    build_critic,
+    build_rollout,
+    build_trainer,
+    load_checked_tokenizer,
+    load_policy,
+    save_hf_model,
+)
 from tandem.sample import Sample
 from tandem.sync import TRANSPORTS, BucketPlan, StagingBuffer, init_world, new_group
 from tandem.train.ref import RefWorker
@@ -182,7 +182,7 @@ class TrainActor(_Timed, _DistMember):
         """Every rank, into a checkpoint's temporary directory: the Hugging Face weights (rank 0
         writes what all gather) and this rank's resumable state (`tandem.train.state`)."""
         start = time.time()
-        save_checkpoint(self.trainer, self.tokenizer, Path(path))
+        save_hf_model(self.trainer, self.tokenizer, Path(path))
         save_state(self.trainer, Path(path))
         return self._span("save", start)
 

@@ -2,7 +2,7 @@
 and run the loop's calls on them (`tandem.controller.protocol.Cluster`).
 
 Ray starts locally by itself; `ray.address=auto` joins a running cluster. Each actor gets its own
-bundle of one placement group (`tandem.controller.placement`), so roles land on the CPUs their task
+bundle of one placement group (`tandem.runtime.placement`), so roles land on the CPUs their task
 group was given, across nodes when there are several. When the run needs torch.distributed (more
 than one train worker, or the broadcast weight transport) every actor joins one world.
 """
@@ -22,10 +22,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tandem import devices
 from tandem.config import Config
-from tandem.controller import placement
-from tandem.controller.actors import CriticActor, RefActor, RewardActor, RolloutActor, TrainActor
 from tandem.controller.protocol import CallFailed, Done, Handle, WorkerDied
 from tandem.errors import TandemError
+from tandem.runtime import placement
+from tandem.runtime.actors import CriticActor, RefActor, RewardActor, RolloutActor, TrainActor
 from tandem.sync import TRANSPORTS, free_port
 
 RAY_CONNECT_TIMEOUT_S = 30.0  # the longest wait for ray.address to answer (or run.timeout_s if less)

@@ -1,14 +1,32 @@
-"""Evaluation and generation without training: `tandem eval` and `tandem generate`."""
+"""Evaluation and generation without training, in one process: `tandem eval` and `tandem generate`.
+
+Held-out evaluation is greedy (by default) responses to validation prompts, scored by the reward."""
 
 import torch
 
 from tandem import devices
 from tandem.config import Config
-from tandem.controller.evaluation import evaluate
-from tandem.controller.roles import build_rollout, load_split, sampling_params
+from tandem.controller.inputs import sampling_params
+from tandem.controller.stats import val_stats
 from tandem.reward import RewardPool
 from tandem.rollout.group import make_groups
-from tandem.sample import Prompt
+from tandem.rollout.protocol import SamplingParams
+from tandem.rollout.worker import RolloutWorker
+from tandem.runtime.roles import build_rollout, load_split
+from tandem.sample import Prompt, Sample
+
+
+def evaluate(
+    rollout: RolloutWorker,
+    reward: RewardPool,
+    prompts: list[Prompt],
+    prompt_ids: list[list[int]],
+    params: SamplingParams,
+) -> tuple[dict[str, float], list[Sample]]:
+    """-> ({"val/accuracy", "val/score/mean", ...}: `val_stats`, the scored
+    samples), one response per prompt."""
+    samples = rollout.generate(make_groups(prompts, prompt_ids, n=1), params)
+    return val_stats(samples, reward.score(samples), float(rollout.version)), samples
 
 
 def evaluate_checkpoint(cfg: Config, show: int = 0) -> dict[str, float]:
