@@ -1,4 +1,5 @@
-"""The package's import graph: no circles, and a driver that loads no model, trainer or engine.
+"""The package's structure: no import circles, a driver that loads no model, trainer or engine,
+no function over 60 lines, and worker methods named in one table.
 
 Every import counts, wherever it is written (module top, inside a function, under TYPE_CHECKING),
 and `from tandem.a.b import c` also imports the package `tandem.a`, whose `__init__` runs first:
@@ -110,3 +111,29 @@ def test_the_driver_loop_loads_no_model_trainer_or_engine():
 def test_the_simulator_loads_a_model_shape_but_no_model_trainer_or_engine():
     heavy = [m for m in loaded_by("tandem.sim") if m.startswith(HEAVY) and m not in SHAPE_ONLY]
     assert heavy == [], f"importing tandem.sim loads {heavy}"
+
+
+def test_no_function_in_the_package_is_longer_than_60_lines():
+    long = []
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                and node.end_lineno - node.lineno >= 60
+            ):
+                long.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name}")
+    assert long == []
+
+
+def test_the_driver_names_worker_methods_only_in_its_call_table():
+    from tandem.controller.calls import ROUTES
+
+    methods = {route.method for route in ROUTES.values()}
+    found = []
+    for path in (ROOT / "controller").glob("*.py"):
+        if path.name == "calls.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in methods:
+                found.append(f"{path.name}:{node.lineno} {node.value!r}")
+    assert found == []
