@@ -113,16 +113,25 @@ def paged_attention(
     multiple of Hkv.
     """
     k, v = gather_blocks(k_cache, block_tables), gather_blocks(v_cache, block_tables)
-    t, s = q.shape[2], k.shape[2]
     if query_lens is None:
-        query_lens = torch.full_like(context_lens, t)
-    positions = (context_lens - query_lens)[:, None] + torch.arange(t, device=q.device)  # (B, T)
-    slots = torch.arange(s, device=q.device)
-    causal = slots[None, None, :] <= positions[:, :, None]  # (B, T, S)
-    mask = causal & key_mask(context_lens, s)[:, None, :]
+        query_lens = torch.full_like(context_lens, q.shape[2])
+    mask = causal_key_mask(context_lens, query_lens, q.shape[2], k.shape[2])
     return F.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None], scale=scale, enable_gqa=True
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
     )
+
+
+def query_positions(context_lens: Tensor, query_lens: Tensor, t: int) -> Tensor:
+    """-> (B, T): query t of row b sits at position context_lens[b] - query_lens[b] + t."""
+    return (context_lens - query_lens)[:, None] + torch.arange(t, device=context_lens.device)
+
+
+def causal_key_mask(context_lens: Tensor, query_lens: Tensor, t: int, s: int) -> Tensor:
+    """-> (B, 1, T, S) bool: the query at position p sees its row's keys 0..p of S slots. Padding
+    queries see the whole context (finite, ignored)."""
+    slots = torch.arange(s, device=context_lens.device)
+    causal = slots[None, None, :] <= query_positions(context_lens, query_lens, t)[:, :, None]  # (B, T, S)
+    return (causal & key_mask(context_lens, s)[:, None, :])[:, None]
 
 
 @dataclass
@@ -143,18 +152,13 @@ class PagedBatch:
             self.write_slots, self.write_index = real_tokens(self.slot_mapping)
 
     def positions(self) -> Tensor:
-        """-> (B, T): query t of row b sits at position context_lens[b] - query_lens[b] + t."""
-        t = self.slot_mapping.shape[1]
-        start = self.context_lens - self.query_lens
-        return start[:, None] + torch.arange(t, device=start.device)
+        """-> (B, T), `query_positions`."""
+        return query_positions(self.context_lens, self.query_lens, self.slot_mapping.shape[1])
 
     def attention_mask(self, token_mask: Tensor) -> Tensor:
-        """-> (B, 1, T, S) bool: query at position p sees the row's keys 0..p. Padding queries see
-        the whole context (finite, ignored)."""
+        """-> (B, 1, T, S) bool, `causal_key_mask` over the rows' blocks."""
         s = self.block_tables.shape[1] * self.cache.block_size
-        slots = torch.arange(s, device=self.context_lens.device)
-        causal = slots[None, None, :] <= self.positions()[:, :, None]  # (B, T, S)
-        return (causal & key_mask(self.context_lens, s)[:, None, :])[:, None]
+        return causal_key_mask(self.context_lens, self.query_lens, self.slot_mapping.shape[1], s)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """k, v (B, Hkv, T, D) -> every key and value of the rows' blocks (B, Hkv, S, D)."""
