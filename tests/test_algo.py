@@ -2,6 +2,7 @@
 relies on: aggregates add up across micro-batches, padding never leaks, bad names list valid ones."""
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from tandem.algo import (
 )
 from tandem.algo.corrections import apply_corrections
 from tandem.errors import TandemError
-from tandem.registry import OptionRegistry
+from tandem.registry import OptionRegistry, Registry
 
 T = torch.tensor
 
@@ -341,6 +342,44 @@ def test_an_entry_taking_kwargs_is_refused_at_registration():
         @registry.register("loose")
         def loose(x, **_):
             return x
+
+
+def test_an_entry_declares_its_traits_and_gets_the_defaults_for_the_rest():
+    @dataclass(frozen=True)
+    class Traits:
+        fast: bool = False
+        cost: int = 1
+
+    registry = OptionRegistry("thing", traits=Traits)
+    registry.register("quick", fast=True)(lambda x: x)
+    registry.register("plain")(lambda x: x)
+    assert registry.traits("quick") == Traits(fast=True, cost=1)
+    assert registry.traits("plain") == Traits()
+    with pytest.raises(TandemError, match=r"Unknown thing 'nope'. Valid names: plain, quick"):
+        registry.traits("nope")
+    with pytest.raises(ValueError, match=r"'slow' declares \['speed'\], not traits of its registry"):
+        registry.register("slow", speed=0)
+
+
+def test_a_registry_of_values_has_no_traits():
+    registry = Registry("spec")
+    registry.register("a")(3)  # an entry may be a value (rollout.engines registers EngineSpecs)
+    assert registry.get("a") == 3 and registry.traits("a") is None
+    with pytest.raises(ValueError, match=r"'b' declares traits \['x'\]; its registry has no traits"):
+        registry.register("b", x=1)
+
+
+def test_the_registries_declare_what_the_rest_of_tandem_asks():
+    def having(registry, trait):
+        return [n for n in registry.names() if getattr(registry.traits(n), trait)]
+
+    assert having(ADV_ESTIMATORS, "needs_critic") == ["gae"]
+    assert having(CORRECTIONS, "weights") == ["decoupled", "icepop", "mis", "seq_mask_tis", "seq_tis", "tis"]
+    assert having(CORRECTIONS, "masks") == ["icepop", "mis", "opsm", "seq_mask_tis"]
+    assert having(CORRECTIONS, "old_is_behaviour") == ["bypass"]
+    assert having(CORRECTIONS, "old_is_prox") == ["decoupled"]
+    assert POLICY_LOSSES.traits("gspo").defaults == {"clip_low": 3e-4, "clip_high": 4e-4}
+    assert POLICY_LOSSES.traits("ppo_clip").defaults == {}
 
 
 def test_cispo_weights_the_logprob_gradient_by_the_clipped_detached_ratio():

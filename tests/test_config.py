@@ -1,6 +1,7 @@
 """Config: recipes, dotted overrides, and a clear error for every kind of mistake."""
 
-from dataclasses import asdict
+import typing
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import yaml
 from tandem.config import Config, load_config, save_config
 from tandem.config.verl import VERL_KEYS
 from tandem.errors import TandemError
+from tandem.train.optim import lr_factor
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -134,3 +136,73 @@ def test_docs_show_the_verl_table():
     section = docs[docs.index("## Coming from verl") :]
     for key, (target, _) in VERL_KEYS.items():
         assert f"| `{key}` | {f'`{target}`' if target else '—'} |" in section, key
+
+
+# --- closed sets and registry names ---------------------------------------------------------------
+
+
+def _closed_sets() -> list[tuple[str, tuple[str, ...]]]:
+    """Every schema field typed as a closed set (`Literal`), with its values."""
+    out = []
+    for section in fields(Config):
+        for f in fields(section.type):
+            hint = typing.get_type_hints(section.type)[f.name]
+            if typing.get_origin(hint) is typing.Literal:
+                out.append((f"{section.name}.{f.name}", typing.get_args(hint)))
+    return out
+
+
+def test_the_schema_has_closed_sets():
+    assert {"run.mode", "train.strategy", "rollout.quantization", "sft.model_type"} <= dict(
+        _closed_sets()
+    ).keys()
+
+
+@pytest.mark.parametrize("key, valid", _closed_sets(), ids=lambda x: x if isinstance(x, str) else "")
+def test_a_closed_set_refuses_other_values_at_load_naming_the_field_and_the_valid_ones(key, valid):
+    load_config(None, [f"{key}={valid[0]}"])
+    with pytest.raises(
+        TandemError, match=rf"'{key}' is 'nope', not a known .*Valid names: {', '.join(valid)}\."
+    ):
+        load_config(None, [f"{key}=nope"])
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (
+            "run.mode=asynk",
+            r"'run.mode' is 'asynk', not a known mode. Valid names: sync, one_step_off, async. "
+            r"Did you mean 'async'\?",
+        ),
+        (
+            "train.strategy=fsdp",
+            r"not a known training strategy. Valid names: ddp, fsdp2. Did you mean 'fsdp2'\?",
+        ),
+        ("rollout.fp8_scale=ue8m", r"'rollout.fp8_scale' is 'ue8m'.*Did you mean 'ue8m0'\?"),
+        # names a registry owns get the same hint
+        (
+            "algo.policy_loss=gpso",
+            r"'algo.policy_loss' is 'gpso', not a known policy loss.*Did you mean 'gspo'\?",
+        ),
+    ],
+)
+def test_a_typo_gets_a_did_you_mean(override, expected):
+    with pytest.raises(TandemError, match=expected):
+        load_config(None, [override])
+
+
+def test_an_unknown_lr_schedule_is_an_error_not_cosine():
+    with pytest.raises(
+        TandemError,
+        match=r"'train.schedule' is 'cosin', not a known LR schedule.*"
+        r"constant, cosine, linear.*Did you mean 'cosine'\?",
+    ):
+        load_config(None, ["train.schedule=cosin"])
+    with pytest.raises(
+        TandemError, match=r"Unknown LR schedule 'cosin'. Valid names: constant, cosine, linear"
+    ):
+        lr_factor(5, 0, 10, "cosin", 0.0)
+    assert lr_factor(5, 0, 10, "cosine", 0.0) == pytest.approx(0.5)
+    assert lr_factor(5, 0, 10, "linear", 0.0) == pytest.approx(0.5)
+    assert lr_factor(5, 0, 10, "constant", 0.0) == 1.0

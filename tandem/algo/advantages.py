@@ -8,10 +8,12 @@ The result is 0 where mask == 0. `gae`, PPO's estimator with a critic, also take
 `values` (B, T) and gives each token its own advantage. Samples of one prompt share a group id;
 ids need not be contiguous or sorted. The trainer passes `norm_by_std` (algo.norm_by_std) to
 every estimator, as context that one without a use for it drops; any other option (`eps`) must be
-one the estimator declares.
+one the estimator declares. Each estimator declares its traits (`EstimatorTraits`), which the config
+checks, placement and the simulator read: `ADV_ESTIMATORS.traits(name).needs_critic`.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -19,8 +21,18 @@ from torch import Tensor
 from tandem.algo.masked import masked_whiten
 from tandem.registry import OptionRegistry
 
+
+@dataclass(frozen=True)
+class EstimatorTraits:
+    # It takes a critic's `values`: the run adds PPO's value model (placement task `critic`), which
+    # computes the advantages where the values live.
+    needs_critic: bool = False
+
+
 AdvantageFn = Callable[..., Tensor]
-ADV_ESTIMATORS: OptionRegistry[AdvantageFn] = OptionRegistry("advantage estimator", context=["norm_by_std"])
+ADV_ESTIMATORS: OptionRegistry[AdvantageFn] = OptionRegistry(
+    "advantage estimator", context=["norm_by_std"], traits=EstimatorTraits
+)
 
 
 def _float_rewards(rewards: Tensor, group_ids: Tensor, mask: Tensor) -> Tensor:
@@ -157,7 +169,7 @@ def gae(
     return adv, (adv + v) * m
 
 
-@ADV_ESTIMATORS.register("gae")
+@ADV_ESTIMATORS.register("gae", needs_critic=True)
 def gae_advantages(
     rewards: Tensor,
     group_ids: Tensor,

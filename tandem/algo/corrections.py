@@ -18,10 +18,15 @@ the same context: cap (algo.correction_cap), low and high (algo.mis_low, algo.mi
 (algo.opsm_delta); an entry drops the ones it has no use for, and any other keyword is an error.
 Rows are whole sequences, so sequence-level entries give the same result on any split of a batch
 into rows.
+
+Each entry declares what the config checks, the trainer and the simulator ask of it
+(`CorrectionTraits`: whether it weights, masks, or changes what π_old is), so none of them compares
+correction names.
 """
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -30,15 +35,21 @@ from tandem.algo.kl import kl_k3
 from tandem.algo.masked import masked_mean
 from tandem.registry import OptionRegistry
 
+
+@dataclass(frozen=True)
+class CorrectionTraits:
+    """What the config checks, the trainer and the simulator ask of an entry."""
+
+    weights: bool = False  # it weights by π_old/μ (or π_prox/μ): two such would apply the ratio twice
+    masks: bool = False  # it can drop tokens from the loss mask (the others only weight)
+    old_is_behaviour: bool = False  # bypass: π_old is μ, so there is no π_old/μ left to weight by
+    old_is_prox: bool = False  # decoupled: π_old is π_prox, which algo.prox_logprob chooses
+
+
 CorrectionFn = Callable[..., tuple[Tensor, Tensor, dict[str, float]]]
 CORRECTIONS: OptionRegistry[CorrectionFn] = OptionRegistry(
-    "correction", context=["cap", "low", "high", "delta"]
+    "correction", context=["cap", "low", "high", "delta"], traits=CorrectionTraits
 )
-
-# Entries that weight by π_old/μ (or π_prox/μ). Two of them would apply that ratio twice.
-IMPORTANCE_WEIGHTS = ("decoupled", "icepop", "mis", "seq_mask_tis", "seq_tis", "tis")
-# Entries that can drop tokens from the loss mask (the rest only weight).
-MASKING = ("icepop", "mis", "opsm", "seq_mask_tis")
 _LOG_CLAMP = 20.0  # as the policy losses: one far-off logprob must not overflow exp()
 
 
@@ -68,7 +79,7 @@ def _token_is(
     return torch.where(keep, w, 0.0), mask, {f"correction/{name}_clipfrac": _share(clipped, keep)}
 
 
-@CORRECTIONS.register("tis")
+@CORRECTIONS.register("tis", weights=True)
 def tis_correction(
     logp: Tensor,
     old_logp: Tensor,
@@ -87,7 +98,7 @@ def tis_correction(
     return _token_is("tis", old_logp, behaviour_logp, mask, cap)
 
 
-@CORRECTIONS.register("seq_tis")
+@CORRECTIONS.register("seq_tis", weights=True)
 def seq_tis_correction(
     logp: Tensor,
     old_logp: Tensor,
@@ -110,8 +121,8 @@ def seq_tis_correction(
     return torch.where(keep, w, 0.0), mask, metrics
 
 
-@CORRECTIONS.register("icepop")
-@CORRECTIONS.register("mis")
+@CORRECTIONS.register("icepop", weights=True, masks=True)
+@CORRECTIONS.register("mis", weights=True, masks=True)
 def mis_correction(
     logp: Tensor,
     old_logp: Tensor,
@@ -135,7 +146,7 @@ def mis_correction(
     return torch.where(kept, w, 0.0), kept.to(mask.dtype), {"correction/mis_maskfrac": _share(~inside, keep)}
 
 
-@CORRECTIONS.register("seq_mask_tis")
+@CORRECTIONS.register("seq_mask_tis", weights=True, masks=True)
 def seq_mask_tis_correction(
     logp: Tensor,
     old_logp: Tensor,
@@ -169,7 +180,7 @@ def seq_mask_tis_correction(
     return torch.where(kept, w, 0.0), kept.to(mask.dtype), metrics
 
 
-@CORRECTIONS.register("opsm")
+@CORRECTIONS.register("opsm", masks=True)
 def opsm_correction(
     logp: Tensor,
     old_logp: Tensor,
@@ -196,7 +207,7 @@ def opsm_correction(
     return kept.to(old_logp.dtype), kept.to(mask.dtype), {"correction/opsm_maskfrac": _share(drop, keep)}
 
 
-@CORRECTIONS.register("decoupled")
+@CORRECTIONS.register("decoupled", weights=True, old_is_prox=True)
 def decoupled_correction(
     logp: Tensor,
     old_logp: Tensor,
@@ -217,7 +228,7 @@ def decoupled_correction(
     return _token_is("decoupled", old_logp, behaviour_logp, mask, cap)
 
 
-@CORRECTIONS.register("bypass")
+@CORRECTIONS.register("bypass", old_is_behaviour=True)
 def bypass_correction(
     logp: Tensor, old_logp: Tensor, behaviour_logp: Tensor, advantages: Tensor, mask: Tensor
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
@@ -228,6 +239,10 @@ def bypass_correction(
     left to correct. Cheapest; trusts the engine's logprobs as the trust-region anchor.
     """
     return mask.bool().to(old_logp.dtype), mask, {}
+
+
+# Entries that can drop tokens from the loss mask, for `tandem.train.worker` until it asks the traits.
+MASKING = tuple(n for n in CORRECTIONS.names() if CORRECTIONS.traits(n).masks)
 
 
 def apply_corrections(

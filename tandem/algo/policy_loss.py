@@ -6,10 +6,12 @@ Every loss has one signature so the trainer can call any of them the same way:
 
 Losses and diagnostics are 0 where mask == 0; reduce the loss with `tandem.algo.aggregate`. The
 trainer passes the trust region (clip_low, clip_high, clip_c) to every loss, as context that a loss
-without one drops; any other option must be one the loss declares.
+without one drops; any other option must be one the loss declares. A loss may bring its own
+defaults for those algo.* keys (`LossTraits`: gspo's clip range).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -17,20 +19,23 @@ from torch import Tensor
 from tandem.algo.masked import masked_mean
 from tandem.registry import OptionRegistry
 
+
+@dataclass(frozen=True)
+class LossTraits:
+    # The algo.* defaults the loss brings with it: the config loader applies them where neither the
+    # recipe nor an override set the key (docs/config.md, `algo`). The schema's are ppo_clip's.
+    defaults: Mapping[str, float] = field(default_factory=dict)
+
+
 PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 POLICY_LOSSES: OptionRegistry[PolicyLossFn] = OptionRegistry(
-    "policy loss", context=["clip_low", "clip_high", "clip_c"]
+    "policy loss", context=["clip_low", "clip_high", "clip_c"], traits=LossTraits
 )
 
 
 # GSPO's own clip range (the paper's): a geometric mean of token ratios stays far closer to 1 than one
 # token's ratio, so ppo_clip's 0.2 / 0.28 would clip nothing.
 GSPO_CLIP_LOW, GSPO_CLIP_HIGH = 3e-4, 4e-4
-# The algo.* defaults a policy loss brings with it: the config loader applies them where neither the
-# recipe nor an override set the key (docs/config.md, `algo`).
-CONFIG_DEFAULTS: dict[str, dict[str, float]] = {
-    "gspo": {"clip_low": GSPO_CLIP_LOW, "clip_high": GSPO_CLIP_HIGH},
-}
 _LOG_CLAMP = 20.0  # one far-off logprob must not overflow exp() and turn the batch to inf/nan
 
 
@@ -100,7 +105,7 @@ def _clipped_surrogate(
     return torch.where(keep, loss, 0.0), metrics
 
 
-@POLICY_LOSSES.register("gspo")
+@POLICY_LOSSES.register("gspo", defaults={"clip_low": GSPO_CLIP_LOW, "clip_high": GSPO_CLIP_HIGH})
 def gspo_loss(
     logp: Tensor,
     old_logp: Tensor,

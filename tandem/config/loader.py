@@ -1,4 +1,5 @@
-"""Load a recipe, apply dotted overrides, check every key and type; errors name the field."""
+"""Load a recipe, apply dotted overrides, check every key, type and closed set (a `Literal` of the
+schema); errors name the field. `tandem.config.validate` checks the values then."""
 
 import difflib
 import types
@@ -62,11 +63,14 @@ def _leaf_keys(tree: dict[str, Any], prefix: str = "") -> list[str]:
 
 def _apply_loss_defaults(cfg: Config, algo_tree: Any) -> None:
     """The chosen policy loss's own defaults for algo keys (gspo: its clip range) where neither the
-    recipe nor an override set them. The schema's are ppo_clip's; only the loader knows what was set."""
-    from tandem.algo.policy_loss import CONFIG_DEFAULTS
+    recipe nor an override set them. The schema's are ppo_clip's; only the loader knows what was set.
+    An unknown loss brings none: `validate` names the field."""
+    from tandem.algo import POLICY_LOSSES
 
+    if cfg.algo.policy_loss not in POLICY_LOSSES:
+        return
     given = algo_tree if isinstance(algo_tree, dict) else {}
-    for key, value in CONFIG_DEFAULTS.get(cfg.algo.policy_loss, {}).items():
+    for key, value in POLICY_LOSSES.traits(cfg.algo.policy_loss).defaults.items():
         if key not in given:
             setattr(cfg.algo, key, value)
 
@@ -151,9 +155,10 @@ def _build(cls: type, tree: dict[str, Any], prefix: str) -> Any:
             raise TandemError(
                 f"Unknown config key '{prefix}{key}'{where}.{hint} Valid keys: {', '.join(known)}."
             )
+    hints = typing.get_type_hints(cls, include_extras=True)  # with each closed set's name
     values = {}
     for name, f in known.items():
-        hint = typing.get_type_hints(cls)[name]
+        hint = hints[name]
         if is_dataclass(hint):
             sub = tree.get(name, {})
             if not isinstance(sub, dict):
@@ -171,16 +176,10 @@ def _build(cls: type, tree: dict[str, Any], prefix: str) -> Any:
 def _coerce(value: Any, hint: Any, key: str) -> Any:
     """Check `value` against a field's type; ints are accepted where floats are expected."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Annotated, typing.Literal):  # a closed set (schema.py)
+        return _choice(value, hint, key)
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        options = [a for a in args if a is not type(None)]
-        for option in options[:-1]:  # e.g. list[str] | str: the first type the value fits
-            try:
-                return _coerce(value, option, key)
-            except TandemError:
-                pass
-        return _coerce(value, options[-1], key)
+        return _first_fit(value, args, key)
     if origin is list:
         if not isinstance(value, list):
             raise _type_error(key, value, f"a list, e.g. [{LIST_EXAMPLES.get(args[0], '...')}]")
@@ -196,6 +195,32 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         return str(value)  # names like run.name=1 stay usable
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
         raise _type_error(key, value, TYPE_NAMES.get(hint, hint.__name__))
+    return value
+
+
+def _first_fit(value: Any, options: tuple[Any, ...], key: str) -> Any:
+    """`value` as the first of a union's types it fits (e.g. list[str] | str); None where allowed.
+    The error is the last type's."""
+    if value is None and type(None) in options:
+        return None
+    options = tuple(o for o in options if o is not type(None))
+    for option in options[:-1]:
+        try:
+            return _coerce(value, option, key)
+        except TandemError:
+            pass
+    return _coerce(value, options[-1], key)
+
+
+def _choice(value: Any, hint: Any, key: str) -> Any:
+    """A closed set's value, or TandemError naming the valid ones and the closest. The set is a
+    `Literal[...]`, or `Annotated[Literal[...], "its name"]` for the message."""
+    from tandem.config.validate import one_of
+
+    what = "value"
+    if typing.get_origin(hint) is typing.Annotated:
+        hint, what = typing.get_args(hint)[:2]
+    one_of(value, typing.get_args(hint), key, what)
     return value
 
 

@@ -1,9 +1,28 @@
 """The config tree: one dataclass per part, one root. Defaults are the built-in default run.
 
 `recipes/default.yaml` spells out these same values (a test keeps the two equal).
+
+A closed set of values is a `Literal` below: the loader refuses any other value, naming the field,
+the valid values and the closest one, with the set's name (the `Annotated` string) in the message.
+A name another module owns stays `str` here, and `tandem.config.validate` checks it against its
+owner: engines, transports, advantage estimators, losses, KL estimators, loss aggregations,
+corrections, LR schedules, tasks, agents, tools (their registries), dtypes (`tandem.dtypes`), and
+rollout.on_update and rollout.logprobs_mode (`tandem.rollout.protocol`).
 """
 
 from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+Mode = Annotated[Literal["sync", "one_step_off", "async"], "mode"]
+WandbMode = Annotated[Literal["online", "offline"], "W&B mode"]
+Device = Annotated[Literal["auto", "cpu", "cuda"], "device"]
+RouterDtype = Annotated[Literal["float32", "model"], "router dtype"]
+Quantization = Annotated[Literal["none", "fp8"], "rollout quantization"]
+Fp8Scale = Annotated[Literal["fp32", "ue8m0"], "FP8 scale format"]
+ProxLogprob = Annotated[Literal["recompute", "interpolate"], "proximal-logprob method"]
+Strategy = Annotated[Literal["ddp", "fsdp2"], "training strategy"]
+Offload = Annotated[Literal["none", "optimizer"], "offload policy"]
+FreshModelType = Annotated[Literal["qwen2", "qwen3_moe"], "fresh model family"]
 
 
 @dataclass
@@ -15,7 +34,7 @@ class RunConfig:
     # sync: generate then train, on-policy. one_step_off: generation of step n+k overlaps training of
     # step n (k = generate_ahead_steps), whole batches. async: streaming, groups start while
     # started <= (version + max_staleness + 1) * batch_size, so no sample is older than max_staleness.
-    mode: str = "sync"
+    mode: Mode = "sync"
     generate_ahead_steps: int = 1  # one_step_off
     max_staleness: int = 2  # async
     val_every: int = 10  # steps between validations; 0 = only before the first and after the last step
@@ -31,13 +50,13 @@ class RunConfig:
     wandb_project: str = "tandem"
     wandb_entity: str = ""
     wandb_name: str = ""
-    wandb_mode: str = "online"
+    wandb_mode: WandbMode = "online"
     progress: bool = True
     threads: int = 0  # torch intra-op threads per role; 0 = the CPUs its placement gives it
     timeout_s: float = 600.0  # longest wait for any one role's result before the run stops with an error
     # Where the train workers, the reference worker and the built-in engines run: auto | cpu | cuda.
     # auto = cuda when the Ray cluster has GPUs (the driver decides once, before any actor starts).
-    device: str = "auto"
+    device: Device = "auto"
     # Bit-reproducible runs (docs/determinism.md): every RNG seeded from run.seed, each request its
     # own sampling seed, deterministic torch algorithms, the batch-invariant forward in engines and
     # trainers, a fixed pipeline schedule. sync and one_step_off only.
@@ -51,7 +70,7 @@ class ModelSection:
     tokenizer: str = ""  # default: the model's directory
     # MoE models: the router's logits, softmax and top-k in float32 whatever the compute dtype (the
     # seeds' advice: bf16 routing flips near-tied experts), or in the compute dtype ("model").
-    router_dtype: str = "float32"
+    router_dtype: RouterDtype = "float32"
 
 
 @dataclass
@@ -88,8 +107,8 @@ class RolloutConfig:
     # none | fp8: the built-in engines' linear weights in float8 e4m3, 128x128 blocks with one scale
     # each, quantised on receiving every weight push (docs/fp8.md); fp8_scale: fp32 | ue8m0 (powers
     # of two, as DeepGEMM's scales).
-    quantization: str = "none"
-    fp8_scale: str = "fp32"
+    quantization: Quantization = "none"
+    fp8_scale: Fp8Scale = "fp32"
     # Sleep while the trainer trains: the engine frees its weights and KV cache before each train
     # step and re-allocates them for the next push (run.mode=sync only). null = auto: on when the
     # run is sync on cuda with rollout and training on the same GPUs (docs/rollout.md).
@@ -167,7 +186,7 @@ class AlgoConfig:
     mis_low: float = 0.5  # mis / seq_mask_tis keep ratios in [mis_low, mis_high]
     mis_high: float = 2.0
     opsm_delta: float = 1e-4  # opsm drops A < 0 sequences with mean log(π_old/π_θ) above this
-    prox_logprob: str = "recompute"  # decoupled's π_prox: recompute | interpolate (no forward pass)
+    prox_logprob: ProxLogprob = "recompute"  # decoupled's π_prox: recompute | interpolate (no forward pass)
     # DAPO's dynamic sampling: a group whose rewards are all equal (no signal) is dropped after
     # scoring and a new prompt takes its place, up to max_filter_rounds batches of prompts per
     # train step; past that the run stops with an error rather than loop forever.
@@ -210,9 +229,9 @@ class TrainConfig:
     dtype: str = "auto"
     # ddp (torch DistributedDataParallel: a full replica per rank) | fsdp2 (fully_shard per decoder
     # layer and the root: parameters, gradients and optimizer state ~1/N per rank).
-    strategy: str = "ddp"
+    strategy: Strategy = "ddp"
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward
-    offload: str = "none"  # none | optimizer (fsdp2: sharded params, grads and AdamW step on the CPU)
+    offload: Offload = "none"  # none | optimizer (fsdp2: sharded params, grads and AdamW step on the CPU)
     # Micro-batches as variable-length sequences packed back to back (no padding); false pads each
     # row to the micro-batch's longest.
     padding_free: bool = True
@@ -254,6 +273,10 @@ class SFTConfig:
     lr: float = 1e-3
     warmup_steps: int = 100
     flawed_fraction: float = 0.0  # share of demonstrations replaced by the task's flawed solution
+    # The fresh model's shape. Declared here, not taken from tandem.model's ModelConfig: nesting one
+    # would turn the keys users write (sft.hidden_size=...) into sft.model.hidden_size=..., the config
+    # imports no model code, and a fresh model takes the rest of ModelConfig (vocab, token ids, the
+    # family's biases and norms, head_dim) from the tokenizer and model_type (tandem.train.sft).
     hidden_size: int = 256
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
@@ -262,7 +285,7 @@ class SFTConfig:
     max_position_embeddings: int = 128
     # A fresh model's family: qwen2 (dense) or qwen3_moe (num_experts experts of
     # moe_intermediate_size, num_experts_per_tok per token, top-k weights renormalised)
-    model_type: str = "qwen2"
+    model_type: FreshModelType = "qwen2"
     num_experts: int = 8
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 320

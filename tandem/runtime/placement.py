@@ -24,6 +24,7 @@ broadcast) where they could share one.
 import math
 from dataclasses import dataclass
 
+from tandem.algo import ADV_ESTIMATORS
 from tandem.config import Config
 from tandem.errors import TandemError
 from tandem.sync import TRANSPORTS
@@ -50,7 +51,7 @@ def role_counts(cfg: Config) -> dict[str, int]:
         "generate": cfg.rollout.num_workers,
         "actor_train": cfg.train.num_workers,
         "ref_logp": 1 if cfg.algo.kl_coef > 0 else 0,
-        "critic": cfg.train.num_workers if cfg.algo.adv_estimator == "gae" else 0,
+        "critic": cfg.train.num_workers if ADV_ESTIMATORS.traits(cfg.algo.adv_estimator).needs_critic else 0,
     }
 
 

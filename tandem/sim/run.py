@@ -12,6 +12,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 
 from tandem import devices
+from tandem.algo import ADV_ESTIMATORS
 from tandem.config import Config
 from tandem.controller import placement
 from tandem.controller.loop import Loop
@@ -186,7 +187,7 @@ def build_cluster(cfg: Config, gpus: int, calibration: Calibration) -> tuple[Sim
     if cfg.algo.kl_coef > 0:
         workers["ref/0"] = SimForward("ref/0", costs, *trainer)
         names["ref"] = ["ref/0"]
-    if cfg.algo.adv_estimator == "gae":
+    if ADV_ESTIMATORS.traits(cfg.algo.adv_estimator).needs_critic:
         workers["critic/0"] = SimForward("critic/0", costs, *trainer)
         names["critic"] = ["critic/0"]
     for w in workers.values():

@@ -10,7 +10,7 @@ one call at a time. The simulator's samples carry lengths, not tokens: `response
 
 import math
 
-from tandem.algo.corrections import MASKING, old_logprob_source
+from tandem.algo.corrections import CORRECTIONS, old_logprob_source
 from tandem.config import Config
 from tandem.controller.timeline import Span
 from tandem.sample import Sample, Status
@@ -237,7 +237,7 @@ class SimTrainer(DeviceWorker):
         t = self.cfg.train
         one_update = t.epochs == 1 and (t.mini_batch_size or len(batch)) >= len(batch)
         on_policy = all(v == self.version for s in batch for v in s.versions)
-        masking = any(n in MASKING for n in self.cfg.algo.corrections)
+        masking = any(CORRECTIONS.traits(n).masks for n in self.cfg.algo.corrections)
         return not (one_update and on_policy and not masking)
 
     def cost(self, job: Job) -> float:

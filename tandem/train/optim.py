@@ -1,9 +1,35 @@
-"""AdamW and its learning-rate schedule: linear warmup, then constant, linear or cosine decay."""
+"""AdamW and its learning-rate schedule: linear warmup, then one of SCHEDULES (constant, linear or
+cosine decay toward `min_ratio` of the base LR)."""
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from tandem.registry import Registry
+
+# progress in [0, 1] after warmup, min_ratio -> the multiplier of the base LR
+ScheduleFn = Callable[[float, float], float]
+SCHEDULES: Registry[ScheduleFn] = Registry("LR schedule")
+
+
+@SCHEDULES.register("constant")
+def constant(progress: float, min_ratio: float) -> float:
+    """1 throughout: min_ratio is never approached."""
+    return 1.0
+
+
+@SCHEDULES.register("linear")
+def linear(progress: float, min_ratio: float) -> float:
+    """min_ratio + (1 - min_ratio) · (1 - progress)."""
+    return min_ratio + (1.0 - min_ratio) * (1.0 - progress)
+
+
+@SCHEDULES.register("cosine")
+def cosine(progress: float, min_ratio: float) -> float:
+    """min_ratio + (1 - min_ratio) · (1 + cos(π · progress)) / 2."""
+    return min_ratio + (1.0 - min_ratio) * (0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 def make_optimizer(model: nn.Module, lr: float, betas: list[float], weight_decay: float) -> torch.optim.AdamW:
@@ -12,22 +38,20 @@ def make_optimizer(model: nn.Module, lr: float, betas: list[float], weight_decay
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
-    """Multiplier of the base LR at optimizer step `step` (0-based)."""
+    """Multiplier of the base LR at optimizer step `step` (0-based). TandemError for a schedule not in
+    SCHEDULES (its message lists them)."""
+    decay = SCHEDULES.get(schedule)
     if warmup > 0 and step < warmup:
         return (step + 1) / warmup
-    if schedule == "constant" or total <= warmup:
+    if total <= warmup:
         return 1.0
-    progress = min((step - warmup) / max(total - warmup, 1), 1.0)
-    if schedule == "linear":
-        decay = 1.0 - progress
-    else:  # cosine
-        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return min_ratio + (1.0 - min_ratio) * decay
+    return decay(min((step - warmup) / max(total - warmup, 1), 1.0), min_ratio)
 
 
 def make_scheduler(
     optimizer: torch.optim.Optimizer, warmup: int, total: int, schedule: str, min_ratio: float
 ) -> torch.optim.lr_scheduler.LambdaLR:
+    SCHEDULES.get(schedule)  # an unknown name fails here, not at the first step past warmup
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, warmup, total, schedule, min_ratio)
     )
