@@ -36,7 +36,8 @@ from tandem.data.tokenizer import load_tokenizer
 from tandem.determinism import machine
 from tandem.devices import cpu_has_native_bf16
 from tandem.dtypes import DTYPES
-from tandem.model.checkpoint import load_model, resolve_model_path
+from tandem.model.checkpoint import load_model
+from tandem.model.config import resolve_model_path
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups
 from tandem.rollout.paged_engine import PagedEngine

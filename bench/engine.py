@@ -56,8 +56,8 @@ from tandem.data.dataset import prompts_from_rows
 from tandem.data.tasks import TASKS
 from tandem.data.template import encode_prompts
 from tandem.data.tokenizer import load_tokenizer
-from tandem.model.checkpoint import load_model, resolve_model_path, save_model
-from tandem.model.config import ModelConfig
+from tandem.model.checkpoint import load_model, save_model
+from tandem.model.config import ModelConfig, resolve_model_path
 from tandem.model.decoder import CausalLM, init_weights
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups

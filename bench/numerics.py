@@ -31,7 +31,8 @@ from tandem.data.dataset import prompts_from_rows
 from tandem.data.tasks import TASKS
 from tandem.data.template import encode_prompts
 from tandem.data.tokenizer import load_tokenizer
-from tandem.model.checkpoint import load_model, resolve_model_path
+from tandem.model.checkpoint import load_model
+from tandem.model.config import resolve_model_path
 from tandem.model.experts import Routing, agreement, routing, set_router_dtype
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups

@@ -84,7 +84,7 @@ def measure(rank: int, name: str, world: int, port: int, batch: str, steps: int,
         start = time.perf_counter()
         trainer.train_step(samples)
         times.append(time.perf_counter() - start)
-    state = [t for s in trainer.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    state = [t for s in trainer.learner.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     local = [t.to_local() if hasattr(t, "to_local") else t for t in state]
     result = dict(
         step_s=statistics.median(times[1:]),

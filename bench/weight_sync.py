@@ -19,8 +19,7 @@ import time
 import ray
 import torch
 
-from tandem.model.checkpoint import resolve_model_path
-from tandem.model.config import ModelConfig
+from tandem.model.config import ModelConfig, resolve_model_path
 from tandem.model.decoder import CausalLM, init_weights
 from tandem.sync import TRANSPORTS, BucketPlan, StagingBuffer
 from tandem.sync import dist as sync_dist

@@ -22,17 +22,17 @@ import yaml
 from helpers import write_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
-import tandem.controller.cluster as cluster
+import tandem.runtime.cluster as cluster
 from tandem.cli.main import main
 from tandem.config import load_config
 from tandem.config.loader import UniqueKeyLoader
 from tandem.config.validate import check_training
-from tandem.controller.memory import check_memory
-from tandem.controller.roles import PromptLimit
-from tandem.data import build_char_tokenizer, save_rows
+from tandem.data.dataset import save_rows
+from tandem.data.tokenizer import build_char_tokenizer
 from tandem.errors import TandemError
-from tandem.model.checkpoint import resolve_model_path
-from tandem.model.config import ModelConfig
+from tandem.model.config import ModelConfig, resolve_model_path
+from tandem.runtime.memory import check_memory
+from tandem.runtime.roles import PromptLimit
 from tandem.sample import Prompt
 
 FAST = ["rollout.batch_size=2", "rollout.n=2", "data.train_size=16", "data.val_size=4", "run.progress=false"]
@@ -514,7 +514,7 @@ def _write_vocab_mismatches(root: Path) -> None:
     """A checkpoint of 200 ids under the 261-id byte tokenizer, and a tokenizer of 271 ids."""
     from helpers import tiny_config
 
-    from tandem.data import build_char_tokenizer
+    from tandem.data.tokenizer import build_char_tokenizer
     from tandem.model.checkpoint import save_model
     from tandem.model.decoder import CausalLM
 
@@ -601,6 +601,7 @@ def test_bad_input_before_ray(name, corpus, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("name", sorted(ON_RAY))
+@pytest.mark.ray
 @pytest.mark.usefixtures("ray_local")
 def test_bad_input_on_ray(name, corpus, monkeypatch, capsys):
     if "CPU-only" in name and ray.cluster_resources().get("GPU"):

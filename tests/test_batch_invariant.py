@@ -16,14 +16,13 @@ import random
 
 import pytest
 import torch
-from helpers import random_samples, tiny_model
+from helpers import EOS, VOCAB, prompts, random_samples, run, tiny_model, train_worker
 
-from tandem.config import AlgoConfig, TrainConfig, load_config
+from tandem.config import load_config
 from tandem.determinism import check_batch_invariance
 from tandem.errors import TandemError
 from tandem.model import batch_invariant as bi
-from tandem.model.checkpoint import resolve_model_path
-from tandem.model.config import ModelConfig
+from tandem.model.config import ModelConfig, resolve_model_path
 from tandem.model.decoder import CausalLM
 from tandem.model.invariance import (
     Paged,
@@ -35,16 +34,12 @@ from tandem.model.invariance import (
 )
 from tandem.model.logprobs import token_logprobs
 from tandem.rollout.engine import BuiltinEngine
-from tandem.rollout.group import make_groups
 from tandem.rollout.paged_engine import PagedEngine
 from tandem.rollout.protocol import SamplingParams
-from tandem.sample import Prompt
 from tandem.train.batch import sequence_logprobs
-from tandem.train.worker import TrainWorker
 
 SIZES = [1, 2, 3, 4, 5, 7, 8, 12, 16, 31, 33, 48, 64]  # batch sizes every path is checked at
 DTYPES = [torch.float32, torch.bfloat16]
-VOCAB, EOS = 50, 2
 TARGET = [int(t) for t in torch.randint(3, VOCAB, (24,), generator=torch.Generator().manual_seed(1))]
 PROMPT = 9  # the target's prompt length where a path needs one
 
@@ -190,11 +185,8 @@ def test_mode_off_is_not_batch_invariant():
 
 
 def engine_samples(engine, count: int, group: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    ids = [torch.randint(3, VOCAB, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
-           for _ in range(count)]  # fmt: skip
     params = SamplingParams(temperature=1.0, max_new_tokens=16)
-    return engine.generate(make_groups([Prompt(text="p")] * count, ids, group), params)
+    return run(engine, prompts(count, seed, longest=11), params, group)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -203,9 +195,7 @@ def test_engine_logprobs_equal_the_trainers_bit_for_bit(dtype):
     a group's shared prompt, the prefix cache, preemption, the CUDA graphs' decode) sample 64
     responses; the TrainWorker's recompute (fp32 masters, compute in `dtype`) gives exactly their
     behaviour logprobs."""
-    trainer = TrainWorker(
-        tiny_model(std=0.3), AlgoConfig(), TrainConfig(micro_batch_tokens=300), 0, dtype=dtype
-    )
+    trainer = train_worker(tiny_model(std=0.3), train=dict(micro_batch_tokens=300), dtype=dtype)
     trainer.compute.batch_invariant = True
     engines = [BuiltinEngine(model_in(dtype), [EOS], 0, max_batch_size=b, seed=b) for b in (1, 3, 64)] + [
         PagedEngine(model_in(dtype), [EOS], 0, block_size=4, max_num_batched_tokens=24, seed=5),
@@ -234,9 +224,8 @@ def test_exact_behaviour_skips_the_recompute_and_trains_as_the_recompute_does(tr
         s.reward = float(s.response_ids[0] % 2)
     workers = []
     for exact in (True, False):
-        cfg = TrainConfig(micro_batch_tokens=300, **train)
-        w = TrainWorker(tiny_model(std=0.3), AlgoConfig(corrections=["tis"]), cfg, 0, dtype=torch.bfloat16,
-                        exact_behaviour=exact)  # fmt: skip
+        algo, cfg = dict(corrections=["tis"]), dict(micro_batch_tokens=300, **train)
+        w = train_worker(tiny_model(std=0.3), algo, cfg, dtype=torch.bfloat16, exact_behaviour=exact)
         w.compute.batch_invariant = True
         workers.append(w)
     calls = []

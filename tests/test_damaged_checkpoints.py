@@ -11,14 +11,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import TINY
 from safetensors.torch import load_file, save_file
-from test_async import TINY
 
 from tandem.cli.main import main
 from tandem.config import load_config
-from tandem.controller import run_training
 from tandem.errors import TandemError
-from tandem.model.checkpoint import load_model, resolve_model_path
+from tandem.model.checkpoint import load_model
+from tandem.model.config import resolve_model_path
+from tandem.runtime.run import run_training
 
 
 class RayStarted(Exception):
@@ -31,7 +32,7 @@ def no_ray(monkeypatch) -> None:
     def start_ray(cfg):
         raise RayStarted
 
-    monkeypatch.setattr("tandem.controller.run.start_ray", start_ray)
+    monkeypatch.setattr("tandem.runtime.run.start_ray", start_ray)
 
 
 def poisoned(tmp_path: Path, value: float) -> Path:
@@ -109,6 +110,7 @@ DAMAGE = {  # what is done to a checkpoint -> the file the refusal must name
 }
 
 
+@pytest.mark.ray  # every test of `trained`: the fixture's run starts Ray
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_resuming_an_explicit_damaged_checkpoint_names_the_file_before_anything_starts(
     damage, trained, tmp_path, monkeypatch, capsys
@@ -125,6 +127,7 @@ def test_resuming_an_explicit_damaged_checkpoint_names_the_file_before_anything_
     assert f"{checkpoint}" in err and named in err, err
 
 
+@pytest.mark.ray
 def test_resume_auto_falls_back_to_the_newest_intact_checkpoint_and_deletes_nothing(
     trained, tmp_path, capsys
 ):
@@ -143,6 +146,7 @@ def test_resume_auto_falls_back_to_the_newest_intact_checkpoint_and_deletes_noth
     assert sorted(p.name for p in checkpoints.iterdir()) == ["final", "latest", "step_1", "step_2"]
 
 
+@pytest.mark.ray
 def test_resume_auto_with_no_intact_checkpoint_refuses_listing_the_damage(
     trained, tmp_path, monkeypatch, capsys
 ):
@@ -157,6 +161,7 @@ def test_resume_auto_with_no_intact_checkpoint_refuses_listing_the_damage(
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == sorted(["latest", *names])
 
 
+@pytest.mark.ray
 def test_resuming_with_fewer_steps_than_the_checkpoint_says_so(trained, tmp_path, monkeypatch, capsys):
     no_ray(monkeypatch)
     copy_run(trained, tmp_path / "default")

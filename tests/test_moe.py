@@ -6,9 +6,9 @@ import copy
 
 import pytest
 import torch
+from helpers import train_worker
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tandem.config import AlgoConfig, TrainConfig
 from tandem.errors import TandemError
 from tandem.model.checkpoint import load_model, save_model
 from tandem.model.config import ModelConfig
@@ -20,7 +20,6 @@ from tandem.rollout.paged_engine import PagedEngine
 from tandem.rollout.protocol import SamplingParams
 from tandem.sample import Prompt
 from tandem.train.batch import packed, padded, score
-from tandem.train.worker import TrainWorker
 
 BASE = dict(
     vocab_size=64,
@@ -181,7 +180,7 @@ def test_a_train_step_replays_and_logs_the_routing_agreement(tmp_path):
     engine.generate(samples, SamplingParams(temperature=1.0, max_new_tokens=6))
     for s in samples:
         s.reward = float(s.response_ids[0] % 2)
-    worker = TrainWorker(load_model(path), AlgoConfig(routing_replay=True), TrainConfig(), 0)
+    worker = train_worker(load_model(path), dict(routing_replay=True))
     metrics = worker.train_step(copy.deepcopy(samples))
     assert metrics["mismatch/routing_agreement"] == 1.0  # the same weights route the same
     assert metrics["mismatch/kl"] < 1e-10
@@ -292,7 +291,7 @@ def test_the_batch_invariant_switch_reaches_every_moe_layer(tmp_path, dtype):
 
 def test_the_shipped_moe_warm_start_is_a_qwen3_moe_with_transformers_logits():
     """builtin:addition-moe loads in transformers (its own class) and in tandem to the same logits."""
-    from tandem.model.checkpoint import resolve_model_path
+    from tandem.model.config import resolve_model_path
 
     path = resolve_model_path("builtin:addition-moe")
     hf = AutoModelForCausalLM.from_pretrained(path).eval()

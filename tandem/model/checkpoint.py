@@ -220,22 +220,3 @@ def save_model(
     (path / INDEX).write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     )
-
-
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
-
-
-def resolve_model_path(spec: str) -> Path:
-    """A checkpoint directory, or "builtin:<task>" for the warm start shipped in tandem/assets."""
-    if not spec.startswith("builtin:"):
-        return Path(spec)
-    name = spec.split(":", 1)[1]
-    path = ASSETS / f"warmstart-{name}"
-    if not path.is_dir():
-        names = sorted(p.name.removeprefix("warmstart-") for p in ASSETS.glob("warmstart-*"))
-        shipped = ", ".join(f"builtin:{n}" for n in names)
-        raise TandemError(
-            f"No built-in model {spec!r}. Built-in models: {shipped or 'none'}; make one with "
-            f"`tandem sft recipes/sft-{name}.yaml` or point model.path at a checkpoint directory."
-        )
-    return path

@@ -252,3 +252,30 @@ def _refuse_what_changes_the_computation(hf: dict[str, Any], source: str) -> Non
             f"{source}: use_sliding_window=true (sliding_window={hf.get('sliding_window')}) is not "
             "supported; tandem's attention is full causal attention on every layer."
         )
+
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+def resolve_model_path(spec: str) -> Path:
+    """A checkpoint directory, or "builtin:<task>" for the warm start shipped in tandem/assets."""
+    if not spec.startswith("builtin:"):
+        return Path(spec)
+    name = spec.split(":", 1)[1]
+    path = ASSETS / f"warmstart-{name}"
+    if not path.is_dir():
+        names = sorted(p.name.removeprefix("warmstart-") for p in ASSETS.glob("warmstart-*"))
+        shipped = ", ".join(f"builtin:{n}" for n in names)
+        raise TandemError(
+            f"No built-in model {spec!r}. Built-in models: {shipped or 'none'}; make one with "
+            f"`tandem sft recipes/sft-{name}.yaml` or point model.path at a checkpoint directory."
+        )
+    return path
+
+
+def model_dir(spec: str) -> Path:
+    """The checkpoint directory model.path names ("builtin:" resolved), or a TandemError."""
+    path = resolve_model_path(spec)
+    if not path.is_dir():
+        raise TandemError(f"Model path {path} (model.path) does not exist or is not a directory.")
+    return path

@@ -1,6 +1,6 @@
 """The rollout engines a run may name, and what the rest of tandem asks about each before one is
 built: config validation, placement and the driver's start-up checks read these traits; the role
-that runs an engine builds it (`tandem.controller.roles.build_engine`). Importing this loads no
+that runs an engine builds it (`tandem.runtime.roles.build_engine`). Importing this loads no
 engine and no model.
 """
 

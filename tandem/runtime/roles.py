@@ -26,8 +26,8 @@ from tandem.data.tokenizer import load_tokenizer
 from tandem.devices import check_runnable
 from tandem.dtypes import DTYPES
 from tandem.errors import TandemError
-from tandem.model.checkpoint import check_checkpoint, load_model, resolve_model_path
-from tandem.model.config import ModelConfig
+from tandem.model.checkpoint import check_checkpoint, load_model
+from tandem.model.config import ModelConfig, model_dir, resolve_model_path
 from tandem.model.decoder import CausalLM
 from tandem.model.experts import set_router_dtype
 from tandem.registry import Registry
@@ -96,7 +96,7 @@ def load_checked_tokenizer(cfg: Config):
         raise TandemError(
             f"The tokenizer of {cfg.model.path} has no EOS token, so responses could never end."
         )
-    config = model_dir(cfg) / "config.json"
+    config = model_dir(cfg.model.path) / "config.json"
     vocab = ModelConfig.load(config.parent).vocab_size
     if len(tokenizer) > vocab:
         raise TandemError(
@@ -108,17 +108,9 @@ def load_checked_tokenizer(cfg: Config):
     return tokenizer
 
 
-def model_dir(cfg: Config) -> Path:
-    """The checkpoint directory model.path names ("builtin:" resolved), or a TandemError."""
-    path = resolve_model_path(cfg.model.path)
-    if not path.is_dir():
-        raise TandemError(f"Model path {path} (model.path) does not exist or is not a directory.")
-    return path
-
-
 def prompt_limit(cfg: Config) -> PromptLimit:
     """The longest prompt the model's context leaves room for, next to rollout.max_new_tokens."""
-    model = ModelConfig.load(model_dir(cfg))
+    model = ModelConfig.load(model_dir(cfg.model.path))
     context = model.max_position_embeddings
     room = context - cfg.rollout.max_new_tokens
     if room < 1:
@@ -141,7 +133,7 @@ def build_data(cfg: Config) -> Data:
     if cfg.rollout.engine == "vllm":  # the rollout actors would fail on it; fail here, in seconds
         require_vllm()
     # The weights' names, shapes and dtypes from their headers: a bad file fails here, not in every actor.
-    model_cfg = check_checkpoint(model_dir(cfg))
+    model_cfg = check_checkpoint(model_dir(cfg.model.path))
     if cfg.algo.routing_replay and not model_cfg.num_experts:
         raise TandemError(
             f"algo.routing_replay=true replays the experts an MoE model's engine routed each token to, "

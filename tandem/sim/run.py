@@ -4,7 +4,7 @@ The GPU count and the placement decide each role's devices: colocated (no placem
 role on all of them, time-shared; else each task group its ratio of them. Engines are
 sim.tensor_parallel GPUs each, so rollout.num_workers = rollout GPUs / tensor_parallel; the train
 workers are simulated as one on all the trainer's GPUs. With no GPU count (run.device=cpu) roles
-get CPU threads as `tandem.controller.placement` gives them, all on placement.num_cpus cores.
+get CPU threads as `tandem.runtime.placement` gives them, all on placement.num_cpus cores.
 """
 
 import os
@@ -14,12 +14,12 @@ from dataclasses import dataclass, field, replace
 from tandem import devices
 from tandem.algo import ADV_ESTIMATORS
 from tandem.config import Config
-from tandem.controller import placement
+from tandem.controller.inputs import Data
 from tandem.controller.loop import Loop
-from tandem.controller.roles import Data
 from tandem.data.loader import PromptLoader
 from tandem.errors import TandemError
-from tandem.model.config import ModelConfig
+from tandem.model.config import ModelConfig, model_dir
+from tandem.runtime import placement
 from tandem.sample import Prompt
 from tandem.sim.cluster import SimCluster
 from tandem.sim.costs import Calibration, Costs, Shape
@@ -114,13 +114,9 @@ def synthetic_data(cfg: Config) -> Data:
 
 
 def shape_of(cfg: Config) -> Shape:
-    return Shape.of(model_config(cfg.sim.model) if cfg.sim.model else ModelConfig.load(_model_dir(cfg)))
-
-
-def _model_dir(cfg: Config):
-    from tandem.controller.roles import model_dir
-
-    return model_dir(cfg)
+    return Shape.of(
+        model_config(cfg.sim.model) if cfg.sim.model else ModelConfig.load(model_dir(cfg.model.path))
+    )
 
 
 @dataclass

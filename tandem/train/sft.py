@@ -13,11 +13,13 @@ import torch
 
 from tandem.agent import build_agent
 from tandem.config import Config
-from tandem.data import build_char_tokenizer, encode_prompts, load_tokenizer, prompts_from_rows
+from tandem.data.dataset import prompts_from_rows
 from tandem.data.tasks import TASKS
+from tandem.data.template import encode_prompts
+from tandem.data.tokenizer import build_char_tokenizer, load_tokenizer
 from tandem.errors import TandemError
-from tandem.model.checkpoint import load_model, resolve_model_path, save_model
-from tandem.model.config import ModelConfig
+from tandem.model.checkpoint import load_model, save_model
+from tandem.model.config import ModelConfig, resolve_model_path
 from tandem.model.decoder import CausalLM, init_weights
 from tandem.paths import check_writable
 from tandem.sample import Sample
