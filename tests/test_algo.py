@@ -378,6 +378,7 @@ def test_the_registries_declare_what_the_rest_of_tandem_asks():
     assert having(CORRECTIONS, "masks") == ["icepop", "mis", "opsm", "seq_mask_tis"]
     assert having(CORRECTIONS, "old_is_behaviour") == ["bypass"]
     assert having(CORRECTIONS, "old_is_prox") == ["decoupled"]
+    assert having(CORRECTIONS, "reads_theta") == ["opsm"]
     assert POLICY_LOSSES.traits("gspo").defaults == {"clip_low": 3e-4, "clip_high": 4e-4}
     assert POLICY_LOSSES.traits("ppo_clip").defaults == {}
 

@@ -20,8 +20,8 @@ Rows are whole sequences, so sequence-level entries give the same result on any 
 into rows.
 
 Each entry declares what the config checks, the trainer and the simulator ask of it
-(`CorrectionTraits`: whether it weights, masks, or changes what π_old is), so none of them compares
-correction names.
+(`CorrectionTraits`: whether it weights, masks, reads π_θ, or changes what π_old is), so none of
+them compares correction names.
 """
 
 import math
@@ -44,6 +44,7 @@ class CorrectionTraits:
     masks: bool = False  # it can drop tokens from the loss mask (the others only weight)
     old_is_behaviour: bool = False  # bypass: π_old is μ, so there is no π_old/μ left to weight by
     old_is_prox: bool = False  # decoupled: π_old is π_prox, which algo.prox_logprob chooses
+    reads_theta: bool = False  # its mask reads π_θ (logp), which costs a forward when it is not π_old
 
 
 CorrectionFn = Callable[..., tuple[Tensor, Tensor, dict[str, float]]]
@@ -180,7 +181,7 @@ def seq_mask_tis_correction(
     return torch.where(kept, w, 0.0), kept.to(mask.dtype), metrics
 
 
-@CORRECTIONS.register("opsm", masks=True)
+@CORRECTIONS.register("opsm", masks=True, reads_theta=True)
 def opsm_correction(
     logp: Tensor,
     old_logp: Tensor,
