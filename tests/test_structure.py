@@ -97,6 +97,10 @@ HEAVY = (
 SHAPE_ONLY = ("tandem.model", "tandem.model.config", "tandem.model.rope")
 
 
+def heavy(module: str) -> bool:
+    return any(module == h or module.startswith(h + ".") for h in HEAVY)
+
+
 def loaded_by(module: str) -> list[str]:
     code = f"import sys, {module}; print(' '.join(m for m in sys.modules if m.startswith('tandem')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -104,13 +108,13 @@ def loaded_by(module: str) -> list[str]:
 
 
 def test_the_driver_loop_loads_no_model_trainer_or_engine():
-    heavy = [m for m in loaded_by("tandem.controller.loop") if m.startswith(HEAVY)]
-    assert heavy == [], f"importing tandem.controller.loop loads {heavy}"
+    loaded = [m for m in loaded_by("tandem.controller.loop") if heavy(m)]
+    assert loaded == [], f"importing tandem.controller.loop loads {loaded}"
 
 
 def test_the_simulator_loads_a_model_shape_but_no_model_trainer_or_engine():
-    heavy = [m for m in loaded_by("tandem.sim") if m.startswith(HEAVY) and m not in SHAPE_ONLY]
-    assert heavy == [], f"importing tandem.sim loads {heavy}"
+    loaded = [m for m in loaded_by("tandem.sim") if heavy(m) and m not in SHAPE_ONLY]
+    assert loaded == [], f"importing tandem.sim loads {loaded}"
 
 
 def test_no_function_in_the_package_is_longer_than_60_lines():
@@ -137,3 +141,10 @@ def test_the_driver_names_worker_methods_only_in_its_call_table():
             if isinstance(node, ast.Constant) and node.value in methods:
                 found.append(f"{path.name}:{node.lineno} {node.value!r}")
     assert found == []
+
+
+def test_every_engine_the_config_accepts_has_a_builder():
+    from tandem.rollout.engines import ENGINES
+    from tandem.runtime.roles import ENGINE_BUILDERS
+
+    assert ENGINE_BUILDERS.names() == ENGINES.names()

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from tandem.algo import ADV_ESTIMATORS
 from tandem.config import Config
 from tandem.errors import TandemError
+from tandem.rollout.engines import ENGINES
 from tandem.sync import TRANSPORTS
 
 # The driver and the reward actor are light; the reward pool's processes run outside any bundle.
@@ -111,8 +112,8 @@ def _grouped(cfg: Config, counts: dict[str, int], total_cpus: float, total_gpus:
         gpus = _gpu_part(ratio * total_gpus / actors, group, actors) if total_gpus else 0.0
         threads = max(1, round(total_cpus if colocated else cpus))
         for task in group:
-            vllm = not total_gpus and task == "generate" and cfg.rollout.engine == "vllm"
-            own = 1.0 if vllm else gpus  # with the rest on the CPU, vLLM still needs a GPU of its own
+            gpu_engine = not total_gpus and task == "generate" and ENGINES.get(cfg.rollout.engine).needs_gpu
+            own = 1.0 if gpu_engine else gpus  # with the rest on the CPU, vLLM still needs a GPU of its own
             for rank in range(counts[task]):
                 slots.append(Slot(task, rank, cpus, threads, bundle=len(slots), gpus=own))
     return slots

@@ -34,8 +34,9 @@ from tandem.registry import Registry
 from tandem.reward.verifiers import VERIFIERS
 from tandem.rollout.base import RolloutEngine
 from tandem.rollout.engine import BuiltinEngine
+from tandem.rollout.engines import ENGINES
 from tandem.rollout.paged_engine import PagedEngine
-from tandem.rollout.vllm_config import choose_logprobs_mode, require_vllm
+from tandem.rollout.vllm_config import choose_logprobs_mode
 from tandem.rollout.vllm_engine import VLLMEngine
 from tandem.rollout.worker import RolloutWorker
 from tandem.runtime.memory import check_memory, machine_memory
@@ -130,8 +131,8 @@ def prompt_limit(cfg: Config) -> PromptLimit:
 
 def build_data(cfg: Config) -> Data:
     check_training(cfg)
-    if cfg.rollout.engine == "vllm":  # the rollout actors would fail on it; fail here, in seconds
-        require_vllm()
+    # An engine whose package is missing would fail in every rollout actor: fail here, in seconds.
+    ENGINES.get(cfg.rollout.engine).check_installed()
     # The weights' names, shapes and dtypes from their headers: a bad file fails here, not in every actor.
     model_cfg = check_checkpoint(model_dir(cfg.model.path))
     if cfg.algo.routing_replay and not model_cfg.num_experts:
