@@ -335,8 +335,8 @@ def test_micro_batches_give_the_single_batch_loss_and_gradients_with_corrections
     # SGD: Adam's first step is about lr·sign(g), which turns float noise in a gradient that is 0
     # in exact arithmetic into a real weight difference, and the second update would inherit it.
     for w in (whole, split):
-        w.optimizer = torch.optim.SGD(w.model.parameters(), lr=0.5)
-        w.scheduler = torch.optim.lr_scheduler.LambdaLR(w.optimizer, lambda _: 1.0)
+        w.learner.optimizer = torch.optim.SGD(w.model.parameters(), lr=0.5)
+        w.learner.scheduler = torch.optim.lr_scheduler.LambdaLR(w.learner.optimizer, lambda _: 1.0)
     m_whole, m_split = whole.train_step(samples), split.train_step(samples)
     assert m_whole.keys() == m_split.keys()
     assert any(k.startswith("correction/") for k in m_whole) or algo["corrections"] == ["seq_tis"]

@@ -196,7 +196,7 @@ def test_bf16_compute_keeps_fp32_master_weights_that_small_steps_move():
         w.train_step(samples)
     weights = dict(w.named_weights())
     assert all(t.dtype == torch.float32 for t in weights.values())
-    assert all(s["exp_avg_sq"].dtype == torch.float32 for s in w.optimizer.state.values())
+    assert all(s["exp_avg_sq"].dtype == torch.float32 for s in w.learner.optimizer.state.values())
     # What a push sends to a bf16 engine: the masters, rounded once. Many weights have moved.
     moved = (weights[w_q].to(torch.bfloat16) != start[w_q]).float().mean()
     assert moved > 0.5, float(moved)  # 0.80 here; stepping bf16 weights directly moves 0.04

@@ -34,7 +34,8 @@ def _rank(
     local = {
         n: p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for n, p in w.model.named_parameters()
     }
-    state = [t for s in w.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+    moments = w.learner.optimizer.state.values()
+    state = [t for s in moments for t in s.values() if torch.is_tensor(t) and t.dim()]
     optimizer_bytes = sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in state)
     torch.save(
         {"metrics": metrics, "weights": w.full_weights(), "grads": local, "optimizer_bytes": optimizer_bytes},

@@ -27,6 +27,7 @@ them compares correction names.
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 from torch import Tensor
@@ -274,15 +275,24 @@ def apply_corrections(
     return torch.where(keep, weight, 0.0).detach(), keep.to(mask.dtype), metrics
 
 
-def old_logprob_source(names: Sequence[str], prox_logprob: str = "recompute") -> str:
-    """Where the PPO ratio's π_old comes from: "behaviour" (bypass: μ), "interpolate" (decoupled
-    with prox_logprob=interpolate) or "recompute" (the trainer's forward pass at step start).
-    Only "recompute" costs a forward pass."""
+class OldSource(str, Enum):
+    """Where a step's π_old comes from; the trainer logs actor/old_logprob_source/<value> = 1."""
+
+    RECOMPUTE = "recompute"  # the trainer's forward pass at step start
+    POLICY = "policy"  # π_θ detached, from the update's own forward (an exactly on-policy step)
+    BEHAVIOUR = "behaviour"  # μ: bypass, or the engine's logprobs when they are exact
+    INTERPOLATE = "interpolate"  # decoupled's π_prox, between μ and π_θ
+
+
+def old_logprob_source(names: Sequence[str], prox_logprob: str = "recompute") -> OldSource:
+    """Where the corrections `names` take the PPO ratio's π_old from: BEHAVIOUR (bypass: μ),
+    INTERPOLATE (decoupled with prox_logprob=interpolate) or RECOMPUTE (the trainer's forward pass
+    at step start). Only RECOMPUTE costs a forward pass."""
     if "bypass" in names:
-        return "behaviour"
+        return OldSource.BEHAVIOUR
     if "decoupled" in names and prox_logprob == "interpolate":
-        return "interpolate"
-    return "recompute"
+        return OldSource.INTERPOLATE
+    return OldSource.RECOMPUTE
 
 
 def interpolate_prox_logp(

@@ -10,7 +10,7 @@ one call at a time. The simulator's samples carry lengths, not tokens: `response
 
 import math
 
-from tandem.algo.corrections import CORRECTIONS, old_logprob_source
+from tandem.algo.corrections import CORRECTIONS, OldSource, old_logprob_source
 from tandem.config import Config
 from tandem.controller.timeline import Span
 from tandem.sample import Sample, Status
@@ -232,7 +232,7 @@ class SimTrainer(DeviceWorker):
     def recomputes(self, batch: list[Sample]) -> bool:
         """π_old needs a forward of its own, by `tandem.train.worker`'s rule: unless bypassed or
         interpolated, or the step is exactly on-policy with one update."""
-        if self.source != "recompute":
+        if self.source is not OldSource.RECOMPUTE:
             return False
         t = self.cfg.train
         one_update = t.epochs == 1 and (t.mini_batch_size or len(batch)) >= len(batch)

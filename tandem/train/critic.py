@@ -6,8 +6,8 @@ predicts response token t, i.e. the state before the token is chosen. `estimate`
 values of a batch, then GAE's advantages and returns where the values are (algo.gamma, algo.lam)
 and hands the whitened advantages to the policy's trainers in `Sample.token_advantages`;
 `train_step` then fits the values to those returns with PPO's clipped value loss, on its own
-optimizer. The worker is a `TrainWorker` for everything but the loss: the same fp32 master weights
-and compute dtype, device, micro-batching, gradient clipping and resumable state.
+optimizer. The worker is the value loss on a `Learner` of its own, the policy's kind: the same fp32
+master weights and compute dtype, device, micro-batching, gradient clipping and resumable state.
 """
 
 import copy
@@ -18,10 +18,11 @@ import torch
 from torch import Tensor, nn
 
 from tandem.algo import aggregate, gae, masked_mean, masked_var, masked_whiten
+from tandem.config import AlgoConfig, TrainConfig
 from tandem.model.decoder import CausalLM
 from tandem.sample import Sample
 from tandem.train.batch import pad_rows
-from tandem.train.worker import TrainWorker
+from tandem.train.learner import Learner, loss_counts
 
 
 def value_model(policy: CausalLM) -> CausalLM:
@@ -34,28 +35,45 @@ def value_model(policy: CausalLM) -> CausalLM:
     return critic
 
 
-class CriticWorker(TrainWorker):
+class CriticWorker:
     """Values, GAE and the value update. vf_clip: the clip range of the values around their old
     ones in the loss (verl's cliprange_value); gamma, lam: GAE's."""
 
-    def __init__(self, model: CausalLM, *args, vf_clip: float, gamma: float, lam: float, **kwargs):
-        super().__init__(model, *args, keep_ref=False, **kwargs)
+    def __init__(
+        self,
+        model: CausalLM,
+        algo: AlgoConfig,
+        train: TrainConfig,
+        pad_token_id: int,
+        *,
+        vf_clip: float,
+        gamma: float,
+        lam: float,
+        total_updates: int = 1,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        """model: the value model (`value_model`) in fp32; the rest as `TrainWorker`'s."""
+        self.learner = Learner(model, train, pad_token_id, total_updates, seed, device, dtype)
+        self.algo, self.cfg = algo, train
         self.vf_clip, self.gamma, self.lam = vf_clip, gamma, lam
+        self.version = 0
         self._batch: tuple[list[Sample], Tensor, Tensor] | None = None  # (samples, values, returns)
 
-    @torch.no_grad()
+    def parallelize(self, group) -> None:
+        """Join the critic's data-parallel group, before the first step (`Learner.parallelize`)."""
+        self.learner.parallelize(group)
+
     def values(self, samples: list[Sample]) -> Tensor:
         """V(s_t) of every response token -> (B, R_max), 0 past each response's end."""
-        width = max(max(len(s.response_ids) for s in samples), 1)
-        out = torch.zeros(len(samples), width)
-        for part in self._plan(samples):
-            values = self._forward(self.compute, [samples[i] for i in part or [0]], width)
-            if part:
-                out[part] = values.cpu()
-        return self._all_reduce(out)
+        return self.learner.per_token(
+            samples, lambda chunk, width: self._forward(self.learner.compute, chunk, width)
+        )
 
     def _forward(self, model: nn.Module, samples: list[Sample], width: int) -> Tensor:
-        rows = self._rows(samples)
+        """V(s_t) of the samples' response tokens under `model` -> (b, width)."""
+        rows = self.learner.rows(samples)
         v = model(rows.ids, rows.positions, rows.mask).flatten()[rows.targets.index]  # (N,)
         return v.new_zeros(rows.size, width).index_put((rows.row, rows.col), v)
 
@@ -90,14 +108,14 @@ class CriticWorker(TrainWorker):
         sums: dict[str, float] = defaultdict(float)
         updates = 0
         for _ in range(self.cfg.epochs):
-            for rows in self._mini_batches(len(samples)):
+            for rows in self.learner.mini_batches(len(samples)):
                 for k, v in self._value_update(samples, rows, mask, old, returns).items():
                     sums[k] += v
                 updates += 1
         self.version += 1
         metrics = {k: v / updates for k, v in sums.items()}
         metrics["critic/vf_explained_var"] = float(explained_variance(old, returns, mask))
-        metrics["critic/lr"] = self.scheduler.get_last_lr()[0]
+        metrics["critic/lr"] = self.learner.scheduler.get_last_lr()[0]
         return metrics
 
     def _value_update(
@@ -105,25 +123,26 @@ class CriticWorker(TrainWorker):
     ) -> dict[str, float]:
         chosen = [samples[i] for i in rows]
         m, v_old, g = mask[rows], old[rows], returns[rows]
-        counts = self._counts(m)
+        counts = loss_counts(m)
 
-        def micro_loss(part: list[int]) -> tuple[Tensor, dict[str, float]]:
+        def micro_loss(part: list[int]) -> tuple[Tensor, dict[str, float], None]:
             return self._value_micro_loss(chosen, part, m, v_old, g, counts)
 
-        sums = self._accumulate(chosen, micro_loss)
-        sums["critic/grad_norm"] = self._optimizer_step()
+        sums, _ = self.learner.accumulate(chosen, micro_loss)
+        sums["critic/grad_norm"] = self.learner.step()
         return sums
 
     def _value_micro_loss(
         self, chosen: list[Sample], part: list[int], mask: Tensor, old: Tensor, returns: Tensor, counts: dict
-    ) -> tuple[Tensor, dict[str, float]]:
-        """One micro-batch's share of the value loss; an empty `part` is a dummy forward of row 0."""
-        vpred = self._forward(self.module, [chosen[i] for i in part or [0]], mask.shape[1])
+    ) -> tuple[Tensor, dict[str, float], None]:
+        """One micro-batch's share of the value loss and of the metrics (no output to hand back);
+        an empty `part` is a dummy forward of row 0."""
+        vpred = self._forward(self.learner.module, [chosen[i] for i in part or [0]], mask.shape[1])
         if not part:
-            return vpred.sum() * 0.0, {}
+            return vpred.sum() * 0.0, {}, None
         idx, device = torch.tensor(part), vpred.device
         old, returns, mask = old[idx].to(device), returns[idx].to(device), mask[idx].to(device)
-        return value_loss(vpred, old, returns, mask, self.vf_clip, self.algo.loss_agg, counts)
+        return *value_loss(vpred, old, returns, mask, self.vf_clip, self.algo.loss_agg, counts), None
 
 
 def value_loss(

@@ -1,5 +1,7 @@
 """A train worker's resumable state: master weights, optimizer, LR schedule, samplers and RNGs.
 
+The worker's `Learner` saves and loads it (`Learner.save`, `Learner.load`); here are the
+checkpoint's layout, the process's RNGs and the checks of a checkpoint before loading it.
 The weights and Adam's moments go through `torch.distributed.checkpoint` (DCP), whatever the
 strategy: under fsdp2 every rank writes only its own shards (no rank ever holds the whole optimizer
 state), and a DCP checkpoint loads into another world size too. The rest is small and per rank:
@@ -10,16 +12,13 @@ computes exactly what it would have computed without the interruption.
 """
 
 import random
-import warnings
 import zipfile
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 SHARDS = "trainer"  # the policy's DCP directory inside a checkpoint
 CRITIC = "critic"  # the value model's (algo.adv_estimator=gae)
@@ -43,46 +42,14 @@ def set_rng_states(state: dict[str, Any]) -> None:
 
 def save_state(worker, path: Path, directory: str = SHARDS) -> None:
     """Every rank, collectively: `path/<directory>/` (DCP: master weights and optimizer state, each
-    rank its shards) and `path/<directory>/rank_<r>.pt` (the rest of this rank's state)."""
-    model_sd, optim_sd = get_state_dict(worker.model, [worker.optimizer])
-    group = worker.dp_group
-    with _one_process_is_fine():
-        dcp.save(
-            {"model": model_sd, "optim": optim_sd},
-            checkpoint_id=path / directory,
-            process_group=group,
-            no_dist=group is None,
-        )
-    own = {
-        "version": worker.version,
-        "skipped_steps": worker.skipped_steps,
-        "scheduler": worker.scheduler.state_dict(),
-        "generator": worker.generator.get_state(),
-        "rng": rng_states(),
-    }
-    torch.save(own, path / directory / f"rank_{worker.rank}.pt")
+    rank its shards) and `path/<directory>/rank_<r>.pt` (the rest of this rank's state).
+    worker: a `TrainWorker` or `CriticWorker` (its `learner` and its `version`)."""
+    worker.learner.save(path / directory, {"version": worker.version})
 
 
 def load_state(worker, path: Path, directory: str = SHARDS) -> None:
     """Every rank, collectively, after `parallelize`: the state `save_state` wrote into `path`."""
-    model_sd, optim_sd = get_state_dict(worker.model, [worker.optimizer])
-    state = {"model": model_sd, "optim": optim_sd}
-    group = worker.dp_group
-    with _one_process_is_fine():
-        dcp.load(state, checkpoint_id=path / directory, process_group=group, no_dist=group is None)
-    set_state_dict(
-        worker.model, [worker.optimizer], model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
-    if worker.masters is not None:  # the compute copy takes the loaded masters, rounded once
-        worker.masters.refresh()
-    own_file = path / directory / f"rank_{worker.rank}.pt"
-    if not own_file.exists():  # a checkpoint of fewer ranks: rank 0's schedule is every rank's
-        own_file = path / directory / "rank_0.pt"
-    own = torch.load(own_file, weights_only=False)  # our own file: NumPy's RNG state is not a tensor
-    worker.version, worker.skipped_steps = own["version"], own["skipped_steps"]
-    worker.scheduler.load_state_dict(own["scheduler"])
-    worker.generator.set_state(own["generator"])
-    set_rng_states(own["rng"])
+    worker.version = worker.learner.load(path / directory)["version"]
 
 
 def damaged_state(path: Path, directory: str = SHARDS, ranks: int = 1) -> list[str]:
@@ -126,11 +93,3 @@ def torch_file_damage(file: Path) -> str | None:
 def saved_version(path: Path, directory: str = SHARDS) -> int:
     """The policy version a checkpoint's rank 0 saved (after `damaged_state` found nothing)."""
     return torch.load(path / directory / "rank_0.pt", weights_only=False)["version"]
-
-
-@contextmanager
-def _one_process_is_fine():
-    """DCP warns that it assumes one process when no process group exists: here that is the intent."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield

@@ -7,18 +7,17 @@ advantages come from the rewards; each mini-batch is split into micro-batches by
 packed without padding, and its gradients accumulated, so the result does not depend on the split.
 With data parallelism (`parallelize`) every rank gets the whole batch and works on its shard of
 each mini-batch's rows. The off-policy corrections (`algo.corrections`) weight and mask the pg loss.
+The worker is the policy's loss; its `Learner` keeps the weights and steps them.
 """
 
 import copy
-import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from tandem.algo import (
     ADV_ESTIMATORS,
@@ -30,17 +29,13 @@ from tandem.algo import (
     mismatch_metrics,
     old_logprob_source,
 )
-from tandem.algo.corrections import MASKING
+from tandem.algo.corrections import MASKING, OldSource
 from tandem.config import AlgoConfig, TrainConfig
 from tandem.errors import TandemError
 from tandem.model.decoder import CausalLM
 from tandem.sample import Sample
-from tandem.train import parallel
-from tandem.train.batch import Rows, packed, pad_rows, padded, rank_micro_batches, score
-from tandem.train.optim import make_optimizer, make_scheduler
-
-# Where a step's π_old came from, logged as actor/old_logprob_source/<name> = 1.
-OLD_SOURCES = ("recompute", "policy", "behaviour", "interpolate")
+from tandem.train.batch import pad_rows, score
+from tandem.train.learner import Learner, loss_counts
 
 
 @dataclass
@@ -56,8 +51,23 @@ class MiniBatch:
     old: Tensor | None  # π_old recomputed at step start; None when nothing was recomputed
     ref: Tensor | None
 
+    def take(self, rows: Tensor) -> "MiniBatch":
+        """The mini-batch of these rows of this one (indices into its rows)."""
+        return MiniBatch(
+            [self.samples[i] for i in rows],
+            self.rows[rows],
+            self.mask[rows],
+            self.adv[rows],
+            self.behaviour[rows],
+            self.versions[rows],
+            self.old[rows] if self.old is not None else None,
+            self.ref[rows] if self.ref is not None else None,
+        )
+
 
 class TrainWorker:
+    """The policy's loss on a `Learner` (precision, parallelism, accumulation, optimizer, state)."""
+
     def __init__(
         self,
         model: CausalLM,
@@ -78,33 +88,17 @@ class TrainWorker:
         exact_behaviour: the engine's logprobs of tokens sampled by this trainer's current version
         equal its own bit for bit (run.deterministic, the same dtype, raw logprobs), so a step on
         such tokens takes μ as π_old, whatever its mini-batches and epochs, and never recomputes."""
-        if any(p.dtype != torch.float32 for p in model.parameters()):
-            raise TandemError("The trainer keeps fp32 master weights: load the policy in float32.")
-        self.device, self.dtype = torch.device(device), dtype
-        self.model = model.to(self.device).train()  # the fp32 master weights
-        # What forward and backward run on: the masters themselves in fp32 and under fsdp2 (whose
-        # policy casts), else a copy in the compute dtype whose gradients go to the masters.
-        self.masters = None
-        if dtype != torch.float32 and train.strategy != "fsdp2":
-            self.masters = parallel.MasterWeights(self.model, dtype)
-        self.compute = self.masters.compute if self.masters else self.model
-        self.algo, self.cfg = algo, train
-        self.pad_token_id = pad_token_id
-        self.temperature = temperature if temperature > 0 else 1.0
         # The reference policy is the initial one, frozen, in the compute dtype (it is never updated,
-        # so nothing rounds away); it is only kept when a KL term needs it.
+        # so nothing rounds away); it is only kept when a KL term needs it. Copied before the learner
+        # applies activation checkpointing to the model's layers.
         self.ref_model = None
         if algo.kl_coef > 0 and keep_ref:
-            self.ref_model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
-        if train.gradient_checkpointing:
-            parallel.apply_ac(self.compute)
-        self.module: torch.nn.Module = self.compute  # what the loss's forward runs through (DDP wraps it)
-        self.sharded = False
-        self.total_updates = total_updates
-        self._make_optimizer()
-        self.generator = torch.Generator().manual_seed(seed)
+            self.ref_model = copy.deepcopy(model).to(torch.device(device)).to(dtype)
+            self.ref_model.eval().requires_grad_(False)
+        self.learner = Learner(model, train, pad_token_id, total_updates, seed, device, dtype)
+        self.algo, self.cfg = algo, train
+        self.temperature = temperature if temperature > 0 else 1.0
         self.version = 0
-        self.skipped_steps = 0
         # seq-mean-token-sum-norm divides by a constant length (Dr. GRPO); the longest response
         # allowed, when known, so the scale does not drift with each batch's longest response.
         self.norm_len = norm_len
@@ -114,73 +108,45 @@ class TrainWorker:
             cap=algo.correction_cap, low=algo.mis_low, high=algo.mis_high, delta=algo.opsm_delta
         )
         self.exact_behaviour = exact_behaviour
-        self.dp_group, self.rank, self.world = None, 0, 1
 
-    def _make_optimizer(self) -> None:
-        t = self.cfg
-        self.optimizer = make_optimizer(self.model, t.lr, t.betas, t.weight_decay)
-        self.scheduler = make_scheduler(
-            self.optimizer, t.warmup_steps, self.total_updates, t.schedule, t.min_lr_ratio
-        )
+    @property
+    def model(self) -> CausalLM:
+        """The fp32 master weights (under fsdp2, this rank's shards)."""
+        return self.learner.model
+
+    @property
+    def compute(self) -> nn.Module:
+        """What forward and backward run on: the masters, or their copy in the compute dtype."""
+        return self.learner.compute
+
+    @property
+    def rank(self) -> int:
+        return self.learner.rank
 
     def parallelize(self, group) -> None:
-        """Join a data-parallel group under train.strategy (before the first step): ddp wraps the
-        model in DistributedDataParallel, fsdp2 shards it (then the optimizer is built anew over
-        the shards). The losses divide by counts of the whole mini-batch and are scaled by the
-        world size, so the ranks' averaged gradient is exactly the single-worker gradient."""
-        self.dp_group = group
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        if self.cfg.strategy == "fsdp2":
-            parallel.apply_fsdp(self.model, group, self.dtype, self.cfg.offload)
-            self.sharded = True
-            self._make_optimizer()
-        elif self.world > 1:
-            self.module = parallel.apply_ddp(self.compute, group)
-
-    def _all_reduce(self, t: Tensor) -> Tensor:
-        if self.dp_group is not None and self.world > 1:
-            dist.all_reduce(t, group=self.dp_group)
-        return t
+        """Join a data-parallel group under train.strategy, before the first step (`Learner.parallelize`)."""
+        self.learner.parallelize(group)
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """Parameters by Hugging Face name, for weight sync; under fsdp2 they are this rank's shards
-        (DTensors): `parallel.full_tensor` gathers one."""
-        for name, p in self.model.named_parameters():
-            yield name, p.detach()
+        """Parameters by Hugging Face name, for weight sync (`Learner.named_weights`)."""
+        return self.learner.named_weights()
 
     def full_weights(self) -> dict[str, Tensor]:
-        """Every parameter whole, on the CPU, gathered one at a time (collective under fsdp2)."""
-        return parallel.gather(self.named_weights())
+        """Every parameter whole, on the CPU (collective under fsdp2)."""
+        return self.learner.full_weights()
 
     def gather_weights(self, names: list[str]) -> None:
         """Take part in another rank's gathering of these tensors, in its order (fsdp2; else a no-op)."""
-        if self.sharded:
-            params = dict(self.named_weights())
-            for name in names:
-                parallel.full_tensor(params[name])
+        self.learner.gather_weights(names)
 
-    def _rows(self, samples: list[Sample]) -> Rows:
-        if self.cfg.padding_free:
-            return packed(samples, self.device, self.temperature)
-        return padded(samples, self.pad_token_id, self.device, self.temperature)
-
-    def _plan(self, samples: list[Sample]) -> list[list[int]]:
-        """This rank's micro-batches of `samples` (see `batch.rank_micro_batches`)."""
-        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-        budget, pad = self.cfg.micro_batch_tokens, not self.cfg.padding_free
-        return rank_micro_batches(lengths, budget, pad, self.rank, self.world)
-
-    @torch.no_grad()
-    def compute_logprobs(self, samples: list[Sample], model: torch.nn.Module | None = None) -> Tensor:
+    def compute_logprobs(self, samples: list[Sample], model: nn.Module | None = None) -> Tensor:
         """Logprobs of every response token under `model` (default: the policy) -> (B, R_max)."""
-        model = model or self.compute
-        width = max(max(len(s.response_ids) for s in samples), 1)
-        out = torch.zeros(len(samples), width)
-        for part in self._plan(samples):
-            logp, _ = score(model, self._rows([samples[i] for i in part or [0]]), width)
-            if part:
-                out[part] = logp.cpu()
-        return self._all_reduce(out)  # each row is non-zero on one rank only
+        model = model or self.learner.compute
+
+        def logprobs(chunk: list[Sample], width: int) -> Tensor:
+            return score(model, self.learner.rows(chunk, self.temperature), width)[0]
+
+        return self.learner.per_token(samples, logprobs)
 
     def advantages(self, samples: list[Sample], mask: Tensor) -> Tensor:
         """(B, R) advantages from the samples' rewards and groups, or (gae) the critic's per token;
@@ -204,80 +170,87 @@ class TrainWorker:
 
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
         """One RL update on a batch of finished, rewarded samples -> metrics."""
-        if self.cfg.strategy == "fsdp2" and not self.sharded:
+        if self.cfg.strategy == "fsdp2" and not self.learner.sharded:
             raise TandemError("train.strategy=fsdp2: call parallelize(group) before the first step.")
         self._check_samples(samples)
+        source = self._step_source(samples)
+        # bypass (π_old = μ), interpolated π_prox and an exactly on-policy step need no forward of their own.
+        start = time.perf_counter()
+        old = self.compute_logprobs(samples) if source is OldSource.RECOMPUTE else None
+        logp_s = time.perf_counter() - start if old is not None else 0.0  # no recompute: no logp span
+        batch = self._batch(samples, old)
+        skipped = self.learner.skipped_steps
+        sums, updates, first = self._updates(batch, source)
+        self.version += 1
+        metrics = {k: v / updates for k, v in sums.items()}
+        metrics["actor/lr"] = self.learner.scheduler.get_last_lr()[0]
+        metrics["actor/skipped_steps"] = float(self.learner.skipped_steps)
+        # the share of this step's updates that were skipped
+        metrics["actor/skipped_fraction"] = (self.learner.skipped_steps - skipped) / updates
+        metrics["timing_s/logp"] = logp_s
+        metrics.update({f"actor/old_logprob_source/{n.value}": float(n is source) for n in OldSource})
+        metrics.update(advantage_metrics(batch.adv, batch.mask))
+        metrics.update(self._mismatch(batch, source, *first))
+        return metrics
+
+    def _batch(self, samples: list[Sample], old: Tensor | None) -> MiniBatch:
+        """The step's whole batch: its per-token tensors (B, R), with π_old recomputed (or None),
+        the reference logprobs and the advantages."""
         width = max(max(len(s.response_ids) for s in samples), 1)
         mask = pad_rows([s.loss_mask for s in samples], width)
         behaviour = pad_rows([s.logprobs for s in samples], width)
         versions = pad_rows([s.versions for s in samples], width)
-        source = self._step_source(samples)
-        # bypass (π_old = μ), interpolated π_prox and an exactly on-policy step need no forward of their own.
-        start = time.perf_counter()
-        old = self.compute_logprobs(samples) if source == "recompute" else None
-        logp_s = time.perf_counter() - start if old is not None else 0.0  # no recompute: no logp span
         ref = self._ref_logprobs(samples, width)
         adv = self.advantages(samples, mask)
-        self._theta = torch.zeros(len(samples), width)  # π_θ detached, as the forwards compute it
-        sums: dict[str, float] = defaultdict(float)
-        updates, skipped = 0, self.skipped_steps
-        for _ in range(self.cfg.epochs):
-            for rows in self._mini_batches(len(samples)):
-                batch = MiniBatch(
-                    [samples[i] for i in rows],
-                    rows,
-                    mask[rows],
-                    adv[rows],
-                    behaviour[rows],
-                    versions[rows],
-                    old[rows] if old is not None else None,
-                    ref[rows] if ref is not None else None,
-                )
-                for k, v in self._update(batch, source, first=updates == 0).items():
-                    sums[k] += v
-                if updates == 0:  # π_θ of the step-start weights on these rows: π_old
-                    first_rows, first_theta = rows, self._theta[rows].clone()
-                updates += 1
-        self.version += 1
-        metrics = {k: v / updates for k, v in sums.items()}
-        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
-        metrics["actor/skipped_steps"] = float(self.skipped_steps)
-        metrics["actor/skipped_fraction"] = (self.skipped_steps - skipped) / updates  # of this step's updates
-        metrics["timing_s/logp"] = logp_s
-        metrics.update({f"actor/old_logprob_source/{n}": float(n == source) for n in OLD_SOURCES})
-        valid = adv[mask > 0]  # over the tokens trained on, as verl reports them
-        if valid.numel():
-            metrics.update(
-                {
-                    "critic/advantages/mean": float(valid.mean()),
-                    "critic/advantages/max": float(valid.max()),
-                    "critic/advantages/min": float(valid.min()),
-                }
-            )
-        # π_old held against μ: the recompute, or, where π_old is exactly on-policy (π_θ or an exact
-        # μ), π_θ of the first update's forwards, on its rows. Without either (bypass, interpolate)
-        # there is nothing to compare: no mismatch/*.
-        if source == "policy" or (source == "behaviour" and self.old_source == "recompute"):
-            old = self._all_reduce(first_theta)  # each row is non-zero on one rank only
-            behaviour, mask = behaviour[first_rows], mask[first_rows]
-        if old is not None:
-            metrics.update(mismatch_metrics(old, behaviour, mask))
-        return metrics
+        return MiniBatch(samples, torch.arange(len(samples)), mask, adv, behaviour, versions, old, ref)
 
-    def _step_source(self, samples: list[Sample]) -> str:
-        """Where this step's π_old comes from: "policy" (π_θ detached) when the step is exactly
-        on-policy with one update; "behaviour" (μ) when every token was sampled by this version and
+    def _updates(
+        self, batch: MiniBatch, source: OldSource
+    ) -> tuple[dict[str, float], int, tuple[MiniBatch, Tensor]]:
+        """Every epoch's optimizer steps over the batch's mini-batches -> the sums of their metrics,
+        their count, and the first one's mini-batch with π_θ (b, R) as its forwards computed it:
+        the step-start weights', π_old."""
+        sums: dict[str, float] = defaultdict(float)
+        updates, first = 0, None
+        for _ in range(self.cfg.epochs):
+            for rows in self.learner.mini_batches(len(batch.samples)):
+                mini = batch.take(rows)
+                step, theta = self._update(mini, source, first=updates == 0)
+                for k, v in step.items():
+                    sums[k] += v
+                if first is None:
+                    first = (mini, theta)
+                updates += 1
+        return sums, updates, first
+
+    def _mismatch(
+        self, batch: MiniBatch, source: OldSource, first: MiniBatch, theta: Tensor
+    ) -> dict[str, float]:
+        """π_old held against μ: the recompute, or, where π_old is exactly on-policy (π_θ or an exact
+        μ), π_θ of the first update's forwards (`theta`), on its rows (`first`). Without either
+        (bypass, interpolate) there is nothing to compare: no mismatch/*."""
+        old, behaviour, mask = batch.old, batch.behaviour, batch.mask
+        exact = source is OldSource.BEHAVIOUR and self.old_source is OldSource.RECOMPUTE
+        if source is OldSource.POLICY or exact:
+            old = self.learner.all_reduce(theta)  # each row is non-zero on one rank only
+            behaviour, mask = first.behaviour, first.mask
+        return mismatch_metrics(old, behaviour, mask) if old is not None else {}
+
+    def _step_source(self, samples: list[Sample]) -> OldSource:
+        """Where this step's π_old comes from: POLICY (π_θ detached) when the step is exactly
+        on-policy with one update; BEHAVIOUR (μ) when every token was sampled by this version and
         μ is exact (`exact_behaviour`); else the configured source (`self.old_source`)."""
         if self._on_policy(samples):
-            return "policy"
-        exact = self.exact_behaviour and self.old_source == "recompute" and self._sampled_now(samples)
-        return "behaviour" if exact else self.old_source
+            return OldSource.POLICY
+        recompute = self.old_source is OldSource.RECOMPUTE
+        exact = self.exact_behaviour and recompute and self._sampled_now(samples)
+        return OldSource.BEHAVIOUR if exact else self.old_source
 
     def _on_policy(self, samples: list[Sample]) -> bool:
         """True when π_old is exactly π_θ at the step's only update: every token was sampled by this
         version, one mini-batch, one epoch, and no correction masks by π_old before the forward."""
         return (
-            self.old_source == "recompute"
+            self.old_source is OldSource.RECOMPUTE
             and self.cfg.epochs == 1
             and (self.cfg.mini_batch_size or len(samples)) >= len(samples)
             and not any(n in MASKING for n in self.algo.corrections)
@@ -315,83 +288,51 @@ class TrainWorker:
                     f"algo.corrections={self.algo.corrections} need the engine's logprob of every response "
                     f"token; sample {s.group_id}/{s.index} has {len(s.logprobs)} for {n} tokens."
                 )
-            if self.old_source == "interpolate" and len(s.versions) != n:
+            if self.old_source is OldSource.INTERPOLATE and len(s.versions) != n:
                 raise TandemError(
                     "algo.prox_logprob=interpolate needs the policy version of every response token; "
                     f"sample {s.group_id}/{s.index} has {len(s.versions)} for {n} tokens."
                 )
 
-    def _mini_batches(self, n: int) -> list[Tensor]:
-        size = self.cfg.mini_batch_size or n
-        order = torch.randperm(n, generator=self.generator) if size < n else torch.arange(n)
-        return [order[i : i + size] for i in range(0, n, size)]
-
-    def _update(self, b: MiniBatch, source: str, first: bool) -> dict[str, float]:
-        """Accumulate gradients over micro-batches, then one optimizer step (or a counted skip)."""
+    def _update(self, b: MiniBatch, source: OldSource, first: bool) -> tuple[dict[str, float], Tensor]:
+        """Accumulate gradients over micro-batches, then one optimizer step (or a counted skip) ->
+        the sums of the metric shares, and π_θ (b, R) detached as the forwards computed it (0 on
+        the rows of the other ranks)."""
         # Every aggregation divides by counts of the whole mini-batch, so the micro-batch losses sum
         # to the mini-batch loss; the pg term counts only the tokens the corrections keep.
         pg_mask = self._pg_mask(b, first)
-        counts = {"loss": self._counts(b.mask), "pg": self._counts(pg_mask)}
-        sums = self._accumulate(b.samples, lambda part: self._micro_loss(b, pg_mask, part, counts, source))
-        sums["actor/grad_norm"] = self._optimizer_step()
-        return sums
-
-    def _accumulate(
-        self, samples: list[Sample], micro_loss: Callable[[list[int]], tuple[Tensor, dict[str, float]]]
-    ) -> dict[str, float]:
-        """Backward of `micro_loss(part)` for each of this rank's micro-batches of a mini-batch
-        (`part`: indices into `samples`, [] for a dummy) -> the sums of their metric shares over
-        every rank. The gradients are left for the optimizer step."""
-        if len(samples) < self.world:
-            raise TandemError(
-                f"A mini-batch of {len(samples)} samples cannot be split over train.num_workers="
-                f"{self.world} ranks; raise train.mini_batch_size or lower train.num_workers."
-            )
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = defaultdict(float)
-        plan = self._plan(samples)
-        for k, part in enumerate(plan):
-            # With master weights DDP reduces every micro-batch, whose gradients then join the
-            # masters' fp32 sum; otherwise DDP and FSDP2 accumulate and reduce with the last.
-            with parallel.gradient_sync(self.module, k == len(plan) - 1 or self.masters is not None):
-                loss, stats = micro_loss(part)
-                # DDP and FSDP2 average the ranks' gradients; the losses are shares of the whole
-                # mini-batch's, whose gradient is the ranks' sum.
-                (loss * self.world).backward()
-            if self.masters is not None:
-                self.masters.take_grads()
-            for key, v in stats.items():
-                sums[key] += v
-        if self.world > 1:
-            keys = sorted(sums)
-            values = self._all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
-            sums.update(zip(keys, values.tolist(), strict=True))
-        return sums
-
-    def _counts(self, mask: Tensor) -> dict[str, float]:
-        return dict(
-            global_tokens=float(mask.sum()),
-            global_seqs=float((mask.sum(-1) > 0).sum()),
-            norm_len=float(self.norm_len or mask.shape[1]),
+        counts = {"loss": loss_counts(b.mask, self.norm_len), "pg": loss_counts(pg_mask, self.norm_len)}
+        sums, outputs = self.learner.accumulate(
+            b.samples, lambda part: self._micro_loss(b, pg_mask, part, counts, source)
         )
+        sums["actor/grad_norm"] = self.learner.step()
+        theta = torch.zeros(b.mask.shape)
+        for part, logp in outputs:
+            theta[part] = logp
+        return sums, theta
 
     def _micro_loss(
-        self, b: MiniBatch, pg_mask: Tensor, idx: list[int], counts: dict[str, dict[str, float]], source: str
-    ) -> tuple[Tensor, dict[str, float]]:
-        """Forward one micro-batch -> its share of the mini-batch loss, and its share of the metrics.
-        An empty `idx` is a dummy: a forward and backward of row 0 that add nothing."""
+        self,
+        b: MiniBatch,
+        pg_mask: Tensor,
+        idx: list[int],
+        counts: dict[str, dict[str, float]],
+        source: OldSource,
+    ) -> tuple[Tensor, dict[str, float], Tensor | None]:
+        """Forward one micro-batch -> its share of the mini-batch loss, its share of the metrics, and
+        its π_θ detached (len(idx), R) on the CPU. An empty `idx` is a dummy: a forward and backward
+        of row 0 that add nothing (and no π_θ)."""
         a = self.algo
         width = b.mask.shape[1]
-        rows = self._rows([b.samples[i] for i in idx or [0]])
-        logp, entropy = score(self.module, rows, width)
+        rows = self.learner.rows([b.samples[i] for i in idx or [0]], self.temperature)
+        logp, entropy = score(self.learner.module, rows, width)
         if not idx:
-            return logp.sum() * 0.0, {}
+            return logp.sum() * 0.0, {}, None
 
         def part(t: Tensor) -> Tensor:
-            return t[idx].to(self.device)
+            return t[idx].to(self.learner.device)
 
         m, pm, adv, behaviour = part(b.mask), part(pg_mask), part(b.adv), part(b.behaviour)
-        self._theta[b.rows[idx]] = logp.detach().cpu()
         # Entropy is always logged; it joins the graph only when it is part of the loss.
         entropy = entropy if a.entropy_coef else entropy.detach()
         old = self._old_logprobs(
@@ -425,18 +366,18 @@ class TrainWorker:
             )
             loss = loss + a.kl_coef * kl
             out["actor/kl_loss"] = float(kl.detach())
-        return loss, out
+        return loss, out, logp.detach().cpu()
 
     def _old_logprobs(
-        self, source: str, old: Tensor | None, behaviour: Tensor, versions: Tensor, logp: Tensor | None
+        self, source: OldSource, old: Tensor | None, behaviour: Tensor, versions: Tensor, logp: Tensor | None
     ) -> Tensor:
         """The PPO ratio's π_old (b, R): the recompute, π_θ detached (exactly on-policy), μ (bypass),
         or decoupled's π_prox interpolated between μ and π_θ (logp)."""
-        if source == "behaviour":
+        if source is OldSource.BEHAVIOUR:
             return behaviour
-        if source in ("interpolate", "policy"):
-            assert logp is not None, f"{source} needs π_θ"
-            if source == "policy":
+        if source in (OldSource.INTERPOLATE, OldSource.POLICY):
+            assert logp is not None, f"{source.value} needs π_θ"
+            if source is OldSource.POLICY:
                 return logp.detach()
             # π_prox is the step-start policy (version self.version); π_θ becomes self.version + 1.
             return interpolate_prox_logp(behaviour, logp, versions, self.version, self.version + 1)
@@ -455,7 +396,7 @@ class TrainWorker:
         if not any(n in MASKING for n in names):
             return b.mask  # only weights: every token stays in the pg loss
         theta = None
-        if "opsm" in names or self.old_source == "interpolate":
+        if "opsm" in names or self.old_source is OldSource.INTERPOLATE:
             theta = b.old if first and b.old is not None else self._policy_logprobs(b)
         old = self._old_logprobs(self.old_source, b.old, b.behaviour, b.versions, theta)
         # Without theta no entry here reads π_θ (only opsm and interpolation do), so old stands in.
@@ -472,18 +413,15 @@ class TrainWorker:
         out[:, : logp.shape[1]] = logp
         return out
 
-    def _optimizer_step(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
-        norm = float(parallel.full_tensor(torch.nn.utils.clip_grad_norm_(params, clip)))
-        if not math.isfinite(norm):
-            # A NaN/inf gradient would poison the weights and Adam's moments: skip it, count it.
-            # The norm is global, so every rank skips together.
-            self.skipped_steps += 1
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            self.optimizer.step()
-            self.scheduler.step()
-            if self.masters is not None:
-                self.masters.refresh()
-        return norm if math.isfinite(norm) else 0.0
+
+def advantage_metrics(adv: Tensor, mask: Tensor) -> dict[str, float]:
+    """adv, mask (B, R) -> critic/advantages/{mean,max,min} over the tokens trained on, as verl
+    reports them; {} when there are none."""
+    valid = adv[mask > 0]
+    if not valid.numel():
+        return {}
+    return {
+        "critic/advantages/mean": float(valid.mean()),
+        "critic/advantages/max": float(valid.max()),
+        "critic/advantages/min": float(valid.min()),
+    }
