@@ -12,6 +12,26 @@ if _TESTS_DIR not in sys.path:
 import pytest  # noqa: E402
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the tests marked gpu where torch sees no CUDA device; refuse a test that uses the local
+    Ray without the ray marker (it would slip into the unit tier, -m "not slow and not ray")."""
+    unmarked = [
+        item.nodeid
+        for item in items
+        if "ray_local" in getattr(item, "fixturenames", ()) and item.get_closest_marker("ray") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError("these tests use ray_local but are not marked ray: " + ", ".join(unmarked))
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="marked gpu: needs a CUDA device, and torch sees none")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     """One local Ray for the tests that need it (4 logical CPUs, so split placements fit on 2 cores)."""

@@ -1,12 +1,27 @@
-"""Small builders shared by tests: a tiny random model and samples with made-up responses."""
+"""Builders shared by tests: a tiny random model, samples with made-up responses, engine calls,
+train workers, gloo process groups and tiny runs on Ray."""
 
+import json
 import random
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import torch
+import torch.multiprocessing as mp
 
+from tandem.config import AlgoConfig, TrainConfig
 from tandem.model.config import ModelConfig
 from tandem.model.decoder import CausalLM, init_weights
+from tandem.model.kv_cache import KVCache
+from tandem.model.logprobs import token_logprobs
+from tandem.rollout.group import make_groups
 from tandem.sample import Prompt, Sample, Status
+from tandem.sync.dist import destroy_world, free_port, init_world
+from tandem.train.worker import TrainWorker
 
 VOCAB = 50
 
@@ -68,7 +83,7 @@ def grads(model: CausalLM) -> dict[str, torch.Tensor]:
 
 def write_tiny_checkpoint(path, max_positions: int = 64, seed: int = 0):
     """A tiny random Qwen2-shaped checkpoint with tandem's byte-level tokenizer, as `tandem sft` writes."""
-    from tandem.data import build_char_tokenizer
+    from tandem.data.tokenizer import build_char_tokenizer
     from tandem.model.checkpoint import save_model
 
     tokenizer = build_char_tokenizer()
@@ -83,3 +98,183 @@ def write_tiny_checkpoint(path, max_positions: int = 64, seed: int = 0):
     save_model(model, path)
     tokenizer.save_pretrained(str(path))
     return path
+
+
+# ---------------------------------------------------------------- trainers
+
+
+def train_worker(
+    model: CausalLM | None = None, algo: dict | None = None, train: dict | None = None, **options: Any
+) -> TrainWorker:
+    """A TrainWorker with pad id 0 on `model` (a fresh tiny_model() if None). `algo` and `train` hold
+    AlgoConfig and TrainConfig fields, `options` the worker's own (dtype, total_updates, ...). Every
+    test builds its trainer here, so a change to the constructor is made in one place."""
+    model = tiny_model() if model is None else model
+    algo_cfg, train_cfg = AlgoConfig(**(algo or {})), TrainConfig(**(train or {}))
+    return TrainWorker(model, algo_cfg, train_cfg, pad_token_id=0, **options)
+
+
+# ---------------------------------------------------------------- engines
+
+EOS = 2  # the tiny vocabulary's end of sequence: 0 pads, ids from 3 up are text
+
+
+def prompts(n: int, seed: int = 0, low: int = 3, high: int = VOCAB, longest: int = 8) -> list[list[int]]:
+    """n prompts of 2 to `longest` token ids, each id in [low, high)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        k = int(torch.randint(2, longest + 1, (1,), generator=g))
+        out.append(torch.randint(low, high, (k,), generator=g).tolist())
+    return out
+
+
+def run(
+    engine: Any, ids: list[list[int]], params: Any, n: int = 1, seeds: list[int | None] | None = None
+) -> list[Sample]:
+    """One generate call: a group of `n` samples for each prompt of `ids`, seeded from `seeds`
+    (one per sample; None: the engine's shared generator)."""
+    samples = make_groups([Prompt(text="p")] * len(ids), ids, n)
+    for s, seed in zip(samples, seeds or [None] * len(samples), strict=True):
+        s.seed = seed
+    return engine.generate(samples, params)
+
+
+def at_step(j: int, action: Callable[[], object]) -> Callable[[int], None]:
+    """An on_step hook that runs `action()` once, after the batch's j-th decode step."""
+
+    def hook(step: int) -> None:
+        if step == j:
+            action()
+
+    return hook
+
+
+def assert_aligned(s: Sample) -> None:
+    n = len(s.response_ids)
+    assert len(s.logprobs) == len(s.versions) == len(s.loss_mask) == n and s.loss_mask == [1] * n
+
+
+def partial(s: Sample, j: int) -> Sample:
+    """A copy of sample `s` cut after its first j tokens, as an aborted call would return it."""
+    return Sample(
+        prompt=s.prompt,
+        prompt_ids=list(s.prompt_ids),
+        group_id=s.group_id,
+        index=s.index,
+        response_ids=s.response_ids[:j],
+        logprobs=s.logprobs[:j],
+        versions=s.versions[:j],
+        loss_mask=s.loss_mask[:j],
+        status=Status.ABORTED,
+        finish_reason="abort",
+    )
+
+
+def full_forward_logprobs(
+    model: CausalLM, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0
+) -> torch.Tensor:
+    """(len(response_ids),): each response token's logprob by one forward of the whole sequence."""
+    ids = torch.tensor(prompt_ids + response_ids)[None]
+    logits = model(ids, torch.arange(ids.shape[1])[None], torch.ones_like(ids, dtype=torch.bool))
+    p = len(prompt_ids)
+    return token_logprobs(logits[0, p - 1 : -1], ids[0, p:], temperature)
+
+
+def stepwise_logprobs(
+    model: CausalLM, new_weights: CausalLM, prompt_ids: list[int], response_ids: list[int], swap_after: int
+) -> tuple[list[int], torch.Tensor]:
+    """Reference for the "continue" policy: decode response_ids one token at a time with a cache,
+    loading `new_weights` after the first `swap_after` tokens were sampled -> greedy tokens and
+    logprobs the loop would produce. Keys already cached stay as the old weights computed them."""
+    model = clone_model(model)
+    cache = KVCache(model.cfg, 1, len(prompt_ids) + len(response_ids), torch.float32, torch.device("cpu"))
+    ids = torch.tensor(prompt_ids)[None]
+    logits = model(ids, torch.arange(ids.shape[1])[None], torch.ones_like(ids, dtype=torch.bool), cache)
+    tokens, logprobs = [], []
+    for i, token in enumerate(response_ids):
+        logp = torch.log_softmax(logits[0, -1], -1)
+        tokens.append(int(logp.argmax()))
+        logprobs.append(float(logp[token]))
+        if i + 1 == swap_after:
+            model.load_state_dict(new_weights.state_dict())
+        pos = torch.tensor([[len(prompt_ids) + i]])
+        logits = model(torch.tensor([[token]]), pos, torch.ones(1, 1, dtype=torch.bool), cache)
+    return tokens, torch.tensor(logprobs)
+
+
+@contextmanager
+def from_another_thread(engine: Any, step: int, action: Callable[[], object]) -> Iterator[None]:
+    """Within the block, the engine's call halts after its `step`-th decode step while another thread
+    runs `action()`, then goes on: a call from another thread at a known point of the decode."""
+    reached, released = threading.Event(), threading.Event()
+
+    def hook(j: int) -> None:
+        if j == step:
+            reached.set()
+            assert released.wait(timeout=30)  # a safety net for a broken test, never a delay
+
+    def other_thread() -> None:
+        assert reached.wait(timeout=30)
+        action()
+        released.set()
+
+    engine.on_step = hook
+    helper = threading.Thread(target=other_thread)
+    helper.start()
+    try:
+        yield
+    finally:
+        helper.join()
+        engine.on_step = None
+
+
+# ---------------------------------------------------------------- torch.distributed
+
+
+def on_gloo_ranks(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """fn(*args) in each of `world` spawned processes joined in one gloo group (torch.distributed's
+    WORLD) -> what each rank returned, by rank. `fn` must be a module-level function of a test file:
+    the ranks import it by name."""
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_gloo_rank, args=(world, free_port(), out, fn, args), nprocs=world, join=True)
+        return [torch.load(f"{out}/{rank}.pt", weights_only=False) for rank in range(world)]
+
+
+def _gloo_rank(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple) -> None:
+    torch.set_num_threads(1)  # two ranks share the machine's cores
+    init_world(rank, world, "127.0.0.1", port, backend="gloo", timeout_s=60)
+    torch.save(fn(*args), f"{out}/{rank}.pt")
+    destroy_world()
+
+
+# ---------------------------------------------------------------- runs on Ray
+
+TINY = [  # 4 steps of 4 groups of 4 from the warm start, validating every 2
+    "run.progress=false",
+    "run.steps=4",
+    "run.val_every=2",
+    "rollout.batch_size=4",
+    "rollout.n=4",
+    "data.val_size=16",
+    "data.train_size=200",
+    "reward.num_workers=1",
+    "run.timeout_s=120",
+]
+
+
+def train(out: Path, *overrides: str, on_step: Callable | None = None) -> tuple[dict, list[dict], list[dict]]:
+    """A TINY run with `overrides` under `out` (run.out_dir), on the local Ray -> (its summary, each
+    train step's metrics, each validation's)."""
+    from tandem.config import load_config
+    from tandem.runtime.run import run_training  # here, not above: it imports Ray, unit tests need not
+
+    cfg = load_config(None, [*TINY, f"run.out_dir={out}", *overrides])
+    summary = run_training(cfg, on_step=on_step)
+    rows = records(Path(out) / cfg.run.name)
+    return summary, [r for r in rows if "critic/score/mean" in r], [r for r in rows if "val/accuracy" in r]
+
+
+def records(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
+    """The records of one of a run's JSON-lines files."""
+    return [json.loads(line) for line in (run_dir / name).read_text().splitlines()]

@@ -7,34 +7,12 @@ import time
 import pytest
 import ray
 import torch
+from helpers import TINY, train
 
 from tandem.config import load_config
-from tandem.controller import run_training
 from tandem.errors import TandemError
 
-pytestmark = pytest.mark.usefixtures("ray_local")
-
-TINY = [
-    "run.progress=false",
-    "run.steps=4",
-    "run.val_every=2",
-    "rollout.batch_size=4",
-    "rollout.n=4",
-    "data.val_size=16",
-    "data.train_size=200",
-    "reward.num_workers=1",
-    "run.timeout_s=120",
-]
-
-
-def train(tmp_path, *overrides, on_step=None):
-    cfg = load_config(None, [*TINY, f"run.out_dir={tmp_path}", *overrides])
-    summary = run_training(cfg, on_step=on_step)
-    lines = (tmp_path / cfg.run.name / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines]
-    steps = [r for r in records if "critic/score/mean" in r]
-    vals = [r for r in records if "val/accuracy" in r]
-    return summary, steps, vals
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_local")]
 
 
 def test_sync_mode_is_on_policy_and_leaves_a_timeline(tmp_path):
@@ -140,7 +118,7 @@ def test_data_parallel_train_workers_and_broadcast_weights(tmp_path):
 def test_after_a_push_the_engine_holds_the_trainers_weights_bit_for_bit(transport, strategy):
     from helpers import random_samples
 
-    from tandem.controller.cluster import RayCluster
+    from tandem.runtime.cluster import RayCluster
 
     workers = 2 if strategy == "fsdp2" else 1  # fsdp2: every tensor is gathered from two shards
     cfg = load_config(

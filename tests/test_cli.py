@@ -34,6 +34,7 @@ def run_cli(args, capsys) -> tuple[int, str, str]:
     return code, out, err
 
 
+@pytest.mark.ray
 def test_train_writes_config_metrics_and_a_transformers_checkpoint(ckpt, tmp_path, capsys):
     code, out, err = run_cli(
         [
@@ -175,6 +176,7 @@ def test_the_vllm_engine_without_vllm_is_one_clear_paragraph(command, ckpt, tmp_
     assert not (tmp_path / "runs" / "default" / "metrics.jsonl").exists()  # no actor started
 
 
+@pytest.mark.ray
 def test_train_on_trl_and_verl_files_with_a_user_reward(ckpt, tmp_path, capsys):
     """Own data in TRL's columns (plain prompt, `solution` column) and verl's, scored by a user function."""
     (tmp_path / "my_reward.py").write_text(
@@ -213,6 +215,7 @@ def test_train_on_trl_and_verl_files_with_a_user_reward(ckpt, tmp_path, capsys):
     assert any("val/accuracy" in r for r in records) and "held-out accuracy" in out
 
 
+@pytest.mark.ray
 def test_a_run_whose_rewards_all_failed_says_so_and_exits_non_zero(tmp_path, capsys):
     broken = "def score(data_source, solution_str, ground_truth, extra_info=None):\n    raise ValueError()\n"
     (tmp_path / "broken.py").write_text(broken)

@@ -9,7 +9,9 @@ import ray
 from ray.cluster_utils import Cluster
 
 from tandem.config import load_config
-from tandem.controller import run_training
+from tandem.runtime.run import run_training
+
+pytestmark = pytest.mark.ray
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import clone_model, grads, random_samples, tiny_model
+from helpers import clone_model, grads, random_samples, tiny_model, train_worker
 
 from tandem.algo import (
     CORRECTIONS,
@@ -17,7 +17,7 @@ from tandem.algo import (
     mismatch_metrics,
     old_logprob_source,
 )
-from tandem.config import AlgoConfig, TrainConfig, load_config
+from tandem.config import load_config
 from tandem.errors import TandemError
 from tandem.sample import Sample
 from tandem.train.batch import pad_rows
@@ -309,8 +309,7 @@ CASES = [
 
 
 def worker(model, budget: int = 10_000, mini_batch_size: int = 0, **algo) -> TrainWorker:
-    cfg = TrainConfig(lr=1e-3, micro_batch_tokens=budget, mini_batch_size=mini_batch_size)
-    w = TrainWorker(model, AlgoConfig(**algo), cfg, pad_token_id=0)
+    w = train_worker(model, algo, dict(lr=1e-3, micro_batch_tokens=budget, mini_batch_size=mini_batch_size))
     w.version = 2  # tokens were sampled at version 0: two versions stale, so interpolation moves
     return w
 
@@ -319,7 +318,7 @@ def worker(model, budget: int = 10_000, mini_batch_size: int = 0, **algo) -> Tra
 def stale_samples() -> list[Sample]:
     """μ = the test model's logprobs plus noise (an engine a little off the trainer), not random."""
     samples = random_samples(4, 4)
-    logp = TrainWorker(tiny_model(), AlgoConfig(), TrainConfig(), pad_token_id=0).compute_logprobs(samples)
+    logp = train_worker(tiny_model()).compute_logprobs(samples)
     noise = torch.randn(logp.shape, generator=torch.Generator().manual_seed(0)) * 0.15
     for s, row in zip(samples, logp + noise, strict=True):
         s.logprobs = row[: len(s.response_ids)].tolist()

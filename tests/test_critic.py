@@ -3,15 +3,12 @@ and a critic that fits its returns; the policy's trainer takes the critic's adva
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from helpers import random_samples, tiny_model
+from helpers import on_gloo_ranks, random_samples, tiny_model, train_worker
 
 from tandem.algo import ADV_ESTIMATORS, gae, masked_whiten
 from tandem.config import AlgoConfig, TrainConfig
 from tandem.errors import TandemError
-from tandem.sync import destroy_world, free_port, init_world
 from tandem.train.critic import CriticWorker, explained_variance, value_loss, value_model
-from tandem.train.worker import TrainWorker
 
 
 def test_gae_matches_a_hand_computation():
@@ -120,7 +117,7 @@ def test_train_step_needs_the_batch_estimate_saw():
 
 def test_the_policy_trains_on_the_critics_advantages():
     samples = random_samples(2, 3)
-    policy = TrainWorker(tiny_model(), AlgoConfig(adv_estimator="gae"), TrainConfig(dtype="float32"), 0)
+    policy = train_worker(tiny_model(), dict(adv_estimator="gae"), dict(dtype="float32"))
     with pytest.raises(TandemError, match="no advantages from the critic"):
         policy.train_step(samples)
     critic().estimate(samples)
@@ -153,35 +150,32 @@ def test_a_resumed_critic_continues_bit_for_bit(tmp_path):
     assert torch.equal(resumed.values(samples), expected)
 
 
-def _critic_rank(rank: int, world: int, port: int, strategy: str, out: str) -> None:
-    torch.set_num_threads(1)
-    init_world(rank, world, "127.0.0.1", port, backend="gloo", timeout_s=60)
+def critic_rank_step(strategy: str) -> dict:
+    """One critic rank's estimate and train step -> what it computed."""
     worker = critic(strategy=strategy)
     worker.parallelize(torch.distributed.group.WORLD)
     samples = random_samples(4, 4)
     estimated = worker.estimate(samples)
     metrics = worker.train_step(samples)
-    result = {
+    return {
         "estimated": estimated,
         "metrics": metrics,
         "advantages": [s.token_advantages for s in samples],
         "values": worker.values(samples),
     }
-    torch.save(result, f"{out}/{rank}.pt")
-    destroy_world()
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_critic_ranks_equal_one_critic(tmp_path, strategy):
+def test_critic_ranks_equal_one_critic(strategy):
     """The critic shards like the policy's trainers: two ranks give one worker's values, advantages,
     loss and (after the update) values, to float noise."""
-    mp.spawn(_critic_rank, args=(2, free_port(), strategy, str(tmp_path)), nprocs=2, join=True)
+    ranks = on_gloo_ranks(2, critic_rank_step, strategy)
     single = critic()
     samples = random_samples(4, 4)
     single.estimate(samples)
     metrics = single.train_step(samples)
     after = single.values(samples)
-    for r in [torch.load(tmp_path / f"{rank}.pt", weights_only=False) for rank in range(2)]:
+    for r in ranks:
         for got, want in zip(r["advantages"], [s.token_advantages for s in samples], strict=True):
             assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
         for key in ("critic/vf_loss", "critic/vf_explained_var", "critic/grad_norm"):
@@ -189,12 +183,13 @@ def test_critic_ranks_equal_one_critic(tmp_path, strategy):
         torch.testing.assert_close(r["values"], after, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.ray
 @pytest.mark.usefixtures("ray_local")
 def test_a_run_with_a_critic_logs_its_metrics_and_resumes_with_it(tmp_path):
     import json
 
     from tandem.config import load_config
-    from tandem.controller import run_training
+    from tandem.runtime.run import run_training
 
     tiny = [
         "run.progress=false",

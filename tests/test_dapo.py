@@ -66,9 +66,10 @@ def test_filter_groups_needs_groups_of_two():
         load_config(None, ["algo.filter_groups=true", "rollout.n=1"])
 
 
+@pytest.mark.ray
 @pytest.mark.usefixtures("ray_local")
 def test_a_filtered_run_drops_groups_refills_them_and_trains_full_batches(tmp_path):
-    from tandem.controller import run_training
+    from tandem.runtime.run import run_training
 
     overrides = [
         "run.progress=false",

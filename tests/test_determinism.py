@@ -79,6 +79,7 @@ def _repeats(tmp_path: Path, overrides: list[str]) -> list[dict]:
 
 
 @pytest.mark.slow  # two runs on Ray: 1.5 minutes, kept out of the fast set's 10
+@pytest.mark.ray
 @pytest.mark.usefixtures("ray_local")
 def test_one_step_off_with_two_engines_repeats_bit_for_bit(tmp_path):
     """Two rollout workers that take whichever call comes next, two generations ahead: without
@@ -87,6 +88,7 @@ def test_one_step_off_with_two_engines_repeats_bit_for_bit(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 @pytest.mark.usefixtures("ray_local")
 @pytest.mark.parametrize(
     "overrides",

@@ -6,6 +6,8 @@ import pytest
 
 from tandem.cli.main import main
 
+pytestmark = pytest.mark.ray  # every test is `tandem train` on the local Ray
+
 
 @pytest.mark.slow
 def test_default_train_learns(tmp_path, capsys):

@@ -2,43 +2,30 @@
 it too): engine seeds, top-k/top-p, group prefill sharing, partial groups, keys kept under
 "continue", updates and aborts from other threads, caps past EOS, the compiled decode."""
 
-import threading
-
 import pytest
 import torch
-from helpers import VOCAB, clone_model, tiny_model
+from helpers import (
+    EOS,
+    assert_aligned,
+    at_step,
+    clone_model,
+    from_another_thread,
+    full_forward_logprobs,
+    partial,
+    prompts,
+    run,
+    stepwise_logprobs,
+    tiny_model,
+)
 
 from tandem.errors import TandemError
-from tandem.model.kv_cache import KVCache
-from tandem.model.logprobs import token_logprobs
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups
 from tandem.rollout.paged_engine import PagedEngine
 from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.sampler import filter_top_k_top_p
 from tandem.rollout.worker import RolloutWorker
-from tandem.sample import Prompt, Sample, Status
-
-EOS = 2
-
-
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        torch.randint(3, VOCAB, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
-        for _ in range(n)
-    ]
-
-
-def run(engine, ids, params, n=1):
-    return engine.generate(make_groups([Prompt(text="p")] * len(ids), ids, n), params)
-
-
-def full_forward_logprobs(model, prompt_ids, response_ids, temperature=1.0):
-    ids = torch.tensor(prompt_ids + response_ids)[None]
-    logits = model(ids, torch.arange(ids.shape[1])[None], torch.ones_like(ids, dtype=torch.bool))
-    p = len(prompt_ids)
-    return token_logprobs(logits[0, p - 1 : -1], ids[0, p:], temperature)
+from tandem.sample import Prompt, Status
 
 
 def test_same_seed_same_samples_and_new_weights_change_them():
@@ -84,16 +71,6 @@ def test_a_group_shares_its_prefill_and_matches_separate_prompts():
 # --- partial rollouts, in-flight weight updates, abort ------------------------------------------
 
 
-def at_step(j, action):
-    """An on_step hook that runs `action()` once, after the batch's j-th decode step."""
-
-    def hook(step):
-        if step == j:
-            action()
-
-    return hook
-
-
 def copy_into(engine, source):
     """The `apply` of a pending update: copy `source`'s weights into the engine's model."""
     pairs = list(zip(engine.model.parameters(), source.parameters(), strict=True))
@@ -102,27 +79,6 @@ def copy_into(engine, source):
 
 def same_weights(a, b):
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
-
-
-def assert_aligned(s):
-    n = len(s.response_ids)
-    assert len(s.logprobs) == len(s.versions) == len(s.loss_mask) == n and s.loss_mask == [1] * n
-
-
-def partial(s, j):
-    """A copy of sample `s` cut after its first j tokens, as an aborted call would return it."""
-    return Sample(
-        prompt=s.prompt,
-        prompt_ids=list(s.prompt_ids),
-        group_id=s.group_id,
-        index=s.index,
-        response_ids=s.response_ids[:j],
-        logprobs=s.logprobs[:j],
-        versions=s.versions[:j],
-        loss_mask=s.loss_mask[:j],
-        status=Status.ABORTED,
-        finish_reason="abort",
-    )
 
 
 def test_on_update_must_be_a_known_policy():
@@ -147,26 +103,6 @@ def test_a_group_continues_partials_of_different_lengths_in_one_call():
         assert s.status is Status.FINISHED and s.response_ids == w.response_ids
         assert_aligned(s)
         torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
-
-
-def stepwise_logprobs(model, new_weights, prompt_ids, response_ids, swap_after):
-    """Reference for the "continue" policy: decode response_ids one token at a time with a cache,
-    loading `new_weights` after the first `swap_after` tokens were sampled -> greedy tokens and
-    logprobs the loop would produce. Keys already cached stay as the old weights computed them."""
-    model = clone_model(model)
-    cache = KVCache(model.cfg, 1, len(prompt_ids) + len(response_ids), torch.float32, torch.device("cpu"))
-    ids = torch.tensor(prompt_ids)[None]
-    logits = model(ids, torch.arange(ids.shape[1])[None], torch.ones_like(ids, dtype=torch.bool), cache)
-    tokens, logprobs = [], []
-    for i, token in enumerate(response_ids):
-        logp = torch.log_softmax(logits[0, -1], -1)
-        tokens.append(int(logp.argmax()))
-        logprobs.append(float(logp[token]))
-        if i + 1 == swap_after:
-            model.load_state_dict(new_weights.state_dict())
-        pos = torch.tensor([[len(prompt_ids) + i]])
-        logits = model(torch.tensor([[token]]), pos, torch.ones(1, 1, dtype=torch.bool), cache)
-    return tokens, torch.tensor(logprobs)
 
 
 @torch.no_grad()
@@ -194,24 +130,13 @@ def test_continue_swaps_weights_between_decode_steps_and_versions_switch_at_the_
 
 def test_abort_and_an_update_from_another_thread():
     engine = BuiltinEngine(tiny_model(std=0.3), [EOS], 0, on_update="continue")
-    reached, released = threading.Event(), threading.Event()
 
-    def hook(step):
-        if step == 3:
-            reached.set()
-            assert released.wait(timeout=30)  # a safety net for a broken test, never a delay
-
-    def other_thread():
-        assert reached.wait(timeout=30)
+    def update_then_abort():
         engine.set_pending_update(7, lambda: None)
         engine.abort()
-        released.set()
 
-    engine.on_step = hook
-    helper = threading.Thread(target=other_thread)
-    helper.start()
-    samples = run(engine, prompts(3), SamplingParams(max_new_tokens=8, ignore_eos=True))
-    helper.join()
+    with from_another_thread(engine, 3, update_then_abort):
+        samples = run(engine, prompts(3), SamplingParams(max_new_tokens=8, ignore_eos=True))
     assert all(s.status is Status.ABORTED and s.versions == [0, 0, 0] for s in samples)
     assert engine.version == 0  # abort wins: the update waits for the next call
     assert engine.apply_pending() == 7 and engine.version == 7 and engine.apply_pending() is None

@@ -11,7 +11,6 @@ loop, logprobs against the trainer's recompute (`sequence_logprobs`).
 """
 
 import importlib.util
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +18,18 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import tiny_config
-from test_engine import assert_aligned, at_step, partial, stepwise_logprobs
+from helpers import (
+    assert_aligned,
+    at_step,
+    from_another_thread,
+    partial,
+    run,
+    stepwise_logprobs,
+    tiny_config,
+)
+from helpers import prompts as draw_prompts
 
-from tandem.data import build_char_tokenizer
+from tandem.data.tokenizer import build_char_tokenizer
 from tandem.model.checkpoint import load_model, save_model
 from tandem.model.decoder import CausalLM, init_weights
 from tandem.rollout.engine import BuiltinEngine
@@ -128,17 +135,8 @@ def backend(request, checkpoint, monkeypatch) -> Backend:
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    vocab = len(build_char_tokenizer())
-    lengths = torch.randint(2, 9, (n,), generator=g).tolist()
-    return [torch.randint(FIRST_TEXT_ID, vocab, (k,), generator=g).tolist() for k in lengths]
-
-
-def run(engine, ids, params, n=1, seeds=None) -> list[Sample]:
-    samples = make_groups([Prompt(text="p")] * len(ids), ids, n)
-    for s, seed in zip(samples, seeds or [None] * len(samples), strict=True):
-        s.seed = seed
-    return engine.generate(samples, params)
+    """Prompts of byte tokens, the checkpoint's text."""
+    return draw_prompts(n, seed, low=FIRST_TEXT_ID, high=len(build_char_tokenizer()))
 
 
 def recompute(model: CausalLM, samples: list[Sample], temperature: float = 1.0) -> list[torch.Tensor]:
@@ -263,26 +261,10 @@ def test_the_sampling_stream_resumes_from_its_saved_state(backend):
 def test_abort_from_another_thread_returns_partials_that_a_later_call_finishes(backend):
     engine, ids = backend.make(), prompts(5)
     whole = run(engine, ids, GREEDY)
-    reached, released = threading.Event(), threading.Event()
-
-    def hook(step):
-        if step == 3:
-            reached.set()
-            assert released.wait(timeout=30)  # a safety net for a broken test, never a delay
-
-    def other_thread():
-        assert reached.wait(timeout=30)
-        engine.abort()
-        released.set()
-
-    engine.on_step = hook
-    helper = threading.Thread(target=other_thread)
-    helper.start()
-    parts = run(engine, ids, GREEDY)
-    helper.join()
+    with from_another_thread(engine, 3, engine.abort):
+        parts = run(engine, ids, GREEDY)
     assert all(s.status is Status.ABORTED and s.finish_reason == "abort" for s in parts)
     assert all(len(s.response_ids) == 3 and s.versions == [0] * 3 for s in parts)
-    engine.on_step = None
     engine.set_pending_update(1, lambda: None)  # same weights, new version: versions show the seam
     engine.generate(parts, GREEDY)
     for s, w in zip(parts, whole, strict=True):

@@ -8,14 +8,7 @@ from itertools import pairwise
 
 import pytest
 import torch
-from helpers import VOCAB, tiny_model
-from test_engine import (
-    EOS,
-    assert_aligned,
-    full_forward_logprobs,
-    prompts,
-    run,
-)
+from helpers import EOS, VOCAB, assert_aligned, full_forward_logprobs, prompts, run, tiny_model
 
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups

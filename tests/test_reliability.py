@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.ray  # every test is `tandem train` in a subprocess, on a Ray of its own
+
 FAST = ["rollout.batch_size=2", "rollout.n=2", "data.train_size=16", "data.val_size=4", "run.progress=false"]
 
 REWARDS = """

@@ -33,6 +33,7 @@ def not_blank(png) -> bool:
     return image.shape[0] > 200 and image.shape[1] > 500 and float(image[..., :3].std()) > 0.05
 
 
+@pytest.mark.ray
 @pytest.mark.usefixtures("ray_local")
 def test_a_real_run_renders_every_plot_into_the_page_and_pngs(runs, tmp_path, capsys):
     out = tmp_path / "report.html"
@@ -66,6 +67,7 @@ def test_a_directory_that_is_not_a_run_is_one_clear_error(tmp_path, capsys):
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="no headless chromium here")
+@pytest.mark.ray
 @pytest.mark.usefixtures("ray_local")
 def test_the_page_renders_in_a_headless_browser(runs, tmp_path):
     out = tmp_path / "report.html"

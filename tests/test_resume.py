@@ -10,17 +10,14 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-import torch.multiprocessing as mp
-from helpers import random_samples, tiny_model
-from test_async import TINY
+from helpers import on_gloo_ranks, random_samples, records, tiny_model, train, train_worker
 
 from tandem.cli.main import main
-from tandem.config import AlgoConfig, TrainConfig, load_config, save_config
+from tandem.config import load_config, save_config
 from tandem.controller.loop import Stopped
 from tandem.errors import TandemError
 from tandem.model.checkpoint import load_model
 from tandem.runtime.run import run_training, with_absolute_paths
-from tandem.sync import destroy_world, free_port, init_world
 from tandem.train.state import load_state, save_state
 from tandem.train.worker import TrainWorker
 
@@ -28,10 +25,8 @@ TRAIN = dict(lr=1e-3, micro_batch_tokens=40, mini_batch_size=8, warmup_steps=3, 
 
 
 def worker(dtype=torch.float32, **train) -> TrainWorker:
-    algo = AlgoConfig(entropy_coef=0.01, kl_coef=0.05)
-    return TrainWorker(
-        tiny_model(), algo, TrainConfig(**{**TRAIN, **train}), pad_token_id=0, dtype=dtype, total_updates=20
-    )
+    algo = dict(entropy_coef=0.01, kl_coef=0.05)
+    return train_worker(tiny_model(), algo, {**TRAIN, **train}, dtype=dtype, total_updates=20)
 
 
 def steps(w: TrainWorker, first: int, count: int) -> list[dict[str, float]]:
@@ -66,9 +61,8 @@ def test_a_fresh_worker_differs_from_a_resumed_one(tmp_path):
     assert steps(fresh, 2, 1) != after
 
 
-def _rank(rank: int, world: int, port: int, out: str, phase: str) -> None:
-    torch.set_num_threads(1)
-    init_world(rank, world, "127.0.0.1", port, backend="gloo", timeout_s=60)
+def fsdp2_steps(out: str, phase: str) -> dict:
+    """One rank: two steps, save, two more ("straight"), or load the save and take those two."""
     w = worker(strategy="fsdp2")
     w.parallelize(torch.distributed.group.WORLD)
     if phase == "straight":
@@ -78,24 +72,21 @@ def _rank(rank: int, world: int, port: int, out: str, phase: str) -> None:
     else:
         load_state(w, Path(out) / "ckpt")
         metrics = steps(w, 2, 2)
-    torch.save({"metrics": metrics, "weights": w.full_weights()}, f"{out}/{phase}_{rank}.pt")
-    destroy_world()
+    return {"metrics": metrics, "weights": w.full_weights()}
 
 
 def test_fsdp2_shards_resume_bit_for_bit(tmp_path):
     """Each rank writes only its shards of the weights and of Adam's state (DCP), and reads them back."""
-    mp.spawn(_rank, args=(2, free_port(), str(tmp_path), "straight"), nprocs=2, join=True)
-    mp.spawn(_rank, args=(2, free_port(), str(tmp_path), "resumed"), nprocs=2, join=True)
-    for r in range(2):
-        a = torch.load(tmp_path / f"straight_{r}.pt", weights_only=False)
-        b = torch.load(tmp_path / f"resumed_{r}.pt", weights_only=False)
+    straight = on_gloo_ranks(2, fsdp2_steps, str(tmp_path), "straight")
+    resumed = on_gloo_ranks(2, fsdp2_steps, str(tmp_path), "resumed")
+    for a, b in zip(straight, resumed, strict=True):
         assert a["metrics"] == b["metrics"]
         assert all(torch.equal(a["weights"][n], b["weights"][n]) for n in a["weights"])
 
 
 # ---------------------------------------------------------------- whole runs on Ray
 
-RUN = [*TINY, "run.save_every=2"]  # 4 steps of 4 groups of 4, validating every 2
+SAVE = "run.save_every=2"  # helpers.train's 4 steps, validating every 2, and saving every 2
 
 
 class Crash(Exception):
@@ -110,15 +101,6 @@ def crash_after(step: int):
     return on_step
 
 
-def train(out, *overrides, on_step=None):
-    cfg = load_config(None, [*RUN, f"run.out_dir={out}", *overrides])
-    return run_training(cfg, on_step=on_step)
-
-
-def records(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
-    return [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
-
-
 def learning(run_dir: Path) -> dict[int, dict]:
     """Each train step's metrics less wall-clock ones (timings, throughput, idle ratios)."""
     steps = [r for r in records(run_dir) if "version" in r]
@@ -131,14 +113,15 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return dict(load_model(run_dir / "checkpoints" / "final").named_parameters())
 
 
+@pytest.mark.ray
 @pytest.mark.usefixtures("ray_local")
 def test_a_sync_run_resumed_after_a_crash_ends_bit_for_bit_as_one_that_never_stopped(tmp_path):
-    train(tmp_path / "straight")
+    train(tmp_path / "straight", SAVE)
     with pytest.raises(Crash):
-        train(tmp_path / "crashed", on_step=crash_after(3))
+        train(tmp_path / "crashed", SAVE, on_step=crash_after(3))
     resumed_dir = tmp_path / "crashed" / "default"
     assert (resumed_dir / "checkpoints" / "latest").read_text().strip() == "step_2"
-    train(tmp_path / "crashed", "run.resume=auto")
+    train(tmp_path / "crashed", SAVE, "run.resume=auto")
     straight, resumed = learning(tmp_path / "straight" / "default"), learning(resumed_dir)
     assert sorted(resumed) == [1, 2, 3, 4]
     for step in (3, 4):
@@ -154,14 +137,15 @@ def test_a_sync_run_resumed_after_a_crash_ends_bit_for_bit_as_one_that_never_sto
     )
 
 
+@pytest.mark.ray
 @pytest.mark.usefixtures("ray_local")
 def test_an_async_run_resumed_after_a_crash_trains_every_group_exactly_once(tmp_path):
     overrides = ["run.mode=async", "run.max_staleness=1", "rollout.chunk_groups=1", "run.keep_checkpoints=1"]
     with pytest.raises(Crash):
-        train(tmp_path, *overrides, on_step=crash_after(3))
+        train(tmp_path, SAVE, *overrides, on_step=crash_after(3))
     run_dir = tmp_path / "default"
     saved = torch.load(run_dir / "checkpoints" / "step_2" / "driver.pt", weights_only=False)
-    train(tmp_path, *overrides, "run.resume=auto")
+    train(tmp_path, SAVE, *overrides, "run.resume=auto")
     trained = [g for r in records(run_dir, "batches.jsonl") for g in r["groups"]]
     assert sorted(trained) == list(range(16))  # 4 steps x 4 groups: none lost, none twice
     assert all(r["staleness/max"] <= 1 for r in learning(run_dir).values())
@@ -184,6 +168,7 @@ def test_a_resume_that_changes_the_batch_is_refused_before_anything_starts(tmp_p
 
 
 @pytest.mark.slow  # bench/chaos.py kills train workers too
+@pytest.mark.ray
 @pytest.mark.usefixtures("ray_local")
 def test_a_killed_train_worker_stops_the_run_naming_it_and_resume_continues(tmp_path):
     def kill_trainer(loop):
@@ -192,13 +177,14 @@ def test_a_killed_train_worker_stops_the_run_naming_it_and_resume_continues(tmp_
 
     start = time.time()
     with pytest.raises(TandemError, match=r"train/0 died .*step_2, with run.resume=auto"):
-        train(tmp_path, "run.steps=3", on_step=kill_trainer)
+        train(tmp_path, SAVE, "run.steps=3", on_step=kill_trainer)
     assert time.time() - start < 120  # well within run.timeout_s: the death is seen, not waited out
-    train(tmp_path, "run.steps=3", "run.resume=auto")
+    train(tmp_path, SAVE, "run.steps=3", "run.resume=auto")
     assert sorted(learning(tmp_path / "default")) == [1, 2, 3]
 
 
 @pytest.mark.slow  # bench/chaos.py kills reward actors too
+@pytest.mark.ray
 @pytest.mark.usefixtures("ray_local")
 def test_a_killed_reward_actor_is_restarted_and_no_sample_is_lost(tmp_path):
     def kill_reward(loop):
@@ -206,11 +192,12 @@ def test_a_killed_reward_actor_is_restarted_and_no_sample_is_lost(tmp_path):
             ray.kill(loop.cluster.reward, no_restart=False)
 
     overrides = ["run.mode=async", "run.max_staleness=1", "rollout.chunk_groups=1", "run.steps=3"]
-    train(tmp_path, *overrides, on_step=kill_reward)
+    train(tmp_path, SAVE, *overrides, on_step=kill_reward)
     trained = [g for r in records(tmp_path / "default", "batches.jsonl") for g in r["groups"]]
     assert sorted(trained) == list(range(12))
 
 
+@pytest.mark.ray
 @pytest.mark.usefixtures("ray_local")
 def test_sigterm_saves_at_the_step_boundary_and_resume_finishes_the_run(tmp_path):
     def terminate(loop):
@@ -219,10 +206,10 @@ def test_sigterm_saves_at_the_step_boundary_and_resume_finishes_the_run(tmp_path
 
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(Stopped) as stopped:
-        train(tmp_path, "run.save_every=0", "run.steps=2", on_step=terminate)
+        train(tmp_path, SAVE, "run.save_every=0", "run.steps=2", on_step=terminate)
     assert stopped.value.version == 1 and stopped.value.checkpoint.name == "step_1"
     assert signal.getsignal(signal.SIGTERM) is before  # the run's handler is gone again
-    train(tmp_path, "run.save_every=0", "run.steps=2", "run.resume=auto")
+    train(tmp_path, SAVE, "run.save_every=0", "run.steps=2", "run.resume=auto")
     assert sorted(learning(tmp_path / "default")) == [1, 2]
 
 

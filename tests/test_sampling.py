@@ -3,7 +3,7 @@ two logprob modes — each filter against a hand-computed case and against trans
 
 import pytest
 import torch
-from helpers import VOCAB, tiny_model
+from helpers import EOS, VOCAB, prompts, tiny_model
 from transformers import (
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
@@ -27,7 +27,6 @@ from tandem.rollout.sampler import (
 from tandem.rollout.worker import RolloutWorker, StopStrings
 from tandem.sample import Prompt, Sample, Status
 
-EOS = 2
 # Token i >= 3 decodes to one to three letters; 0-2 (pad, unused, EOS) are special and decode to "".
 PIECES = [""] * 3 + [chr(ord("a") + i % 26) * (1 + i % 3) for i in range(3, VOCAB)]
 
@@ -37,14 +36,6 @@ class Letters:
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(PIECES[i] for i in ids)
-
-
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        torch.randint(3, VOCAB, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
-        for _ in range(n)
-    ]
 
 
 def samples_for(ids: list[list[int]], n: int = 1) -> list[Sample]:

@@ -4,9 +4,8 @@ import math
 
 import pytest
 import torch
-from helpers import VOCAB, clone_model, grads, random_samples, tiny_model
+from helpers import VOCAB, clone_model, grads, random_samples, tiny_model, train_worker
 
-from tandem.config import AlgoConfig, TrainConfig
 from tandem.model.logprobs import token_logprobs
 from tandem.train.batch import micro_batches, rank_micro_batches, shard
 from tandem.train.optim import lr_factor
@@ -16,9 +15,8 @@ AGGS = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-tok
 
 
 def worker(model, budget: int, **algo) -> TrainWorker:
-    algo = {"kl_coef": 0.1, "entropy_coef": 0.01, **algo}
-    return TrainWorker(
-        model, AlgoConfig(**algo), TrainConfig(lr=1e-3, micro_batch_tokens=budget), pad_token_id=0
+    return train_worker(
+        model, {"kl_coef": 0.1, "entropy_coef": 0.01, **algo}, dict(lr=1e-3, micro_batch_tokens=budget)
     )
 
 
@@ -68,7 +66,7 @@ def test_non_finite_gradient_skips_the_step_and_counts_it():
 def test_policy_gradient_raises_the_logprob_of_rewarded_responses():
     model = tiny_model()
     samples = random_samples(4, 4, seed=3)
-    w = TrainWorker(model, AlgoConfig(), TrainConfig(lr=3e-3, epochs=4, mini_batch_size=8), pad_token_id=0)
+    w = train_worker(model, train=dict(lr=3e-3, epochs=4, mini_batch_size=8))
     good = [i for i, s in enumerate(samples) if s.reward > 0]
     bad = [i for i, s in enumerate(samples) if s.reward == 0]
     before = w.compute_logprobs(samples).sum(-1)
@@ -97,7 +95,7 @@ def test_micro_batches_respect_the_budget():
 
 
 def step_twin(model, samples, **train) -> tuple[TrainWorker, dict[str, float]]:
-    w = TrainWorker(model, AlgoConfig(entropy_coef=0.01), TrainConfig(lr=1e-3, **train), pad_token_id=0)
+    w = train_worker(model, dict(entropy_coef=0.01), dict(lr=1e-3, **train))
     return w, w.train_step(samples)
 
 
@@ -116,18 +114,16 @@ def test_packed_micro_batches_give_the_padded_loss_and_gradients():
 
 def test_a_packed_row_attends_only_within_each_sequence():
     model, samples = tiny_model(), random_samples(2, 3)
-    together = TrainWorker(model, AlgoConfig(), TrainConfig(), pad_token_id=0).compute_logprobs(samples)
+    together = train_worker(model).compute_logprobs(samples)
     for i, s in enumerate(samples):
-        alone = TrainWorker(model, AlgoConfig(), TrainConfig(), pad_token_id=0).compute_logprobs([s])
+        alone = train_worker(model).compute_logprobs([s])
         torch.testing.assert_close(together[i, : len(s.response_ids)], alone[0, : len(s.response_ids)])
 
 
 def test_an_exactly_on_policy_step_skips_the_recompute_and_updates_the_same():
     model, samples = tiny_model(), random_samples(4, 4)
-    skip = TrainWorker(model, AlgoConfig(corrections=["tis"]), TrainConfig(lr=1e-3), pad_token_id=0)
-    again = TrainWorker(
-        clone_model(model), AlgoConfig(corrections=["tis"]), TrainConfig(lr=1e-3), pad_token_id=0
-    )
+    skip = train_worker(model, dict(corrections=["tis"]), dict(lr=1e-3))
+    again = train_worker(clone_model(model), dict(corrections=["tis"]), dict(lr=1e-3))
     again.version = 3  # the same weights, but the batch is three versions old: π_old is recomputed
     for s in samples:
         s.versions = [0] * len(s.response_ids)
@@ -150,7 +146,7 @@ def test_an_exactly_on_policy_step_skips_the_recompute_and_updates_the_same():
     [(dict(epochs=2), {}), (dict(mini_batch_size=8), {}), ({}, dict(corrections=["mis"]))],
 )
 def test_more_than_one_update_or_a_masking_correction_recomputes(train, algo):
-    w = TrainWorker(tiny_model(), AlgoConfig(**algo), TrainConfig(**train), pad_token_id=0)
+    w = train_worker(tiny_model(), algo, train)
     assert w.train_step(random_samples(4, 4))["actor/old_logprob_source/recompute"] == 1.0
 
 
@@ -191,7 +187,7 @@ def test_bf16_compute_keeps_fp32_master_weights_that_small_steps_move():
         opt.step()
     assert (dict(direct.named_parameters())[w_q] != start[w_q]).float().mean() < 0.1  # 0.04: only the tiniest
 
-    w = TrainWorker(model, AlgoConfig(), TrainConfig(lr=1e-5), pad_token_id=0, dtype=torch.bfloat16)
+    w = train_worker(model, train=dict(lr=1e-5), dtype=torch.bfloat16)
     for _ in range(40):
         w.train_step(samples)
     weights = dict(w.named_weights())
@@ -205,11 +201,10 @@ def test_bf16_compute_keeps_fp32_master_weights_that_small_steps_move():
 def test_bf16_compute_learns_like_fp32():
     """The test above's trainer, at a normal lr: bf16 logprobs within bf16 rounding of fp32's."""
     model, samples = tiny_model(), random_samples(4, 4)
-    fp32 = TrainWorker(model, AlgoConfig(), TrainConfig(lr=3e-3, epochs=4, mini_batch_size=8), pad_token_id=0)
-    bf16 = TrainWorker(
-        clone_model(model), AlgoConfig(), TrainConfig(lr=3e-3, epochs=4, mini_batch_size=8), pad_token_id=0,
-        dtype=torch.bfloat16,
-    )  # fmt: skip
+    fp32 = train_worker(model, train=dict(lr=3e-3, epochs=4, mini_batch_size=8))
+    bf16 = train_worker(
+        clone_model(model), train=dict(lr=3e-3, epochs=4, mini_batch_size=8), dtype=torch.bfloat16
+    )
     torch.testing.assert_close(
         bf16.compute_logprobs(samples), fp32.compute_logprobs(samples), atol=0.05, rtol=0
     )

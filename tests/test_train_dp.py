@@ -4,29 +4,23 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from helpers import clone_model, grads, random_samples, tiny_model
+from helpers import clone_model, grads, on_gloo_ranks, random_samples, tiny_model, train_worker
 
-from tandem.config import AlgoConfig, TrainConfig
 from tandem.data.tokenizer import build_char_tokenizer
 from tandem.model.checkpoint import load_model
 from tandem.runtime.roles import save_hf_model
-from tandem.sync import destroy_world, free_port, init_world
 from tandem.train.worker import TrainWorker
 
 ALGO = {"kl_coef": 0.1, "entropy_coef": 0.01, "loss_agg": "seq-mean-token-mean", "corrections": ["tis"]}
 
 
 def worker(model, strategy: str = "ddp", dtype: torch.dtype = torch.float32, **extra) -> TrainWorker:
-    train = TrainConfig(lr=1e-3, micro_batch_tokens=40, mini_batch_size=8, strategy=strategy, **extra)
-    return TrainWorker(model, AlgoConfig(**ALGO), train, pad_token_id=0, dtype=dtype)
+    train = dict(lr=1e-3, micro_batch_tokens=40, mini_batch_size=8, strategy=strategy, **extra)
+    return train_worker(model, ALGO, train, dtype=dtype)
 
 
-def _rank(
-    rank: int, world: int, port: int, strategy: str, out: str, dtype: torch.dtype, extra: dict | None = None
-) -> None:
-    torch.set_num_threads(1)
-    init_world(rank, world, "127.0.0.1", port, backend="gloo", timeout_s=60)
+def rank_step(strategy: str, out: str, dtype: torch.dtype, extra: dict | None = None) -> dict:
+    """One rank's train step -> its metrics, full weights, local gradients and optimizer bytes."""
     w = worker(tiny_model(), strategy, dtype, **(extra or {}))
     w.parallelize(torch.distributed.group.WORLD)
     metrics = w.train_step(random_samples(4, 4))  # 16 samples, 2 mini-batches of 8: two steps
@@ -37,11 +31,8 @@ def _rank(
     moments = w.learner.optimizer.state.values()
     state = [t for s in moments for t in s.values() if torch.is_tensor(t) and t.dim()]
     optimizer_bytes = sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in state)
-    torch.save(
-        {"metrics": metrics, "weights": w.full_weights(), "grads": local, "optimizer_bytes": optimizer_bytes},
-        f"{out}/{rank}.pt",
-    )
-    destroy_world()
+    weights = w.full_weights()
+    return {"metrics": metrics, "weights": weights, "grads": local, "optimizer_bytes": optimizer_bytes}
 
 
 OFFLOAD = {"offload": "optimizer", "gradient_checkpointing": True}
@@ -53,11 +44,9 @@ OFFLOAD = {"offload": "optimizer", "gradient_checkpointing": True}
 def test_data_parallel_ranks_equal_one_worker(tmp_path, strategy, world, extra):
     """fsdp2 with CPU offload and per-layer checkpointing too (on a CPU the offload moves nothing,
     but the policy's path runs)."""
-    args = (world, free_port(), strategy, str(tmp_path), torch.float32, extra)
-    mp.spawn(_rank, args=args, nprocs=world, join=True)
+    ranks = on_gloo_ranks(world, rank_step, strategy, str(tmp_path), torch.float32, extra)
     single = worker(clone_model(tiny_model()))
     m_single = single.train_step(random_samples(4, 4))
-    ranks = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(world)]
     for r in ranks:
         for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm"):
             assert r["metrics"][key] == pytest.approx(m_single[key], rel=1e-5, abs=1e-7), key
@@ -79,9 +68,9 @@ def test_data_parallel_ranks_equal_one_worker(tmp_path, strategy, world, extra):
 def test_bf16_ranks_equal_one_bf16_worker_to_bf16_rounding(tmp_path, strategy):
     """bf16 compute, fp32 masters and fp32 reduction: DDP's fp32 hook averages (a plain sum would
     double the gradient norm), FSDP2's policy reduces in fp32."""
-    mp.spawn(_rank, args=(2, free_port(), strategy, str(tmp_path), torch.bfloat16), nprocs=2, join=True)
+    ranks = on_gloo_ranks(2, rank_step, strategy, str(tmp_path), torch.bfloat16)
     m_single = worker(tiny_model(), dtype=torch.bfloat16).train_step(random_samples(4, 4))
-    for r in [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(2)]:
+    for r in ranks:
         for key in ("actor/pg_loss", "actor/grad_norm"):
             assert r["metrics"][key] == pytest.approx(m_single[key], rel=2e-2, abs=1e-4), key
         assert all(w.dtype == torch.float32 for w in r["weights"].values())

@@ -352,6 +352,7 @@ def assert_same_weights(sender, receivers) -> None:
             assert torch.equal(got[name], t), name
 
 
+@pytest.mark.ray
 @pytest.mark.parametrize("transport", TRANSPORTS.names())
 def test_transport_contract(peers, transport):
     sender, receivers = peers
@@ -368,6 +369,7 @@ def test_transport_contract(peers, transport):
         assert_same_weights(sender, receivers)
 
 
+@pytest.mark.ray
 def test_object_store_receive_times_out_without_a_sender(peers):
     sender, _ = peers
     plan = BucketPlan([TensorSpec("w", (4,), torch.float32)], 1.0, 0)
@@ -379,6 +381,7 @@ def test_object_store_receive_times_out_without_a_sender(peers):
     assert time.monotonic() - start < 5
 
 
+@pytest.mark.ray
 def test_broadcast_receive_times_out_without_a_sender(peers):
     sender, receivers = peers
     ray.get([p.use.remote("broadcast", group="pair") for p in (sender, receivers[0])])
