@@ -244,7 +244,6 @@ def test_failed_receive_drops_the_partial_version_and_a_retry_works():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_swap_into_cuda_parameters_from_pinned_staging():
     tensors = mixed_tensors()
     plan = plan_for(tensors, produce_mb=256 / MB, consume_mb=128 / MB)
