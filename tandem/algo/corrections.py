@@ -243,10 +243,6 @@ def bypass_correction(
     return mask.bool().to(old_logp.dtype), mask, {}
 
 
-# Entries that can drop tokens from the loss mask, for `tandem.train.worker` until it asks the traits.
-MASKING = tuple(n for n in CORRECTIONS.names() if CORRECTIONS.traits(n).masks)
-
-
 def apply_corrections(
     names: Sequence[str],
     logp: Tensor,
@@ -288,9 +284,9 @@ def old_logprob_source(names: Sequence[str], prox_logprob: str = "recompute") ->
     """Where the corrections `names` take the PPO ratio's π_old from: BEHAVIOUR (bypass: μ),
     INTERPOLATE (decoupled with prox_logprob=interpolate) or RECOMPUTE (the trainer's forward pass
     at step start). Only RECOMPUTE costs a forward pass."""
-    if "bypass" in names:
+    if any(CORRECTIONS.traits(n).old_is_behaviour for n in names):
         return OldSource.BEHAVIOUR
-    if "decoupled" in names and prox_logprob == "interpolate":
+    if any(CORRECTIONS.traits(n).old_is_prox for n in names) and prox_logprob == "interpolate":
         return OldSource.INTERPOLATE
     return OldSource.RECOMPUTE
 

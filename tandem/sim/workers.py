@@ -225,7 +225,7 @@ class SimTrainer(DeviceWorker):
     version = 0  # of the weights it holds: one more each train step
 
     @property
-    def source(self) -> str:
+    def source(self) -> OldSource:
         """Where π_old comes from, by the config's corrections (`old_logprob_source`)."""
         return old_logprob_source(self.cfg.algo.corrections, self.cfg.algo.prox_logprob)
 

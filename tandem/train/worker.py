@@ -29,7 +29,7 @@ from tandem.algo import (
     mismatch_metrics,
     old_logprob_source,
 )
-from tandem.algo.corrections import MASKING, OldSource
+from tandem.algo.corrections import CORRECTIONS, OldSource
 from tandem.config import AlgoConfig, TrainConfig
 from tandem.errors import TandemError
 from tandem.model.decoder import CausalLM
@@ -151,7 +151,7 @@ class TrainWorker:
     def advantages(self, samples: list[Sample], mask: Tensor) -> Tensor:
         """(B, R) advantages from the samples' rewards and groups, or (gae) the critic's per token;
         each sample's mean is stored on it."""
-        if self.algo.adv_estimator == "gae":  # computed by the critic, where the values are
+        if ADV_ESTIMATORS.traits(self.algo.adv_estimator).needs_critic:  # the critic computed them
             missing = [s for s in samples if len(s.token_advantages) != len(s.response_ids)]
             if missing:
                 raise TandemError(
@@ -253,7 +253,7 @@ class TrainWorker:
             self.old_source is OldSource.RECOMPUTE
             and self.cfg.epochs == 1
             and (self.cfg.mini_batch_size or len(samples)) >= len(samples)
-            and not any(n in MASKING for n in self.algo.corrections)
+            and not any(CORRECTIONS.traits(n).masks for n in self.algo.corrections)
             and self._sampled_now(samples)
         )
 
@@ -393,10 +393,10 @@ class TrainWorker:
         is π_old.
         """
         names = self.algo.corrections
-        if not any(n in MASKING for n in names):
+        if not any(CORRECTIONS.traits(n).masks for n in names):
             return b.mask  # only weights: every token stays in the pg loss
         theta = None
-        if "opsm" in names or self.old_source is OldSource.INTERPOLATE:
+        if any(CORRECTIONS.traits(n).reads_theta for n in names) or self.old_source is OldSource.INTERPOLATE:
             theta = b.old if first and b.old is not None else self._policy_logprobs(b)
         old = self._old_logprobs(self.old_source, b.old, b.behaviour, b.versions, theta)
         # Without theta no entry here reads π_θ (only opsm and interpolation do), so old stands in.
