@@ -38,6 +38,9 @@ from tandem.rollout.paged_engine import PagedEngine
 from tandem.rollout.protocol import SamplingParams
 from tandem.train.batch import sequence_logprobs
 
+# Every path at 13 batch sizes in two dtypes: minutes where bf16 matmuls are emulated (AVX2 CPUs).
+pytestmark = pytest.mark.integration
+
 SIZES = [1, 2, 3, 4, 5, 7, 8, 12, 16, 31, 33, 48, 64]  # batch sizes every path is checked at
 DTYPES = [torch.float32, torch.bfloat16]
 TARGET = [int(t) for t in torch.randint(3, VOCAB, (24,), generator=torch.Generator().manual_seed(1))]

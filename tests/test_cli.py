@@ -151,8 +151,8 @@ def bad_input_cases(ckpt, tmp_path):
         "unknown task",
         "unknown reward",
         "missing model",
-        "cuda without a GPU",
-        "more CPUs than exist",
+        pytest.param("cuda without a GPU", marks=pytest.mark.ray),  # checked against Ray's resources
+        pytest.param("more CPUs than exist", marks=pytest.mark.ray),
     ],
 )
 def test_bad_input_is_one_clear_paragraph(case, ckpt, tmp_path, capsys):

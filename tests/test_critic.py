@@ -165,6 +165,7 @@ def critic_rank_step(strategy: str) -> dict:
     }
 
 
+@pytest.mark.integration  # a gloo process group of two
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_critic_ranks_equal_one_critic(strategy):
     """The critic shards like the policy's trainers: two ranks give one worker's values, advantages,

@@ -107,6 +107,7 @@ def test_runs_repeat_bit_for_bit(tmp_path, overrides):
         assert all(r["actor/old_logprob_source/recompute"] == 0 for r in steps)
 
 
+@pytest.mark.integration  # 300 batches in bf16: minutes where bf16 matmuls are emulated
 @pytest.mark.parametrize("on", [True, False], ids=["invariant", "default"])
 def test_a_greedy_request_gets_one_completion_in_any_batch(on):
     """One greedy request submitted 100 times among random others, in batches of 1 to 32, on the

@@ -75,6 +75,7 @@ def fsdp2_steps(out: str, phase: str) -> dict:
     return {"metrics": metrics, "weights": w.full_weights()}
 
 
+@pytest.mark.integration  # two gloo process groups of two
 def test_fsdp2_shards_resume_bit_for_bit(tmp_path):
     """Each rank writes only its shards of the weights and of Adam's state (DCP), and reads them back."""
     straight = on_gloo_ranks(2, fsdp2_steps, str(tmp_path), "straight")

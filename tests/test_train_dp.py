@@ -11,6 +11,8 @@ from tandem.model.checkpoint import load_model
 from tandem.runtime.roles import save_hf_model
 from tandem.train.worker import TrainWorker
 
+pytestmark = pytest.mark.integration  # each test spawns a gloo process group
+
 ALGO = {"kl_coef": 0.1, "entropy_coef": 0.01, "loss_agg": "seq-mean-token-mean", "corrections": ["tis"]}
 
 
