@@ -19,8 +19,8 @@ from tandem.agent import tools as tools_module
 from tandem.agent.tools import calculate
 from tandem.config import load_config
 from tandem.controller.stats import rollout_stats
-from tandem.data import build_char_tokenizer
 from tandem.data.tasks import TASKS
+from tandem.data.tokenizer import build_char_tokenizer
 from tandem.errors import TandemError
 from tandem.model.decoder import CausalLM, init_weights
 from tandem.reward.verifiers import VERIFIERS

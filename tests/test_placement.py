@@ -3,8 +3,8 @@
 import pytest
 
 from tandem.config import load_config
-from tandem.controller.placement import bundles, check_fits, describe, plan
 from tandem.errors import TandemError
+from tandem.runtime.placement import bundles, check_fits, describe, plan
 
 
 def slots_by_role(overrides, cpus, gpus=0):
