@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 
 from tandem import devices
 from tandem.config import load_config
-from tandem.controller.inputs import sampling_params
+from tandem.config.sampling import sampling_params
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups
 from tandem.runtime.roles import (

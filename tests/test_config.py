@@ -64,6 +64,7 @@ def test_resolved_config_round_trips(tmp_path):
         (["algo.kl_estimator=k9"], r"KL estimator.*k3"),
         (["data.task=divide"], r"not a known task.*addition.*countdown.*multiply.*reverse"),
         (["rollout.top_p=0"], r"'rollout.top_p' must be in \(0, 1\]"),
+        (['rollout.stop=[""]'], r"'rollout' sampling settings: stop=\[''\] must be a list of non-empty"),
         (["rollout"], r"not of the form section.key=value"),
         (["rollout.engine=vllm", "rollout.temperature=0.7", "rollout.top_p=0.9"], r"vLLM cannot record"),
         (["rollout.engine=vllm", "rollout.vllm_gpu_memory_utilization=0"], r"must be in \(0, 1\]"),

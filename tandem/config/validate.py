@@ -15,12 +15,13 @@ import torch
 
 from tandem.agent import TOOLS, agent_class
 from tandem.algo import ADV_ESTIMATORS, CORRECTIONS, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
+from tandem.config.sampling import sampling_params
 from tandem.config.schema import Config
 from tandem.data.tasks import TASKS
 from tandem.dtypes import ROLLOUT_DTYPES, TRAIN_DTYPES
 from tandem.errors import TandemError
 from tandem.rollout.engines import ENGINES
-from tandem.rollout.protocol import LOGPROBS_MODES, ON_UPDATE_POLICIES, SamplingParams
+from tandem.rollout.protocol import LOGPROBS_MODES, ON_UPDATE_POLICIES
 from tandem.sync.protocol import TRANSPORTS
 from tandem.train.optim import SCHEDULES
 
@@ -156,11 +157,10 @@ def _check_sampling(cfg: Config) -> None:
     _check(r.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off).")
     _check(0 <= r.min_p < 1, "rollout.min_p", f"must be in [0, 1), got {r.min_p}.")
     _check(r.repetition_penalty > 0, "rollout.repetition_penalty", "must be > 0 (1 = off).")
-    sampling = dict(top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, repetition_penalty=r.repetition_penalty)
-    calls = [
-        SamplingParams(temperature=t, logprobs_mode=r.logprobs_mode, **sampling)
-        for t in (r.temperature, r.val_temperature)
-    ]
+    try:  # the calls the loop will make: what SamplingParams refuses fails here, not in the run
+        calls = [sampling_params(cfg, t) for t in (r.temperature, r.val_temperature)]
+    except ValueError as e:
+        raise TandemError(f"Config 'rollout' sampling settings: {e}.") from None
     try:
         ENGINES.get(r.engine).check_sampling(calls)
     except ValueError as e:

@@ -34,10 +34,11 @@ from typing import Any
 
 from tandem.buffer import RolloutBuffer
 from tandem.config import Config
+from tandem.config.sampling import sampling_params
 from tandem.controller.calls import GENERATING, Call, Kind
 from tandem.controller.checkpoint import Checkpoints, load_workers, save_checkpoint
 from tandem.controller.dynamic_sampling import DynamicSampling
-from tandem.controller.inputs import Data, sampling_params
+from tandem.controller.inputs import Data
 from tandem.controller.lengths import TailLengths
 from tandem.controller.protocol import Cluster, Done, Handle, WorkerDied
 from tandem.controller.slots import RolloutSlots

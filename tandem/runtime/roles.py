@@ -16,8 +16,9 @@ import torch
 
 from tandem.agent import build_agent
 from tandem.config import Config
+from tandem.config.sampling import sampling_params
 from tandem.config.validate import check_training
-from tandem.controller.inputs import Data, sampling_params
+from tandem.controller.inputs import Data
 from tandem.data.dataset import load_prompts, prompts_from_rows
 from tandem.data.loader import PromptLoader
 from tandem.data.tasks import TASKS

@@ -6,7 +6,7 @@ import torch
 
 from tandem import devices
 from tandem.config import Config
-from tandem.controller.inputs import sampling_params
+from tandem.config.sampling import sampling_params
 from tandem.controller.stats import val_stats
 from tandem.reward import RewardPool
 from tandem.rollout.group import make_groups
