@@ -30,13 +30,16 @@ def train(tmp_path, *overrides: str) -> tuple[dict, list[dict]]:
 
 
 @pytest.mark.parametrize(
-    "dtype, bound",  # the largest |vLLM's logprob - the fp32 trainer's| of any token of a step
-    [("float32", 1e-3), ("bfloat16", 0.5)],
+    "dtype, transport, bound",  # bound: the largest |vLLM's logprob - the fp32 trainer's| of a step
+    [("float32", "object_store", 1e-3), ("bfloat16", "broadcast", 0.5)],
 )
-def test_a_disaggregated_run_pushes_every_version_to_vllm_and_its_logprobs_match(tmp_path, dtype, bound):
+def test_a_disaggregated_run_pushes_every_version_to_vllm_and_its_logprobs_match(
+    tmp_path, dtype, transport, bound
+):
     """vLLM on its own CPUs, the trainer on the others: each step's samples come from the weights
     of the step before (version), and vLLM's behaviour logprobs equal the trainer's recompute to
-    the rounding of vLLM's dtype (bf16: ~5e-2 at most on the default model). vLLM runs in the rollout
+    the rounding of vLLM's dtype (bf16: ~5e-2 at most on the default model), over either weight
+    transport (Ray's object store; a torch.distributed broadcast). vLLM runs in the rollout
     actor's generate thread, not the one that built it (bf16 on the CPU build failed there once:
     OpenMP thread counts are per thread)."""
     overrides = [
@@ -44,6 +47,7 @@ def test_a_disaggregated_run_pushes_every_version_to_vllm_and_its_logprobs_match
         "run.val_every=0",
         "train.dtype=float32",
         f"rollout.dtype={dtype}",
+        f"sync.transport={transport}",
         "placement.groups=[actor_train,generate]",
         "placement.ratios=[0.5,0.5]",
         "rollout.vllm_enforce_eager=true",  # no torch.compile: starts in ~10 s

