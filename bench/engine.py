@@ -1,7 +1,7 @@
 """The rollout engines against transformers' generate, and what bounds them.
 
-    python bench/engine.py [--model builtin:addition | PATH | qwen2-0.5b-random] [--engine builtin graphs]
-                           [--device cpu | cuda] [--dtype auto] [--layers N] [--json PATH]
+    python bench/engine.py [--model builtin:addition | PATH | qwen2-0.5b-random] [--engine builtin graphs vllm]
+                           [--device cpu | cuda] [--dtype auto] [--layers N] [--parts fixed rl ...] [--json PATH]
 
 All in one run, on one model:
 1. Fixed lengths: tokens/s of each --engine and of `generate` at batch 8 and 64. All sample
@@ -70,6 +70,8 @@ from tandem.sample import Prompt, Sample
 # vllm: VLLMEngine on the installed vLLM (its CPU build on the CPU), with its torch.compile'd graph
 ENGINES = ("builtin", "paged", "compiled", "graphs")
 OPTIONAL = ("vllm",)  # not in the default list: it needs vLLM installed
+# The parts of the docstring: 1 is "fixed" and "rl"; on a slow device `--parts fixed rl` is the table.
+PARTS = ("fixed", "rl", "batching", "prefix", "peak", "ceiling", "memory")
 RANDOM_MODELS = {
     "qwen2-0.5b-random": ModelConfig(
         model_type="qwen2",
@@ -555,6 +557,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--peak-m", type=int, default=2048, help="rows of the peak matmuls")
     ap.add_argument("--repeats", type=int, default=5, help="best of this many runs")
     ap.add_argument("--json", help="write the figures as one flat JSON object")
+    ap.add_argument(
+        "--parts", nargs="+", choices=PARTS, default=list(PARTS), help="which parts to run (default: all)"
+    )
     args = ap.parse_args()
     if args.layers is not None and args.model not in RANDOM_MODELS:
         ap.error(f"--layers sets the depth of a random model ({RANDOM}), not of {args.model}")
@@ -584,15 +589,23 @@ def main() -> None:
         f"{torch.get_num_threads()} threads" if device.type == "cpu" else torch.cuda.get_device_name(device)
     )
     print(f"model {args.model}, {dtype_name} on {device} ({where}), {args.new_tokens} new tokens")
-    figures = fixed_table(setup, engines, args.batches, args.new_tokens, args.repeats) | started
-    figures.update(rl_workload(setup, engines, args.repeats, args.groups))
-    if "vllm" in engines:
+    figures, parts = dict(started), set(args.parts)
+    if "fixed" in parts:
+        figures.update(fixed_table(setup, engines, args.batches, args.new_tokens, args.repeats))
+    if "rl" in parts:
+        figures.update(rl_workload(setup, engines, args.repeats, args.groups))
+    if "vllm" in engines and {"fixed", "rl"} <= parts:
         figures.update(builtin_vs_vllm(figures, args.batches))
-    figures.update(continuous_vs_static(setup, args.requests, args.new_tokens, args.repeats))
-    figures.update(prefix_sharing(setup, args.repeats, args.groups))
-    figures.update(peak_fraction(setup.model, args.peak_m, figures, max(args.batches)))
-    figures.update(ceiling(setup.model, args.batches, figures))
-    figures.update(memory(setup, args.new_tokens))
+    if "batching" in parts:
+        figures.update(continuous_vs_static(setup, args.requests, args.new_tokens, args.repeats))
+    if "prefix" in parts:
+        figures.update(prefix_sharing(setup, args.repeats, args.groups))
+    if "peak" in parts and "fixed" in parts:
+        figures.update(peak_fraction(setup.model, args.peak_m, figures, max(args.batches)))
+    if "ceiling" in parts and "fixed" in parts:
+        figures.update(ceiling(setup.model, args.batches, figures))
+    if "memory" in parts:
+        figures.update(memory(setup, args.new_tokens))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)
