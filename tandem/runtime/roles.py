@@ -38,7 +38,7 @@ from tandem.rollout.base import RolloutEngine
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.engines import ENGINES
 from tandem.rollout.paged_engine import PagedEngine
-from tandem.rollout.vllm_config import choose_logprobs_mode, vllm_device, vllm_version
+from tandem.rollout.vllm_config import choose_logprobs_mode, require_vllm, vllm_device, vllm_version
 from tandem.rollout.vllm_engine import VLLMEngine
 from tandem.rollout.worker import RolloutWorker
 from tandem.runtime.memory import check_memory, machine_memory
@@ -238,6 +238,7 @@ def _paged_engine(cfg: Config, tokenizer, seed: int) -> RolloutEngine:
 def _vllm_engine(cfg: Config, tokenizer, seed: int) -> RolloutEngine:
     r = cfg.rollout
     calls = [sampling_params(cfg, t) for t in (r.temperature, r.val_temperature)]
+    require_vllm()  # before asking which build: without vLLM, say what to install
     if cfg.run.device != vllm_device():  # resolved: cpu or cuda
         raise TandemError(
             f"rollout.engine=vllm with run.device={cfg.run.device}, and the vLLM installed here is its "
