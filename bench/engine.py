@@ -1,7 +1,8 @@
 """The rollout engines against transformers' generate, and what bounds them.
 
-    python bench/engine.py [--model builtin:addition | PATH | qwen2-0.5b-random] [--engine builtin graphs vllm]
-                           [--device cpu | cuda] [--dtype auto] [--layers N] [--parts fixed rl ...] [--json PATH]
+    python bench/engine.py [--model builtin:addition | PATH | qwen2-0.5b-random]
+                           [--engine builtin graphs vllm] [--device cpu | cuda] [--dtype auto]
+                           [--layers N] [--parts fixed rl ...] [--json PATH]
 
 All in one run, on one model:
 1. Fixed lengths: tokens/s of each --engine and of `generate` at batch 8 and 64. All sample
@@ -182,6 +183,12 @@ def load(spec: str, device: str, dtype: torch.dtype, layers: int | None) -> Setu
     return Setup(model, hf, cfg.eos_token_id, cfg.pad_token_id, None, tmp)
 
 
+def key_prefix(engine: str) -> str:
+    """The JSON keys' prefix of an engine's figures: none for builtin (the keys this benchmark's first
+    version wrote), "paged_", "vllm_", ... for the others."""
+    return "" if engine == "builtin" else f"{engine}_"
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -247,7 +254,7 @@ def fixed_table(
         for name, engine in engines.items():  # warm up (the compiled engine compiles here)
             start = time.perf_counter()
             time_fixed(engine, prompts, ids, 4)
-            key = "" if name == "builtin" else f"{name}_"
+            key = key_prefix(name)
             figures[f"{key}warmup_s"] = figures.get(f"{key}warmup_s", 0.0) + time.perf_counter() - start
         time_hf(setup, ids, 4)
         best = dict.fromkeys([*engines, "hf"], 0.0)
@@ -257,7 +264,7 @@ def fixed_table(
             best["hf"] = max(best["hf"], time_hf(setup, ids, new_tokens))
         figures[f"hf_tokens_per_s_b{b}"] = best["hf"]
         for name in engines:
-            key = "" if name == "builtin" else f"{name}_"
+            key = key_prefix(name)
             ratio = best[name] / best["hf"]
             figures.update({f"{key}tokens_per_s_b{b}": best[name], f"{key}ratio_b{b}": ratio})
             print(f"{b:>6} {name:>8} {best[name]:>10.0f} {best['hf']:>10.0f} {ratio:>6.2f}x")
@@ -281,7 +288,7 @@ def rl_workload(
         best["hf"] = max(best["hf"], groups * n / elapsed)
     figures = {"hf_rl_responses_per_s": best["hf"]}
     for name in engines:
-        key = "" if name == "builtin" else f"{name}_"
+        key = key_prefix(name)
         ratio = best[name] / best["hf"]
         figures.update({f"{key}rl_responses_per_s": best[name], f"{key}rl_ratio": ratio})
         print(
@@ -294,21 +301,18 @@ def rl_workload(
 def builtin_vs_vllm(figures: dict, batches: list[int]) -> dict:
     """The built-in engines against vLLM, measured side by side above: > 1 where tandem's is faster."""
     out = {}
-    for b in batches:
-        out[f"vllm_tokens_per_s_b{b}"] = figures[f"vllm_tokens_per_s_b{b}"]
-        for name in ("builtin", "paged"):
-            key = "" if name == "builtin" else f"{name}_"
+    for name in ("builtin", "paged"):
+        key = key_prefix(name)
+        for b in batches:
             if f"{key}tokens_per_s_b{b}" in figures:
                 out[f"{name}_vs_vllm_b{b}"] = (
                     figures[f"{key}tokens_per_s_b{b}"] / figures[f"vllm_tokens_per_s_b{b}"]
                 )
-    for name in ("builtin", "paged"):
-        key = "" if name == "builtin" else f"{name}_"
         if f"{key}rl_responses_per_s" in figures:
             out[f"{name}_vs_vllm_rl"] = (
                 figures[f"{key}rl_responses_per_s"] / figures["vllm_rl_responses_per_s"]
             )
-    print("built-in engines / vLLM: " + ", ".join(f"{k} {v:.2f}x" for k, v in out.items() if "_vs_" in k))
+    print("built-in engines / vLLM: " + ", ".join(f"{k} {v:.2f}x" for k, v in out.items()))
     return out
 
 
@@ -475,7 +479,7 @@ def peak_fraction(model: CausalLM, m: int, figures: dict[str, float], batch: int
     out[f"matmul_gflops_m{batch}"] = at_batch  # the same matmuls at the decode batch's M
     shown = []
     for name in ENGINES:
-        key = "" if name == "builtin" else f"{name}_"
+        key = key_prefix(name)
         tokens_per_s = figures.get(f"{key}tokens_per_s_b{batch}")
         if tokens_per_s is None:
             continue

@@ -166,7 +166,7 @@ class VLLMEngine(RolloutEngine):
         if self.on_cpu:
             self.llm.apply_model(_repack_tied)
         # Only possible with no request holding KV blocks: true here, every request has ended or
-        # was aborted. Older vLLM (0.11) returns None rather than a bool.
+        # was aborted.
         if self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM did not empty its prefix cache after a weight update")
 

