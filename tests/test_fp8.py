@@ -14,10 +14,12 @@ from tandem.model.decoder import CausalLM, fuse_projections, init_weights
 from tandem.model.fp8 import (
     FP8,
     Fp8Linear,
+    _scaled_mm_ok,
     dequantize_blockwise,
     quantizable,
     quantize_blockwise,
     quantize_model,
+    quantize_rows,
     requantize,
 )
 
@@ -288,20 +290,41 @@ def test_requantize_refuses_a_forward_that_would_bypass_the_fp8_weights():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scale", SCALES)
-def test_gpu_fp8_linear_agrees_with_the_dequantised_matmul(scale):
-    # On an H100 (sm90, CUDA >= 12.9) this runs torch._scaled_mm; elsewhere the bf16 dequantising path.
+@pytest.mark.parametrize(
+    "shape",
+    [((3, 50), 512, 768), ((7,), 1024, 1152), ((7,), 896, 1152)],
+    ids=["M150-K512", "M7-K1024", "M7-K896"],
+)
+def test_gpu_fp8_linear_agrees_with_the_dequantised_matmul(scale, shape):
+    """On an H100/H200 (sm90, CUDA >= 12.9) fp8_linear runs torch._scaled_mm where K / 128 is a
+    multiple of 4; it also quantises the activations (1x128 blocks), so it must equal the fp32 matmul
+    of both dequantised operands up to its bf16 output, and stay within fp8's error of the unquantised
+    activations. M = 150 and 7 (not multiples of 4) are what cuBLAS refused before M was padded
+    (CUBLAS_STATUS_NOT_SUPPORTED); K = 896 (7 blocks) is what gave wrong numbers without an error
+    through torch 2.11's _scaled_mm, and must take the bf16 dequantising path, as every other GPU."""
+    lead, k, n = shape
     gen = torch.Generator().manual_seed(7)
-    linear = nn.Linear(512, 768).to("cuda", torch.bfloat16)
+    linear = nn.Linear(k, n).to("cuda", torch.bfloat16)
     with torch.no_grad():
-        linear.weight.copy_(torch.randn(768, 512, generator=gen) * 0.05)
+        linear.weight.copy_(torch.randn(n, k, generator=gen) * 0.05)
     fp8 = Fp8Linear.from_linear(linear, scale)
-    x = torch.randn(3, 50, 512, generator=gen).to("cuda", torch.bfloat16)
-    expected = F.linear(x.float(), fp8.dequantized(torch.float32), linear.bias.float())
+    x = torch.randn(*lead, k, generator=gen).to("cuda", torch.bfloat16)
+    w, bias = fp8.dequantized(torch.float32), linear.bias.float()
     got = fp8(x)
-    assert got.dtype == torch.bfloat16 and got.shape == (3, 50, 768)
-    cosine = F.cosine_similarity(got.float().flatten(), expected.flatten(), dim=0)
+    assert got.dtype == torch.bfloat16 and got.shape == (*lead, n)
+    unquantised = F.linear(x.float(), w, bias)
+    cosine = F.cosine_similarity(got.float().flatten(), unquantised.flatten(), dim=0)
     assert cosine > 0.999
-    torch.testing.assert_close(got.float(), expected, atol=0.05, rtol=0.05)
+    rows = x.reshape(-1, k)
+    cuda = tuple(int(v) for v in torch.version.cuda.split(".")[:2])
+    scaled = torch.cuda.get_device_capability() == (9, 0) and cuda >= (12, 9) and k % 512 == 0
+    assert _scaled_mm_ok(rows, fp8.qweight, fp8.parts, 128) == scaled
+    if scaled:
+        xq, xs = quantize_rows(rows, 128, scale)
+        x_deq = (xq.float().view(-1, k // 128, 128) * xs[..., None]).view(*lead, k)
+        torch.testing.assert_close(got.float(), F.linear(x_deq, w, bias), atol=1e-2, rtol=1e-2)
+    else:
+        torch.testing.assert_close(got.float(), unquantised, atol=0.05, rtol=0.05)
 
 
 # ------------------------------------------------------------- the engines' receiving side

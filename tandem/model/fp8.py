@@ -240,7 +240,21 @@ def _scaled_mm_ok(x: Tensor, q: Tensor, parts: Sequence[int], block: int) -> boo
         return False
     if tuple(int(v) for v in torch.version.cuda.split(".")[:2]) < (12, 9):
         return False
-    return q.shape[1] % block == 0 and all(p % block == 0 for p in parts)
+    # K / 128 a multiple of 4: cuBLAS reads the weight scales with their K extent padded to that
+    # (L4), while torch 2.11 accepts only the unpadded layout for them, so any other K gives wrong
+    # numbers without an error (cosine 0.01-0.5 on an H200; later torch releases check for the
+    # padded layout). Qwen2-0.5B's K = 896 and 4864 take the dequantising path; 7B's 3584, 18944 not.
+    k_blocks_ok = q.shape[1] % (4 * block) == 0
+    return k_blocks_ok and all(p % block == 0 for p in parts)
+
+
+def quantize_rows(x: Tensor, block: int = 128, scale: str = "fp32") -> tuple[Tensor, Tensor]:
+    """x (M, K), K a multiple of `block` -> xq (M, K) fp8, scales (M, K/block) fp32: the activations'
+    1 x block quantisation of the GPU path (the same rule as `quantize_blockwise`'s, per row block)."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // block, block)
+    xs = block_scales(blocks.abs().amax(dim=-1), scale)
+    return (blocks / xs[..., None]).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8).view(m, k), xs
 
 
 def _scaled_mm_linear(
@@ -248,14 +262,18 @@ def _scaled_mm_linear(
 ) -> Tensor:
     """x (..., K) -> (..., N) in x.dtype: x quantised per 1x128 block (`scale` format), then
     torch._scaled_mm(xq (M, K), q^T (K, N) col-major, scale_a (M, K/128) outer-dim-major,
-    scale_b (K/128, N/128) = scales^T), which dequantises both sides on the fly; bias added after."""
+    scale_b (K/128, N/128) K-major), which dequantises both sides on the fly; bias added after.
+
+    cuBLAS's layout rule for the activations' 1x128 scales (its docs, "1D and 128x128 2D block
+    scaling"), found by its failure on an H200 (torch 2.11 + CUDA 13.0): their leading dimension
+    (M) must keep 16-byte alignment, so M is padded to a multiple of 4 with zero rows (scale 1,
+    output dropped); else CUBLAS_STATUS_NOT_SUPPORTED. The weights' rule is in `_scaled_mm_ok`."""
     rows = x.reshape(-1, x.shape[-1])  # (M, K)
-    m, k = rows.shape
-    blocks = rows.float().view(m, k // block, block)
-    xs = block_scales(blocks.abs().amax(dim=-1), scale)  # (M, K/128)
-    xq = (blocks / xs[..., None]).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8).view(m, k)
+    m = rows.shape[0]
+    xq, xs = quantize_rows(F.pad(rows, (0, 0, 0, -m % 4)), block, scale)  # (M4, K), (M4, K/128)
+    ws = scales.t()  # (K/128, N/128), K-major; K/128 is a multiple of 4 (see _scaled_mm_ok)
     out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
-    y = torch._scaled_mm(xq, q.t(), scale_a=xs.t().contiguous().t(), scale_b=scales.t(), out_dtype=out_dtype)
+    y = torch._scaled_mm(xq, q.t(), scale_a=xs.t().contiguous().t(), scale_b=ws, out_dtype=out_dtype)[:m]
     if bias is not None:
         y = y + bias
     return y.to(x.dtype).view(*x.shape[:-1], q.shape[0])
