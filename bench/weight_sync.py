@@ -55,13 +55,13 @@ class Peer:
         return "127.0.0.1", sync_dist.free_port()
 
     def join(self, rank: int, addr: str, port: int) -> None:
-        sync_dist.init_world(rank, 2, addr, port, "gloo", timeout_s=120)
+        self.group = sync_dist.sync_group(rank, 2, addr, port, timeout_s=120)
 
     def use(self, transport: str, produce_mb: float, consume_mb: float) -> int:
         """A fresh plan, staging buffer and transport -> the number of buckets."""
         self.plan = BucketPlan.from_named_tensors(self.model.named_parameters(), produce_mb, consume_mb)
         self.staging = StagingBuffer(self.plan)
-        self.transport = TRANSPORTS.get(transport)(self.plan, self.name, timeout_s=120)
+        self.transport = TRANSPORTS.get(transport)(self.plan, self.name, group=self.group, timeout_s=120)
         self.version = 0
         return self.plan.num_buckets
 

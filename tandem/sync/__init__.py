@@ -6,7 +6,7 @@ docs/weight_sync.md tells the whole story. Importing this package does not impor
 from tandem.sync import broadcast, object_store  # noqa: F401  (register the transports)
 from tandem.sync.broadcast import BroadcastTransport
 from tandem.sync.bucket import BucketHeader, pack_bucket, read_header, unpack_bucket
-from tandem.sync.dist import destroy_world, free_port, init_world, new_group, node_ip
+from tandem.sync.dist import SyncGroup, destroy_world, free_port, init_world, new_group, node_ip, sync_group
 from tandem.sync.object_store import ObjectStoreHandle, ObjectStoreTransport
 from tandem.sync.plan import BucketPlan, TensorSpec
 from tandem.sync.protocol import TRANSPORTS, WeightTransport
@@ -20,6 +20,7 @@ __all__ = [
     "ObjectStoreHandle",
     "ObjectStoreTransport",
     "StagingBuffer",
+    "SyncGroup",
     "TensorSpec",
     "WeightTransport",
     "destroy_world",
@@ -29,5 +30,6 @@ __all__ = [
     "node_ip",
     "pack_bucket",
     "read_header",
+    "sync_group",
     "unpack_bucket",
 ]

@@ -1,7 +1,8 @@
 """BroadcastTransport: buckets travel by torch.distributed broadcast from the trainer's rank 0.
 
-One process group spans the sender and the R receivers (gloo for CPU tensors, NCCL for CUDA
-tensors); the lead creates the world and the group (tandem.sync.dist) and hands both here. The
+One process group spans the sender (rank 0) and the R receivers (ranks 1..R): the weight-sync group
+of tandem.sync.dist, its own group outside torch.distributed's default world (gloo for CPU tensors,
+NCCL for CUDA tensors); the lead creates it and hands it here. The
 plan is static, so no metadata travels: the sender broadcasts bucket 0, 1, ... in order, each with
 its header, and every receiver takes them straight into its staging buffer. The sender packs bucket
 i+1 while bucket i is on the wire (two pack buffers).
@@ -22,6 +23,7 @@ from torch import Tensor
 
 from tandem.errors import TandemError
 from tandem.sync.bucket import collect, pack_bucket
+from tandem.sync.dist import SyncGroup
 from tandem.sync.plan import BucketPlan
 from tandem.sync.protocol import TRANSPORTS
 from tandem.sync.staging import StagingBuffer
@@ -36,34 +38,32 @@ class BroadcastTransport:
         self,
         plan: BucketPlan,
         worker_name: str,
-        group: dist.ProcessGroup | None = None,
+        group: SyncGroup | None = None,
         src_rank: int = 0,
         timeout_s: float = 300.0,
     ):
-        """group: a group holding this process and the sender (None: the whole world);
-        src_rank: the sender's rank in the world; timeout_s: the sender's deadline for one send."""
-        if not dist.is_initialized():
+        """group: the weight-sync group (tandem.sync.dist.sync_group) holding this process and the
+        sender; src_rank: the sender's rank in it; timeout_s: the sender's deadline for one send."""
+        if group is None:
             raise TandemError(
-                f"{worker_name}: the broadcast transport needs torch.distributed "
-                "initialised first (tandem.sync.dist.init_world)."
+                f"{worker_name}: the broadcast transport needs the weight-sync group "
+                "(tandem.sync.dist.sync_group), joined by the sender and every receiver first."
             )
         self.plan = plan
         self.worker_name = worker_name
         self.group = group
         self.src_rank = src_rank
         self.timeout_s = timeout_s
-        # "nccl", or "cpu:gloo,cuda:nccl" (tandem's world on GPUs): CUDA tensors then go over NCCL.
-        nccl = "nccl" in str(dist.get_backend(group))
-        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.device = group.device  # CUDA tensors go over NCCL, CPU tensors over gloo
         self._buffers: list[Tensor] = []
         self._broken: str | None = None
 
     def send(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Broadcast every bucket of `version`; returns when the last one has left (handle None)."""
         self._check_usable(version)
-        if dist.get_rank() != self.src_rank:
+        if self.group.rank != self.src_rank:
             raise TandemError(
-                f"{self.worker_name}: send called on rank {dist.get_rank()}, "
+                f"{self.worker_name}: send called on rank {self.group.rank}, "
                 f"the sender is rank {self.src_rank}."
             )
         tensors = collect(self.plan, named_tensors)
@@ -74,7 +74,7 @@ class BroadcastTransport:
             bucket = pack_bucket(self.plan, i, tensors, version, out=self._buffer(i % 2))
             if work is not None:  # bucket i-1 leaves while bucket i was packed
                 self._wait(work, deadline, self.timeout_s, f"sending bucket {i}/{n}", version)
-            work = dist.broadcast(bucket, src=self.src_rank, group=self.group, async_op=True)
+            work = self._broadcast(bucket)
         if work is not None:
             self._wait(work, deadline, self.timeout_s, f"sending bucket {n}/{n}", version)
 
@@ -85,12 +85,17 @@ class BroadcastTransport:
         for i in range(self.plan.num_buckets):
             with staging.receiving(version, i, self.worker_name) as dst:
                 target = dst if dst.device == self.device else self._buffer(0)[: dst.numel()]
-                work = dist.broadcast(target, src=self.src_rank, group=self.group, async_op=True)
+                work = self._broadcast(target)
                 self._wait(
                     work, deadline, timeout_s, f"receiving bucket {i + 1}/{self.plan.num_buckets}", version
                 )
                 if target is not dst:
                     dst.copy_(target)
+
+    def _broadcast(self, tensor: Tensor) -> dist.Work:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = self.src_rank
+        return self.group.pg.broadcast([tensor], opts)
 
     def _buffer(self, k: int) -> Tensor:
         """Pack / receive buffer k (0 or 1), as big as the largest bucket, on the group's device."""
