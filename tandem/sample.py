@@ -55,6 +55,9 @@ class Sample:
     seed: int | None = None
     ref_logprobs: list[float] = field(default_factory=list)  # reference policy's, when a ref worker ran
     reward: float = 0.0
+    # The reward the episode's agent returned (rollout.agent=openai:...): the reward role takes it
+    # as the sample's reward instead of calling reward.fn. None: score it with reward.fn.
+    agent_reward: float | None = None
     reward_parts: dict[str, float] = field(default_factory=dict)
     advantage: float = 0.0
     token_advantages: list[float] = field(default_factory=list)  # a critic's, per token (GAE); else empty

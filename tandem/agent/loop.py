@@ -13,6 +13,7 @@ re-submitted later, to any worker. docs/agents.md has the whole story.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -218,12 +219,19 @@ def _cap(s: Sample, params: SamplingParams) -> int:
 
 # -- building the agent a config names -----------------------------------------------------------
 def agent_class(spec: str) -> Callable[..., AgentLoop]:
-    """A registered agent's name, or "pkg.module:Class" -> the class; TandemError naming the valid
-    names otherwise."""
+    """A registered agent's name, "pkg.module:Class", or "openai:pkg.module:function" -> the class
+    (for openai: `OpenAIAgent` bound to the function); TandemError naming the valid names otherwise."""
     if spec in AGENTS:
         return AGENTS.get(spec)
+    if spec.startswith("openai:"):
+        from tandem.agent.openai_agent import OpenAIAgent, load_agent_fn
+
+        load_agent_fn(spec)  # a missing module or a function that is not async: said now
+        return functools.partial(OpenAIAgent, fn=spec)
     module_name, sep, attr = spec.partition(":")
-    forms = f"An agent is one of {', '.join(AGENTS.names())}, or 'pkg.module:Class'."
+    forms = (
+        f"An agent is one of {', '.join(AGENTS.names())}, 'pkg.module:Class' or 'openai:pkg.module:function'."
+    )
     if not sep or not module_name or not attr:
         raise TandemError(f"Unknown agent {spec!r}. {forms}")
     try:
@@ -240,6 +248,9 @@ def agent_class(spec: str) -> Callable[..., AgentLoop]:
     return cls
 
 
-def build_agent(spec: str, tokenizer, tools: Sequence[str] = (), max_turns: int = 1) -> AgentLoop:
-    """The agent `spec` names (see `agent_class`), for a worker with this tokenizer."""
-    return agent_class(spec)(tokenizer=tokenizer, tools=list(tools), max_turns=max_turns)
+def build_agent(spec: str, tokenizer, tools: Sequence[str] = (), max_turns: int = 1, **openai) -> AgentLoop:
+    """The agent `spec` names (see `agent_class`), for a worker with this tokenizer. `openai`: the
+    OpenAI agent's own settings (timeout_s, max_prompt_length, tool_parser, model_name), which
+    other agents do not take."""
+    extra = openai if spec.startswith("openai:") else {}
+    return agent_class(spec)(tokenizer=tokenizer, tools=list(tools), max_turns=max_turns, **extra)

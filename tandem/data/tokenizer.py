@@ -32,9 +32,29 @@ SPLIT_PATTERN = (
 )
 
 # Qwen-style ChatML with no default system message, so a prompt is only what the dataset wrote.
+# ChatML, and tool calling in Hermes' / Qwen's format: with `tools`, a system turn lists them as
+# JSON in <tools></tools> (after the first system message's text, which it replaces); an assistant
+# message's tool_calls are written <tool_call>{"name": ..., "arguments": ...}</tool_call> after its
+# text; a message without content renders it empty. Messages without tools render exactly as plain
+# ChatML (tests/test_openai_agent.py checks it against the plain template).
 CHATML_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- set first = 0 %}"
+    "{%- if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{%- set first = 1 %}{%- endif %}"
+    "{{ '# Tools\\n<tools>\\n' }}"
+    "{%- for tool in tools %}{{ tool | tojson + '\\n' }}{%- endfor %}"
+    "{{ '</tools>\\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>'"
+    " + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages[first:] %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{%- set args = call['function']['arguments'] %}"
+    "{{ '<tool_call>{\"name\": \"' + call['function']['name'] + '\", \"arguments\": '"
+    " + (args if args is string else args | tojson) + '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{{ '<|im_end|>' + '\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
 )

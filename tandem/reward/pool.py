@@ -140,6 +140,10 @@ class RewardPool:
         """
         if self._closed:
             raise RuntimeError("RewardPool is closed: score() was called after close()")
+        given = [s for s in samples if s.agent_reward is not None]  # the agent's own reward
+        for s in given:
+            s.reward, s.reward_parts = s.agent_reward, {"agent": s.agent_reward}
+        samples = [s for s in samples if s.agent_reward is None]
         if isinstance(self.fn, AutoReward):
             for data_source in {s.prompt.data_source for s in samples}:
                 self.fn.verifier_for(data_source)

@@ -1,0 +1,517 @@
+"""`rollout.agent=openai:pkg.module:function`: agents written against the OpenAI API.
+
+The user's agent is an ordinary coroutine, `async def run(client: openai.AsyncOpenAI, task: dict)
+-> float` (the episode's reward) or `-> (float, info)`. For every sample of a generate call the
+rollout worker starts one episode: it calls the function with a client whose `base_url` is the
+worker's own OpenAI-compatible endpoint (`openai_server.py`) and whose requests carry the episode's
+id, and records every token the engine generated for it.
+
+Batching: the episodes of a call run side by side on one asyncio loop (a thread of the worker);
+their requests queue here, and the worker's thread serves them as one engine call once every
+episode still running is waiting for the model (or the oldest request has waited `BATCH_WAIT_S`,
+so an episode busy with a slow tool does not hold up the others). So many concurrent episodes share
+one batch, on whichever engine the run uses.
+
+What becomes the training sample (docs/agents.md): a request whose messages are an earlier request's
+messages, the assistant message the endpoint returned for it, then new messages EXTENDS that
+completion: its prompt is the earlier prompt ids + the generated ids + the new messages' ids
+(`ChatRenderer.continuation`: nothing is re-tokenized, and the engine's prefix cache serves the
+shared prefix). The episode's sample is the chain of the last completion the agent received:
+its first prompt, then every completion of the chain (loss mask 1, behaviour logprobs and
+versions from the engine) and everything between them (tool results, user turns: loss mask 0). A
+completion the final chain does not contain (an agent that rewrote its history, or the choices it
+did not take) is counted in agent/unused_calls and not trained on.
+
+Limits and faults end an episode with reward 0, counted in agent/* and logged once per kind: the
+agent raised (errors), ran past `timeout_s` (timeouts), never called the model (no_calls). A
+request past the episode's limits (`max_turns` calls; `max_new_tokens` response tokens in its
+chain) or one the run cannot serve (a prompt longer than `max_prompt_length`, an unknown parameter)
+is refused with HTTP 400 naming the reason (bad_requests, truncated): the agent decides what
+happens next, and if it raises, the episode ends as above.
+
+An episode cannot move between workers (its state is a Python coroutine): when the worker is
+aborted (a partial rollout), the call's unfinished episodes are cancelled and their samples come
+back ABORTED and empty, to start afresh when re-submitted. Under `rollout.on_update=abort` a
+request cut short by a weight update is served again, continuing its tokens on the new weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from tandem.agent.chat import ChatRenderer, parse_tool_calls, same_message
+from tandem.agent.loop import AgentLoop, Turn
+from tandem.agent.openai_server import EPISODE_HEADER, BadRequest, Choice, EndpointServer, Request
+from tandem.errors import TandemError
+from tandem.sample import Sample, Status
+
+if TYPE_CHECKING:
+    from tandem.rollout.protocol import SamplingParams
+
+log = logging.getLogger(__name__)
+
+PREFIX = "openai:"
+BATCH_WAIT_S = 0.02  # how long a ready request waits for episodes that are busy elsewhere
+SCRATCH_INDEX = 1 << 20  # engine requests are numbered from here, apart from the samples' own keys
+FAULTS = ("errors", "timeouts", "no_calls")
+STATS = ("turns", "tool_calls", "tool_parse_errors", *FAULTS, "bad_requests", "truncated", "unused_calls")
+
+
+def load_agent_fn(spec: str) -> Callable:
+    """ "openai:pkg.module:function" (or without the prefix) -> the coroutine function."""
+    path = spec.removeprefix(PREFIX)
+    module_name, sep, attr = path.partition(":")
+    form = "rollout.agent=openai:pkg.module:function, with `async def function(client, task)`"
+    if not sep or not module_name or not attr:
+        raise TandemError(f"Agent {spec!r}: expected {form}.")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise TandemError(f"Agent {spec!r}: cannot import module {module_name!r}: {e}.") from None
+    fn = getattr(module, attr, None)
+    if fn is None or not inspect.iscoroutinefunction(fn):
+        what = "has no attribute" if fn is None else "is not an `async def` function:"
+        raise TandemError(f"Agent {spec!r}: module {module_name!r} {what} {attr!r}. Expected {form}.")
+    return fn
+
+
+@dataclass
+class Chain:
+    """Completions that extend each other: one training sample's tokens."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    calls: int = 0  # completions in it
+
+    def then(self, context: list[int], s: Sample) -> Chain:
+        """This chain, the context ids, then the generated response of `s` (its own prompt is this
+        chain's prompt + response + context)."""
+        version = s.versions[0] if s.versions else (self.versions[-1] if self.versions else 0)
+        return Chain(
+            self.prompt_ids,
+            self.response_ids + context + s.response_ids,
+            self.logprobs + [0.0] * len(context) + s.logprobs,
+            self.versions + [version] * len(context) + s.versions,
+            self.loss_mask + [0] * len(context) + [1] * len(s.response_ids),
+            self.calls + 1,
+        )
+
+
+@dataclass
+class Served:
+    """One choice the endpoint returned: what a later request may extend."""
+
+    chain: Chain
+    ids: list[int]
+    text: str  # the completion's text (plain completions extend on it)
+    message: dict | None  # chat: the assistant message returned
+    ended_on_eos: bool
+
+
+@dataclass
+class Call:
+    """A served request: its messages (chat) or prompt text, and its choices."""
+
+    messages: list[dict] | None
+    prompt_text: str | None
+    prompt_ids: list[int]
+    choices: list[Served]
+
+
+@dataclass
+class Episode:
+    id: str
+    sample: Sample
+    task: dict[str, Any]
+    deadline: float
+    stats: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STATS, 0.0))
+    calls: list[Call] = field(default_factory=list)
+    last: Served | None = None  # the last choice the agent received (choice 0 of its last call)
+    reward: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+    future: Any = None
+    ended: bool = False  # finished, failed or cancelled: takes no more requests
+
+
+@dataclass
+class Pending:
+    """A request waiting for the engine: one engine sample per choice."""
+
+    request: Request
+    episode: Episode
+    prompt_ids: list[int]
+    parent: Served | None  # the choice it extends, None for a fresh chain
+    context: list[int]  # ids between the parent's completion and this generation
+    samples: list[Sample]
+    since: float
+    done: threading.Event = field(default_factory=threading.Event)
+    answer: tuple[list[Choice], int] | None = None
+    error: BadRequest | None = None
+
+
+class OpenAIAgent(AgentLoop):
+    """The agent loop behind `rollout.agent=openai:...` (the module docstring tells the whole story)."""
+
+    def __init__(
+        self,
+        tokenizer=None,
+        tools: Sequence[str] = (),
+        max_turns: int = 8,
+        fn: str = "",
+        timeout_s: float = 120.0,
+        max_prompt_length: int = 1 << 30,
+        tool_parser: str = "hermes",
+        model_name: str = "tandem",
+    ):
+        super().__init__(tokenizer)
+        self.fn = load_agent_fn(fn)
+        self.max_turns, self.timeout_s, self.max_prompt_length = max_turns, timeout_s, max_prompt_length
+        self.tool_parser, self.model_name = tool_parser, model_name
+        self._renderer: ChatRenderer | None = None
+        self._server: EndpointServer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._cond = threading.Condition()
+        self._episodes: dict[str, Episode] = {}
+        self._pending: list[Pending] = []
+        self._logged: set[str] = set()
+        self._numbers = itertools.count(SCRATCH_INDEX)
+
+    # -- the worker's side: one generate call ------------------------------------------------------
+    def run(self, turn: Turn, samples: list[Sample], params: SamplingParams) -> list[Sample]:
+        self._start()
+        self._params = params
+        episodes = []
+        for s in samples:
+            task = {
+                "messages": s.prompt.messages,
+                "text": s.prompt.text,
+                "ground_truth": s.prompt.ground_truth,
+                "data_source": s.prompt.data_source,
+                "extra_info": s.prompt.extra_info,
+                **s.prompt.columns,
+            }
+            ep = Episode(uuid.uuid4().hex, s, task, time.monotonic() + self.timeout_s)
+            with self._cond:
+                self._episodes[ep.id] = ep
+            ep.future = asyncio.run_coroutine_threadsafe(self._episode(ep), self._loop)
+            ep.future.add_done_callback(lambda _: self._wake())
+            episodes.append(ep)
+        aborted = False
+        while True:
+            batch = self._next_batch(episodes)
+            if batch is None:
+                break
+            if not self._serve(turn, batch, params):
+                aborted = True
+                break
+        for ep in episodes:
+            self._finish(ep, aborted)
+        with self._cond:
+            for ep in episodes:
+                self._episodes.pop(ep.id, None)
+        return samples
+
+    def _next_batch(self, episodes: list[Episode]) -> list[Pending] | None:
+        """The requests to serve now; None once every episode has ended."""
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                for ep in episodes:  # a hung agent: give up on it (its coroutine is cancelled)
+                    if not ep.ended and now > ep.deadline + 1.0:
+                        self._fail(ep, "timeouts", f"ran past rollout.agent_timeout_s={self.timeout_s:g} s")
+                live = [ep for ep in episodes if not ep.ended and not ep.future.done()]
+                mine = [p for p in self._pending if p.episode in episodes]
+                waiting = {p.episode.id for p in mine}
+                if mine and (len(waiting) >= len(live) or now - min(p.since for p in mine) >= BATCH_WAIT_S):
+                    self._pending = [p for p in self._pending if p not in mine]
+                    return mine
+                if not live and not mine:
+                    return None
+                self._cond.wait(BATCH_WAIT_S)
+
+    def _serve(self, turn: Turn, batch: list[Pending], params: SamplingParams) -> bool:
+        """One engine call per distinct stop list; False when the worker was aborted."""
+        by_stop: dict[tuple[str, ...], list[Pending]] = {}
+        for p in batch:
+            by_stop.setdefault(tuple(p.request.stop), []).append(p)
+        retry = []
+        for stop, group in by_stop.items():
+            call_params = replace(params, stop=[*params.stop, *stop], include_stop_str_in_output=False)
+            engine_samples = [s for p in group for s in p.samples]
+            before = [len(s.response_ids) for s in engine_samples]
+            turn(engine_samples, call_params)
+            if all(
+                s.status is Status.ABORTED and len(s.response_ids) == n
+                for s, n in zip(engine_samples, before, strict=True)
+            ):
+                for p in batch:  # the worker was aborted: no request of this call is served
+                    p.error = BadRequest("the rollout worker was aborted (a partial rollout)", status=503)
+                    p.done.set()
+                return False
+            for p in group:
+                if any(s.status is Status.ABORTED for s in p.samples):  # cut by a weight update
+                    for s in p.samples:
+                        s.status = Status.RUNNING
+                    retry.append(p)
+                else:
+                    self._answer(p, call_params)
+        if retry:
+            with self._cond:
+                self._pending.extend(retry)
+        return True
+
+    def _answer(self, p: Pending, params: SamplingParams) -> None:
+        """Turn the engine's samples into choices, record them in the episode, release the request."""
+        r, ep = p.request, p.episode
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        choices, served = [], []
+        for s in p.samples:
+            text = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
+            cut = _cut(text, r.stop)
+            finish = "length" if s.finish_reason == "length" else "stop"
+            content, calls = cut, []
+            if r.chat and r.tools:
+                parsed = parse_tool_calls(cut, self.tool_parser)
+                if parsed.parse_error:
+                    ep.stats["tool_parse_errors"] += 1
+                    self._log_once(
+                        "tool_parse_errors", f"a tool call could not be read: {parsed.parse_error}"
+                    )
+                content, calls = parsed.content, parsed.tool_calls
+                ep.stats["tool_calls"] += len(calls)
+                if calls and finish == "stop":
+                    finish = "tool_calls"
+            tokens = [self.tokenizer.decode([t]) for t in s.response_ids]
+            choices.append(
+                Choice(cut, list(s.response_ids), list(s.logprobs), tokens, finish, content, calls)
+            )
+            parent_chain = p.parent.chain if p.parent is not None else Chain(p.prompt_ids)
+            chain = parent_chain.then(p.context, s)
+            message = None
+            if r.chat:
+                message = {"role": "assistant", "content": content}
+                if calls:
+                    message["tool_calls"] = calls
+            ended_on_eos = bool(s.response_ids) and s.response_ids[-1] == eos
+            served.append(Served(chain, list(s.response_ids), cut, message, ended_on_eos))
+        with self._cond:
+            ep.calls.append(
+                Call(
+                    r.messages if r.chat else None,
+                    r.prompt if isinstance(r.prompt, str) else None,
+                    p.prompt_ids,
+                    served,
+                )
+            )
+            ep.last = served[0]
+            ep.stats["turns"] += 1
+        p.answer = (choices, len(p.prompt_ids))
+        p.done.set()
+
+    def _finish(self, ep: Episode, aborted: bool) -> None:
+        """The episode's sample: its final chain, the agent's reward, its stats."""
+        s = ep.sample
+        if not ep.future.done():
+            ep.future.cancel()
+        if aborted and not ep.ended:
+            s.response_ids, s.logprobs, s.versions, s.loss_mask = [], [], [], []
+            s.end("abort")
+            return
+        ep.ended = True
+        if not ep.calls and not any(ep.stats[f] for f in FAULTS):
+            self._fail(ep, "no_calls", "returned without calling the model")
+        chain = ep.last.chain if ep.last is not None else Chain(s.prompt_ids)
+        s.prompt_ids = list(chain.prompt_ids)
+        s.response_ids, s.logprobs = list(chain.response_ids), list(chain.logprobs)
+        s.versions, s.loss_mask = list(chain.versions), list(chain.loss_mask)
+        ep.stats["unused_calls"] = float(sum(len(c.choices) for c in ep.calls) - chain.calls)
+        s.agent_stats.update(ep.stats)
+        s.agent_stats.update({k: float(v) for k, v in ep.info.items() if isinstance(v, (int, float))})
+        s.agent_reward = ep.reward if not any(ep.stats[f] for f in FAULTS) else 0.0
+        s.end("length" if ep.stats["truncated"] else "stop")
+
+    # -- the endpoint's side: requests from the agents --------------------------------------------
+    def _request(self, r: Request) -> tuple[list[Choice], int]:
+        """The endpoint's backend (an HTTP thread): queue the request, wait for the engine."""
+        with self._cond:
+            ep = self._episodes.get(r.episode)
+            if ep is None or ep.ended:
+                raise BadRequest(f"episode {r.episode!r} is not running on this worker", status=404)
+            pending = self._prepare(ep, r)
+            self._pending.append(pending)
+            self._cond.notify_all()
+        if not pending.done.wait(max(ep.deadline - time.monotonic(), 0) + 5.0):
+            raise BadRequest("the episode ran past its time limit", status=408)
+        if pending.error is not None:
+            raise pending.error
+        return pending.answer
+
+    def _prepare(self, ep: Episode, r: Request) -> Pending:
+        """The request's prompt ids (extending an earlier completion where it can) and its engine
+        samples; BadRequest past the episode's limits."""
+        if ep.stats["turns"] + sum(1 for p in self._pending if p.episode is ep) >= self.max_turns:
+            ep.stats["truncated"] = 1.0
+            raise BadRequest(f"the episode has made rollout.max_turns={self.max_turns} calls: no more")
+        parent, context, ids = self._extend(ep, r)
+        if parent is None and len(ids) > self.max_prompt_length:
+            raise BadRequest(
+                f"the prompt is {len(ids)} tokens, more than data.max_prompt_length={self.max_prompt_length}",
+                "messages" if r.chat else "prompt",
+            )
+        used = len(parent.chain.response_ids) + len(context) if parent is not None else 0
+        room = self._params.max_new_tokens - used
+        if room < 1:
+            ep.stats["truncated"] = 1.0
+            raise BadRequest(
+                f"the episode's sample holds rollout.max_new_tokens={self._params.max_new_tokens} response "
+                "tokens (generated and context): no room for another completion"
+            )
+        cap = min(r.max_tokens or room, room)
+        seed = ep.sample.seed
+        samples = [
+            Sample(
+                ep.sample.prompt,
+                list(ids),
+                group_id=ep.sample.group_id,
+                index=next(self._numbers),
+                max_new_tokens=cap,
+                seed=None if seed is None else seed * 1009 + len(ep.calls) * 31 + k,
+            )
+            for k in range(r.n)
+        ]
+        return Pending(r, ep, ids, parent, context, samples, time.monotonic())
+
+    def _extend(self, ep: Episode, r: Request) -> tuple[Served | None, list[int], list[int]]:
+        """(the choice this request extends, the ids between, the whole prompt ids)."""
+        for call in reversed(ep.calls):
+            for choice in call.choices:
+                found = self._continues(call, choice, r)
+                if found is not None:
+                    return choice, found, call.prompt_ids + choice.ids + found
+        if r.chat:
+            return None, [], self._chat().prompt(r.messages, r.tools)
+        if isinstance(r.prompt, list):
+            return None, [], list(r.prompt)
+        return None, [], self.tokenizer.encode(r.prompt, add_special_tokens=False)
+
+    def _continues(self, call: Call, choice: Served, r: Request) -> list[int] | None:
+        """The context ids when `r` extends `choice` of `call`, else None."""
+        if r.chat and call.messages is not None:
+            n = len(call.messages)
+            if len(r.messages) <= n + 1 or r.messages[:n] != call.messages:
+                return None
+            if not same_message(r.messages[n], choice.message or {}):
+                return None
+            return self._chat().continuation(
+                r.messages[: n + 1], r.messages[n + 1 :], r.tools, choice.ended_on_eos
+            )
+        if not r.chat and call.messages is None:
+            if isinstance(r.prompt, list):
+                head = call.prompt_ids + choice.ids
+                return list(r.prompt[len(head) :]) if r.prompt[: len(head)] == head else None
+            if call.prompt_text is not None and r.prompt.startswith(call.prompt_text + choice.text):
+                rest = r.prompt[len(call.prompt_text + choice.text) :]
+                return self.tokenizer.encode(rest, add_special_tokens=False) if rest else []
+        return None
+
+    def _chat(self) -> ChatRenderer:
+        if self._renderer is None:
+            try:
+                self._renderer = ChatRenderer(self.tokenizer)
+            except TandemError as e:
+                raise BadRequest(str(e)) from None
+        return self._renderer
+
+    # -- the agents' side: the asyncio loop --------------------------------------------------------
+    async def _episode(self, ep: Episode) -> None:
+        client = self._openai.AsyncOpenAI(
+            base_url=self._server.base_url,
+            api_key="tandem",
+            default_headers={EPISODE_HEADER: ep.id},
+            max_retries=0,
+            timeout=self.timeout_s + 10.0,
+        )
+        try:
+            out = await asyncio.wait_for(self.fn(client, ep.task), self.timeout_s)
+            reward, info = out if isinstance(out, tuple) else (out, {})
+            ep.reward, ep.info = float(reward), dict(info or {})
+        except asyncio.TimeoutError:
+            self._fail(ep, "timeouts", f"ran past rollout.agent_timeout_s={self.timeout_s:g} s", cancel=False)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the agent's own failure ends its episode, not the run
+            self._fail(ep, "errors", f"raised {type(e).__name__}: {e}", cancel=False)
+        finally:
+            with self._cond:
+                ep.ended = True
+                self._cond.notify_all()
+            await client.close()
+
+    def _refused(self, episode: str | None, error: BadRequest) -> None:
+        """The endpoint refused a request: counted in its episode's agent/bad_requests."""
+        with self._cond:
+            ep = self._episodes.get(episode or "")
+            if ep is not None:
+                ep.stats["bad_requests"] += 1
+
+    def _fail(self, ep: Episode, kind: str, why: str, cancel: bool = True) -> None:
+        """End the episode with reward 0, counted under agent/<kind>; `cancel` its coroutine when
+        it is still running (not from inside it)."""
+        with self._cond:
+            ep.stats[kind] = 1.0
+            ep.ended = True
+            self._cond.notify_all()
+        if cancel and ep.future is not None and not ep.future.done():
+            ep.future.cancel()
+        self._log_once(kind, f"an episode ended with reward 0: the agent {why}")
+
+    def _log_once(self, kind: str, message: str) -> None:
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning("%s (agent/%s counts them; logged once per worker)", message, kind)
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _start(self) -> None:
+        if self._server is not None:
+            return
+        try:
+            import openai  # ~1 s: before any episode's clock starts
+        except ImportError:
+            raise TandemError(
+                "rollout.agent=openai:... gives each agent an `openai.AsyncOpenAI` client, and the openai "
+                'package is not installed: pip install openai (or pip install -e ".[agents]").'
+            ) from None
+        warm = openai.AsyncOpenAI(api_key="tandem", base_url="http://127.0.0.1:9/v1")
+        _ = warm.chat.completions, warm.completions, warm.models  # their lazy imports: seconds, once
+        self._openai = openai
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="openai-agents", daemon=True).start()
+        self._server = EndpointServer(self._request, self.model_name, self._refused)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._server = None
+
+
+def _cut(text: str, stop: list[str]) -> str:
+    """OpenAI's rule: the text ends before its first stop string."""
+    found = [i for s in stop if (i := text.find(s)) >= 0]
+    return text[: min(found)] if found else text

@@ -1,0 +1,348 @@
+"""rollout.agent=openai:...: agents written with the real `openai` client (async and sync, streamed
+and not, with tools) against a rollout worker's OpenAI-compatible endpoint, on the built-in engines
+and a tiny random decoder. What the client received is what the sample records; its logprobs are
+the model's (one full forward, as the trainer recomputes them); a second turn reuses the first
+turn's token ids; faults end their episode with reward 0 while the others go on; requests of
+concurrent episodes share engine calls."""
+
+import asyncio
+import json
+import time
+
+import pytest
+import torch
+from helpers import full_forward_logprobs, tiny_config
+
+openai = pytest.importorskip("openai", reason="the openai client is not installed (pip install openai)")
+
+from tandem.agent import build_agent  # noqa: E402
+from tandem.agent.chat import ChatRenderer, parse_tool_calls  # noqa: E402
+from tandem.data.tokenizer import build_char_tokenizer  # noqa: E402
+from tandem.errors import TandemError  # noqa: E402
+from tandem.model.decoder import CausalLM, init_weights  # noqa: E402
+from tandem.reward.pool import RewardPool  # noqa: E402
+from tandem.rollout.engine import BuiltinEngine  # noqa: E402
+from tandem.rollout.group import make_groups  # noqa: E402
+from tandem.rollout.paged_engine import PagedEngine  # noqa: E402
+from tandem.rollout.protocol import SamplingParams  # noqa: E402
+from tandem.rollout.worker import RolloutWorker  # noqa: E402
+from tandem.sample import Prompt, Status  # noqa: E402
+
+TOK = build_char_tokenizer()
+EOS = TOK.eos_token_id
+PARAMS = SamplingParams(temperature=1.0, max_new_tokens=120)
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+RECEIVED: dict[str, list] = {}  # what the agents of a test saw, by episode task id
+
+
+def model(seed: int = 0) -> CausalLM:
+    m = CausalLM(tiny_config(len(TOK), 1024, eos_token_id=EOS, pad_token_id=TOK.pad_token_id))
+    init_weights(m, seed)
+    return m
+
+
+class Scripted(CausalLM):
+    """A tiny random decoder that writes `text` then EOS after the prompt `prompt_ids` (logits +12
+    on the scripted token), and random tokens elsewhere."""
+
+    def __init__(self, prompt_ids: list[int], text: str):
+        super().__init__(tiny_config(len(TOK), 1024, eos_token_id=EOS, pad_token_id=TOK.pad_token_id))
+        init_weights(self, 0)
+        script = TOK.encode(text, add_special_tokens=False) + [EOS]
+        self.forced = torch.full((1030,), -1, dtype=torch.long)
+        self.forced[len(prompt_ids) : len(prompt_ids) + len(script)] = torch.tensor(script)
+
+    def forward(self, input_ids, positions, token_mask, cache=None, targets=None):
+        out = super().forward(input_ids, positions, token_mask, cache, targets)
+        if targets is not None:
+            return out
+        nxt = self.forced[(positions + 1).clamp(max=len(self.forced) - 1)]
+        return out.scatter_add(-1, nxt.clamp(min=0)[..., None], (nxt >= 0).float()[..., None] * 12.0)
+
+
+class Counting(BuiltinEngine):
+    calls: list[int]
+
+    def generate(self, samples, params, stop_check=None):
+        self.calls.append(len(samples))
+        return super().generate(samples, params, stop_check=stop_check)
+
+
+def worker(agent: str, m: CausalLM | None = None, engine_cls=BuiltinEngine, **kw) -> RolloutWorker:
+    engine = engine_cls(m if m is not None else model(), [EOS], TOK.pad_token_id, seed=3)
+    if isinstance(engine, Counting):
+        engine.calls = []
+    options = {"timeout_s": 20.0, "max_prompt_length": 512} | kw.pop("options", {})
+    return RolloutWorker(
+        engine,
+        TOK,
+        build_agent(f"openai:test_openai_agent:{agent}", TOK, max_turns=kw.get("max_turns", 8), **options),
+    )
+
+
+def episodes(n: int, text: str = "2+3=") -> list:
+    prompt = Prompt(messages=[{"role": "user", "content": text}], ground_truth="5", extra_info={"id": text})
+    ids = ChatRenderer(TOK).prompt(prompt.messages, None)
+    samples = make_groups([prompt], [ids], n)
+    for i, s in enumerate(samples):
+        s.seed = 100 + i
+    return samples
+
+
+# -- the agents (importable as test_openai_agent:<name>) -------------------------------------------
+async def one_call(client, task):
+    r = await client.chat.completions.create(
+        model="m", messages=task["messages"], max_tokens=12, logprobs=True
+    )
+    c = r.choices[0]
+    RECEIVED.setdefault("one_call", []).append((c.token_ids, [t.logprob for t in c.logprobs.content], r))
+    return 1.0, {"answer_len": len(c.message.content or "")}
+
+
+async def two_turns(client, task):
+    first = await client.chat.completions.create(model="m", messages=task["messages"], max_tokens=8)
+    reply = first.choices[0].message
+    history = [
+        *task["messages"],
+        {"role": "assistant", "content": reply.content},
+        {"role": "user", "content": "again"},
+    ]
+    second = await client.chat.completions.create(model="m", messages=history, max_tokens=8)
+    RECEIVED.setdefault("two_turns", []).append((first.choices[0].token_ids, second.choices[0].token_ids))
+    return 0.5
+
+
+async def streamed(client, task):
+    stream = await client.chat.completions.create(
+        model="m", messages=task["messages"], max_tokens=10, stream=True
+    )
+    text = ""
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+    RECEIVED.setdefault("streamed", []).append(text)
+    return 1.0
+
+
+async def sync_client(client, task):
+    def call():
+        sync = openai.OpenAI(
+            base_url=str(client.base_url), api_key="x", default_headers=client.default_headers
+        )
+        done = sync.completions.create(model="m", prompt="12+30=", max_tokens=6)
+        return done.choices[0].text
+
+    RECEIVED.setdefault("sync_client", []).append(await asyncio.to_thread(call))
+    return 1.0
+
+
+async def tool_user(client, task):
+    r = await client.chat.completions.create(model="m", messages=task["messages"], tools=TOOLS, max_tokens=100)
+    msg = r.choices[0].message
+    RECEIVED.setdefault("tool_user", []).append((r.choices[0].finish_reason, msg))
+    if not msg.tool_calls:
+        return 0.0
+    call = msg.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    history = [
+        *task["messages"],
+        {"role": "assistant", "content": msg.content, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])},
+    ]
+    await client.chat.completions.create(model="m", messages=history, tools=TOOLS, max_tokens=5)
+    return 1.0
+
+
+async def raises(client, task):
+    await client.chat.completions.create(model="m", messages=task["messages"], max_tokens=4)
+    raise RuntimeError("the agent's own bug")
+
+
+async def hangs(client, task):
+    await asyncio.sleep(60)
+    return 1.0
+
+
+async def silent(client, task):
+    return 1.0
+
+
+async def bad_param(client, task):
+    await client.chat.completions.create(model="m", messages=task["messages"], presence_penalty=1.0)
+    return 1.0
+
+
+async def mixed(client, task):
+    """Episode 0 raises, 1 hangs, 2 never calls, 3 sends a bad request, the rest work."""
+    index = task["index"]
+    if index == 0:
+        return await raises(client, task)
+    if index == 1:
+        return await hangs(client, task)
+    if index == 2:
+        return await silent(client, task)
+    if index == 3:
+        return await bad_param(client, task)
+    await client.chat.completions.create(model="m", messages=task["messages"], max_tokens=4)
+    return 1.0
+
+
+async def greedy_loop(client, task):
+    for _ in range(5):
+        await client.chat.completions.create(model="m", messages=task["messages"], max_tokens=4)
+    return 1.0
+
+
+# -- the tests ---------------------------------------------------------------------------------------
+def test_what_the_client_received_is_what_the_sample_records_and_its_logprobs_are_the_models():
+    m = model()
+    samples = worker("one_call", m).generate(episodes(3), PARAMS)
+    got = RECEIVED.pop("one_call")
+    assert len(got) == 3
+    by_tokens = {tuple(ids): lps for ids, lps, _ in got}
+    for s in samples:
+        assert s.status is Status.FINISHED and s.agent_reward == 1.0
+        rendered = TOK.apply_chat_template(s.prompt.messages, add_generation_prompt=True, tokenize=False)
+        assert s.prompt_ids == TOK.encode(rendered, add_special_tokens=False)
+        assert tuple(s.response_ids) in by_tokens
+        assert s.logprobs == pytest.approx(by_tokens[tuple(s.response_ids)])
+        assert s.loss_mask == [1] * len(s.response_ids)
+        recomputed = full_forward_logprobs(m, s.prompt_ids, s.response_ids)
+        torch.testing.assert_close(torch.tensor(s.logprobs), recomputed, atol=1e-5, rtol=0)
+        assert s.agent_stats["turns"] == 1 and s.agent_stats["answer_len"] >= 0
+    usage = got[0][2].usage
+    assert usage.prompt_tokens == len(samples[0].prompt_ids)
+
+
+@pytest.mark.parametrize("engine_cls", [BuiltinEngine, PagedEngine])
+def test_a_second_turn_reuses_the_first_turns_token_ids(engine_cls):
+    m = model()
+    samples = worker("two_turns", m, engine_cls=engine_cls).generate(episodes(2), PARAMS)
+    got = RECEIVED.pop("two_turns")
+    for s in samples:
+        first, second = next((a, b) for a, b in got if s.response_ids[: len(a)] == a)
+        n = len(first)
+        context = s.response_ids[n : len(s.response_ids) - len(second)]
+        assert s.response_ids == first + context + second
+        assert s.loss_mask == [1] * n + [0] * len(context) + [1] * len(second)
+        # the context is only what is new: the rest of the first turn and the user's message
+        tail = TOK.decode(context)
+        assert tail.endswith("<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"), tail
+        assert "2+3=" not in tail and s.agent_reward == 0.5 and s.agent_stats["unused_calls"] == 0
+        # the trainer's one forward over prompt + both turns gives the engine's logprobs
+        recomputed = full_forward_logprobs(m, s.prompt_ids, s.response_ids)
+        trained = torch.tensor(s.loss_mask, dtype=torch.bool)
+        torch.testing.assert_close(torch.tensor(s.logprobs)[trained], recomputed[trained], atol=1e-5, rtol=0)
+
+
+def test_streamed_and_sync_clients_and_plain_completions():
+    samples = worker("streamed").generate(episodes(2), PARAMS)
+    texts = RECEIVED.pop("streamed")
+    assert sorted(texts) == sorted(s.response_text for s in samples)
+    samples = worker("sync_client").generate(episodes(2), PARAMS)
+    assert sorted(RECEIVED.pop("sync_client")) == sorted(s.response_text for s in samples)
+    for s in samples:
+        assert s.prompt_ids == TOK.encode("12+30=", add_special_tokens=False)
+
+
+def test_a_tool_call_in_hermes_format_reaches_the_client_and_the_episode_goes_on():
+    messages = [{"role": "user", "content": "add 2 and 3"}]
+    prompt = ChatRenderer(TOK).prompt(messages, TOOLS)
+    m = Scripted(prompt, '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')
+    samples = make_groups([Prompt(messages=messages)], [prompt], 1)
+    (s,) = worker("tool_user", m).generate(samples, SamplingParams(temperature=0.0, max_new_tokens=200))
+    finish, msg = RECEIVED.pop("tool_user")[0]
+    assert finish == "tool_calls" and msg.content is None
+    assert msg.tool_calls[0].function.name == "add"
+    assert json.loads(msg.tool_calls[0].function.arguments) == {"a": 2, "b": 3}
+    assert s.agent_reward == 1.0 and s.agent_stats["tool_calls"] == 1 and s.agent_stats["turns"] == 2
+    assert "<|im_start|>tool\n5<|im_end|>" in TOK.decode(s.response_ids)  # the result is context
+    assert s.prompt_ids == prompt
+
+
+def test_malformed_tool_call_json_comes_back_as_content_and_is_counted():
+    messages = [{"role": "user", "content": "add 2 and 3"}]
+    prompt = ChatRenderer(TOK).prompt(messages, TOOLS)
+    m = Scripted(prompt, '<tool_call>{"name": "add", "arguments": {"a": 2,</tool_call>')
+    (s,) = worker("tool_user", m).generate(
+        make_groups([Prompt(messages=messages)], [prompt], 1),
+        SamplingParams(temperature=0.0, max_new_tokens=200),
+    )
+    finish, msg = RECEIVED.pop("tool_user")[0]
+    assert finish == "stop" and not msg.tool_calls and msg.content.startswith("<tool_call>")
+    assert s.agent_stats["tool_parse_errors"] == 1 and s.agent_reward == 0.0
+
+
+def test_each_fault_ends_its_episode_with_reward_0_and_the_others_go_on():
+    w = worker("mixed", engine_cls=Counting, options={"timeout_s": 2.0})
+    samples = episodes(6)
+    for s in samples:  # the agent reads its index from the task
+        s.prompt = Prompt(messages=s.prompt.messages, columns={"index": s.index})
+    start = time.monotonic()
+    out = w.generate(samples, PARAMS)
+    assert time.monotonic() - start < 15  # the hung agent is given up on at its time limit
+    stats = [s.agent_stats for s in out]
+    assert [s.agent_reward for s in out] == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    assert stats[0]["errors"] == 1 and stats[1]["timeouts"] == 1 and stats[2]["no_calls"] == 1
+    assert stats[3]["bad_requests"] == 1 and stats[3]["errors"] == 1  # the 400 raised in the agent
+    assert all(s.status is Status.FINISHED for s in out)
+    assert out[2].response_ids == [] and len(out[4].response_ids) > 0
+
+
+def test_requests_past_the_episodes_turn_limit_are_refused():
+    (s,) = worker("greedy_loop", max_turns=2).generate(episodes(1), PARAMS)
+    assert s.agent_stats["turns"] == 2 and s.agent_stats["truncated"] == 1
+    assert s.agent_reward == 0.0 and s.agent_stats["errors"] == 1  # the agent did not catch the 400
+
+
+def test_concurrent_episodes_share_engine_calls():
+    w = worker("one_call", engine_cls=Counting)
+    w.generate(episodes(8), PARAMS)
+    RECEIVED.pop("one_call")
+    assert w.engine.calls == [8]  # eight episodes, one engine call
+
+
+def test_the_reward_role_takes_the_agents_reward():
+    (s,) = episodes(1)
+    s.agent_reward, s.response_text = 0.25, "wrong"
+    pool = RewardPool("auto", num_workers=1)
+    try:
+        pool.score([s])
+    finally:
+        pool.close()
+    assert s.reward == 0.25 and s.reward_parts == {"agent": 0.25}
+
+
+def test_tool_call_parsers():
+    ok = parse_tool_calls('hi <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>')
+    assert ok.content == "hi" and ok.tool_calls[0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    assert parse_tool_calls("no call").tool_calls == []
+    bad = parse_tool_calls("<tool_call>{oops}</tool_call>")
+    assert bad.tool_calls == [] and "does not parse" in bad.parse_error
+    assert "without" in parse_tool_calls("<tool_call>{").parse_error
+    llama = parse_tool_calls('{"name": "f", "parameters": {"x": 2}}', "llama3_json")
+    assert json.loads(llama.tool_calls[0]["function"]["arguments"]) == {"x": 2}
+
+
+def test_a_bad_agent_spec_is_a_clear_error():
+    with pytest.raises(TandemError, match="not an `async def` function"):
+        build_agent("openai:test_openai_agent:worker", TOK)
+    with pytest.raises(TandemError, match="cannot import module"):
+        build_agent("openai:no_such_module:run", TOK)
+
+
+def test_the_template_renders_plain_messages_as_chatml_did():
+    plain = (
+        "{%- for message in messages %}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+        "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+    msgs = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "a"},
+    ]
+    for gen in (True, False):
+        assert TOK.apply_chat_template(
+            msgs, add_generation_prompt=gen, tokenize=False
+        ) == TOK.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False, chat_template=plain)
