@@ -137,7 +137,9 @@ async def sync_client(client, task):
 
 
 async def tool_user(client, task):
-    r = await client.chat.completions.create(model="m", messages=task["messages"], tools=TOOLS, max_tokens=100)
+    r = await client.chat.completions.create(
+        model="m", messages=task["messages"], tools=TOOLS, max_tokens=100
+    )
     msg = r.choices[0].message
     RECEIVED.setdefault("tool_user", []).append((r.choices[0].finish_reason, msg))
     if not msg.tool_calls:
@@ -346,3 +348,19 @@ def test_the_template_renders_plain_messages_as_chatml_did():
         assert TOK.apply_chat_template(
             msgs, add_generation_prompt=gen, tokenize=False
         ) == TOK.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False, chat_template=plain)
+
+
+@pytest.mark.ray
+def test_tandem_train_through_the_endpoint(tmp_path):
+    """`tandem train` with an agent written against the OpenAI API (tandem/agent/examples.py): the
+    default task through the rollout workers' endpoints, rewards from the agent, the same warm
+    start accuracy as the built-in agent (the same prompts, greedy, on the same weights)."""
+    from tandem.cli.main import main
+
+    args = ["train", f"run.out_dir={tmp_path}", "run.progress=false", "run.steps=2", "run.val_every=2"]
+    assert main([*args, "rollout.agent=openai:tandem.agent.examples:answer"]) == 0
+    lines = [json.loads(line) for line in (tmp_path / "default" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "timing_s/train" in r]
+    assert len(steps) == 2 and all(r["agent/turns/mean"] == 1 and r["agent/errors/mean"] == 0 for r in steps)
+    assert all(0 < r["reward/agent/mean"] < 1 for r in steps)
+    assert lines[0]["val/accuracy"] == pytest.approx(0.449, abs=0.01)  # the warm start's, as without agents

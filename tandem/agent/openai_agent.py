@@ -61,7 +61,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PREFIX = "openai:"
-BATCH_WAIT_S = 0.02  # how long a ready request waits for episodes that are busy elsewhere
+BATCH_WAIT_S = 0.05  # a pause in arrivals this long ends a batch while served episodes are busy
+FIRST_WAIT_S = 5.0  # the longest a request waits for episodes yet to make their first request
 SCRATCH_INDEX = 1 << 20  # engine requests are numbered from here, apart from the samples' own keys
 FAULTS = ("errors", "timeouts", "no_calls")
 STATS = ("turns", "tool_calls", "tool_parse_errors", *FAULTS, "bad_requests", "truncated", "unused_calls")
@@ -188,6 +189,7 @@ class OpenAIAgent(AgentLoop):
         self._pending: list[Pending] = []
         self._logged: set[str] = set()
         self._numbers = itertools.count(SCRATCH_INDEX)
+        self._arrived = 0.0  # when the last request arrived
 
     # -- the worker's side: one generate call ------------------------------------------------------
     def run(self, turn: Turn, samples: list[Sample], params: SamplingParams) -> list[Sample]:
@@ -225,7 +227,11 @@ class OpenAIAgent(AgentLoop):
         return samples
 
     def _next_batch(self, episodes: list[Episode]) -> list[Pending] | None:
-        """The requests to serve now; None once every episode has ended."""
+        """The requests to serve now; None once every episode has ended. Serve when every episode
+        still running waits for the model; else, when only episodes that were served before are
+        busy (in a tool, say) and no request has arrived for BATCH_WAIT_S; an episode that has not
+        made its first request yet is waited for up to FIRST_WAIT_S (a quarter of the episode's
+        time limit, if that is less)."""
         with self._cond:
             while True:
                 now = time.monotonic()
@@ -235,12 +241,18 @@ class OpenAIAgent(AgentLoop):
                 live = [ep for ep in episodes if not ep.ended and not ep.future.done()]
                 mine = [p for p in self._pending if p.episode in episodes]
                 waiting = {p.episode.id for p in mine}
-                if mine and (len(waiting) >= len(live) or now - min(p.since for p in mine) >= BATCH_WAIT_S):
+                idle = [ep for ep in live if ep.id not in waiting]
+                starting = any(not ep.calls for ep in idle)
+                if mine and (
+                    not idle
+                    or (not starting and now - self._arrived >= BATCH_WAIT_S)
+                    or now - min(p.since for p in mine) >= min(FIRST_WAIT_S, self.timeout_s / 4)
+                ):
                     self._pending = [p for p in self._pending if p not in mine]
                     return mine
                 if not live and not mine:
                     return None
-                self._cond.wait(BATCH_WAIT_S)
+                self._cond.wait(BATCH_WAIT_S / 2)
 
     def _serve(self, turn: Turn, batch: list[Pending], params: SamplingParams) -> bool:
         """One engine call per distinct stop list; False when the worker was aborted."""
@@ -352,6 +364,7 @@ class OpenAIAgent(AgentLoop):
                 raise BadRequest(f"episode {r.episode!r} is not running on this worker", status=404)
             pending = self._prepare(ep, r)
             self._pending.append(pending)
+            self._arrived = time.monotonic()
             self._cond.notify_all()
         if not pending.done.wait(max(ep.deadline - time.monotonic(), 0) + 5.0):
             raise BadRequest("the episode ran past its time limit", status=408)
@@ -437,12 +450,17 @@ class OpenAIAgent(AgentLoop):
 
     # -- the agents' side: the asyncio loop --------------------------------------------------------
     async def _episode(self, ep: Episode) -> None:
+        # A connection pool of its own per episode: one pool shared by hundreds of concurrent
+        # episodes made their requests reach the endpoint over ~5 s instead of ~0.3 s (measured,
+        # 128 episodes); and no TLS to set up (~20 ms a client with it) on a plain-HTTP localhost.
+        http = self._openai.DefaultAsyncHttpxClient(verify=False, timeout=self.timeout_s + 10.0)
         client = self._openai.AsyncOpenAI(
             base_url=self._server.base_url,
             api_key="tandem",
             default_headers={EPISODE_HEADER: ep.id},
             max_retries=0,
             timeout=self.timeout_s + 10.0,
+            http_client=http,
         )
         try:
             out = await asyncio.wait_for(self.fn(client, ep.task), self.timeout_s)
@@ -458,7 +476,7 @@ class OpenAIAgent(AgentLoop):
             with self._cond:
                 ep.ended = True
                 self._cond.notify_all()
-            await client.close()
+            await http.aclose()
 
     def _refused(self, episode: str | None, error: BadRequest) -> None:
         """The endpoint refused a request: counted in its episode's agent/bad_requests."""

@@ -290,7 +290,10 @@ class EndpointServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
+            protocol_version = "HTTP/1.1"  # keep-alive: an agent's requests reuse its connection
+            # TCP_NODELAY: without it, the body written after the headers waits for the client's
+            # delayed ACK, 40 ms per request on Linux (measured: 128 requests took 5 s, not 0.3 s)
+            disable_nagle_algorithm = True
 
             def log_message(self, *args) -> None:  # no line per request on stderr
                 pass
@@ -332,7 +335,10 @@ class EndpointServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 1024  # every episode of a call may connect at once (default: 5)
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
