@@ -364,3 +364,43 @@ def test_tandem_train_through_the_endpoint(tmp_path):
     assert len(steps) == 2 and all(r["agent/turns/mean"] == 1 and r["agent/errors/mean"] == 0 for r in steps)
     assert all(0 < r["reward/agent/mean"] < 1 for r in steps)
     assert lines[0]["val/accuracy"] == pytest.approx(0.449, abs=0.01)  # the warm start's, as without agents
+
+
+def push(engine, version: int, seed: int) -> None:
+    """Stage another random model's weights as `version`, as a trainer's push does."""
+    new = dict(model(seed).named_parameters())
+    targets = engine.named_weights()
+
+    def apply():
+        for name, t in targets.items():
+            t.copy_(new[name])
+
+    engine.set_pending_update(version, apply)
+
+
+def test_a_request_cut_by_a_weight_update_goes_on_on_the_new_weights():
+    """rollout.on_update=abort: the engine returns the request's partial; the endpoint serves it
+    again at once, on the new weights; the client sees one completion, its tokens' versions say
+    which weights made each."""
+    engine = BuiltinEngine(model(), [EOS], TOK.pad_token_id, seed=3, on_update="abort")
+    engine.on_step = lambda step: step == 3 and engine.version == 0 and push(engine, 1, seed=9)
+    w = RolloutWorker(engine, TOK, build_agent("openai:test_openai_agent:one_call", TOK, timeout_s=20.0))
+    (s,) = w.generate(episodes(1), SamplingParams(temperature=1.0, max_new_tokens=120, ignore_eos=True))
+    ids, logprobs, _ = RECEIVED.pop("one_call")[0]
+    assert s.status is Status.FINISHED and s.agent_reward == 1.0 and s.response_ids == ids
+    assert len(ids) == 12 and s.versions == [0] * 3 + [1] * 9
+    assert s.logprobs == pytest.approx(logprobs)
+
+
+def test_an_aborted_worker_returns_its_episodes_empty_and_they_start_afresh():
+    """A partial rollout's abort: an episode (a coroutine) cannot move to another worker, so its
+    sample comes back ABORTED and empty; re-submitted, the episode runs from its task again."""
+    engine = BuiltinEngine(model(), [EOS], TOK.pad_token_id, seed=3)
+    w = RolloutWorker(engine, TOK, build_agent("openai:test_openai_agent:one_call", TOK, timeout_s=20.0))
+    engine.on_step = lambda step: step == 2 and w.abort()
+    samples = w.generate(episodes(2), SamplingParams(temperature=1.0, max_new_tokens=120, ignore_eos=True))
+    assert all(s.status is Status.ABORTED and s.response_ids == [] for s in samples)
+    engine.on_step = None
+    samples = w.generate(samples, PARAMS)
+    assert all(s.status is Status.FINISHED and s.agent_reward == 1.0 for s in samples)
+    RECEIVED.pop("one_call", None)

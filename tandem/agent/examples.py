@@ -5,6 +5,8 @@ nothing from tandem but the reward (docs/agents.md walks through them).
   task through the endpoint: `tandem train rollout.agent=openai:tandem.agent.examples:answer`).
 - `calculator`: chat with an OpenAI `tools` schema; each tool call is answered by tandem's
   calculator, until the model answers in text, scored by the task's verifier.
+- `revise`: two chat turns, the model's answer then "Check it and answer again.": the second
+  request extends the first (its prompt reuses the first turn's token ids); the last answer scored.
 """
 
 import json
@@ -59,3 +61,14 @@ async def calculator(client, task: dict) -> tuple[float, dict]:
                 result = f"error: {e}"
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     return 0.0, {"calculator_calls": calls}
+
+
+async def revise(client, task: dict) -> float:
+    messages = list(task["messages"] or [{"role": "user", "content": task["text"]}])
+    first = await client.chat.completions.create(model="policy", messages=messages)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Check it and answer again."},
+    ]
+    second = await client.chat.completions.create(model="policy", messages=messages)
+    return score(task, second.choices[0].message.content or "")

@@ -65,7 +65,8 @@ BATCH_WAIT_S = 0.05  # a pause in arrivals this long ends a batch while served e
 FIRST_WAIT_S = 5.0  # the longest a request waits for episodes yet to make their first request
 SCRATCH_INDEX = 1 << 20  # engine requests are numbered from here, apart from the samples' own keys
 FAULTS = ("errors", "timeouts", "no_calls")
-STATS = ("turns", "tool_calls", "tool_parse_errors", *FAULTS, "bad_requests", "truncated", "unused_calls")
+STATS = ("turns", "tool_calls", "tool_parse_errors", *FAULTS, "bad_requests", "truncated", "unused_calls",
+         "prompt_tokens", "reused_prompt_tokens")  # fmt: skip
 
 
 def load_agent_fn(spec: str) -> Callable:
@@ -330,6 +331,8 @@ class OpenAIAgent(AgentLoop):
             )
             ep.last = served[0]
             ep.stats["turns"] += 1
+            ep.stats["prompt_tokens"] += len(p.prompt_ids)
+            ep.stats["reused_prompt_tokens"] += len(p.prompt_ids) - len(p.context) if p.parent else 0
         p.answer = (choices, len(p.prompt_ids))
         p.done.set()
 
