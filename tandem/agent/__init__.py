@@ -1,14 +1,7 @@
 """Agents: loops that run above a rollout engine (multi-turn tool use), and the tools they call."""
 
-from tandem.agent.loop import (
-    AGENTS,
-    AgentLoop,
-    SingleTurn,
-    ToolAgent,
-    agent_class,
-    build_agent,
-    context_end,
-)
+from tandem.agent.build import agent_class, build_agent
+from tandem.agent.loop import AGENTS, AgentLoop, SingleTurn, ToolAgent, context_end
 from tandem.agent.tools import TOOLS, Tool, ToolError
 
 __all__ = [

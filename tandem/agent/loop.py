@@ -13,8 +13,6 @@ re-submitted later, to any worker. docs/agents.md has the whole story.
 
 from __future__ import annotations
 
-import functools
-import importlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -215,42 +213,3 @@ def context_end(s: Sample) -> int:
 def _cap(s: Sample, params: SamplingParams) -> int:
     """The most response tokens the sample may have (`GenerateCall.cap`)."""
     return min(s.max_new_tokens or params.max_new_tokens, params.max_new_tokens)
-
-
-# -- building the agent a config names -----------------------------------------------------------
-def agent_class(spec: str) -> Callable[..., AgentLoop]:
-    """A registered agent's name, "pkg.module:Class", or "openai:pkg.module:function" -> the class
-    (for openai: `OpenAIAgent` bound to the function); TandemError naming the valid names otherwise."""
-    if spec in AGENTS:
-        return AGENTS.get(spec)
-    if spec.startswith("openai:"):
-        from tandem.agent.openai_agent import OpenAIAgent, load_agent_fn
-
-        load_agent_fn(spec)  # a missing module or a function that is not async: said now
-        return functools.partial(OpenAIAgent, fn=spec)
-    module_name, sep, attr = spec.partition(":")
-    forms = (
-        f"An agent is one of {', '.join(AGENTS.names())}, 'pkg.module:Class' or 'openai:pkg.module:function'."
-    )
-    if not sep or not module_name or not attr:
-        raise TandemError(f"Unknown agent {spec!r}. {forms}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise TandemError(f"Cannot import module {module_name!r} of agent {spec!r}: {e}. {forms}") from None
-    cls = getattr(module, attr, None)
-    if cls is None or not callable(getattr(cls, "run", None)):
-        what = "has no attribute" if cls is None else "has no `run` method in"
-        raise TandemError(
-            f"Agent {spec!r}: module {module_name!r} {what} {attr!r}. An agent class implements "
-            "tandem.agent.AgentLoop's contract (its docstring; docs/agents.md)."
-        )
-    return cls
-
-
-def build_agent(spec: str, tokenizer, tools: Sequence[str] = (), max_turns: int = 1, **openai) -> AgentLoop:
-    """The agent `spec` names (see `agent_class`), for a worker with this tokenizer. `openai`: the
-    OpenAI agent's own settings (timeout_s, max_prompt_length, tool_parser, model_name), which
-    other agents do not take."""
-    extra = openai if spec.startswith("openai:") else {}
-    return agent_class(spec)(tokenizer=tokenizer, tools=list(tools), max_turns=max_turns, **extra)

@@ -172,14 +172,14 @@ class OpenAIAgent(AgentLoop):
         tokenizer=None,
         tools: Sequence[str] = (),
         max_turns: int = 8,
-        fn: str = "",
+        fn: str | Callable = "",  # "openai:pkg.module:function", or the coroutine function itself
         timeout_s: float = 120.0,
         max_prompt_length: int = 1 << 30,
         tool_parser: str = "hermes",
         model_name: str = "tandem",
     ):
         super().__init__(tokenizer)
-        self.fn = load_agent_fn(fn)
+        self.fn = fn if callable(fn) else load_agent_fn(fn)
         self.max_turns, self.timeout_s, self.max_prompt_length = max_turns, timeout_s, max_prompt_length
         self.tool_parser, self.model_name = tool_parser, model_name
         self._renderer: ChatRenderer | None = None

@@ -114,37 +114,9 @@ def check_request(path: str, body: Any, episode: str | None) -> Request:
             raise BadRequest(f"{key}={value!r} is not supported by tandem's endpoint", key)
     r = Request(episode=episode, chat=chat, body=body)
     if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("'messages' must be a non-empty list", "messages")
-        for m in messages:
-            if not isinstance(m, dict) or m.get("role") not in (
-                "system",
-                "user",
-                "assistant",
-                "tool",
-                "developer",
-            ):
-                raise BadRequest(
-                    f"bad message {m!r}: each needs a role system/user/assistant/tool", "messages"
-                )
-        r.messages = [_plain(m) for m in messages]
-        tools = body.get("tools")
-        if tools is not None and (
-            not isinstance(tools, list) or any(t.get("type") != "function" for t in tools)
-        ):
-            raise BadRequest("'tools' must be a list of {'type': 'function', 'function': {...}}", "tools")
-        r.tools = tools or None
-        if body.get("tool_choice") not in (None, "auto", "none"):
-            raise BadRequest("tool_choice: only 'auto' and 'none' are supported", "tool_choice")
-        if body.get("tool_choice") == "none":
-            r.tools = None
+        _check_chat(r, body)
     else:
-        prompt = body.get("prompt")
-        ok = isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(i, int) for i in prompt))
-        if not ok:
-            raise BadRequest("'prompt' must be a string or a list of token ids (one prompt)", "prompt")
-        r.prompt = prompt
+        _check_prompt(r, body)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         raise BadRequest("max_tokens must be a positive integer", "max_tokens")
@@ -159,6 +131,35 @@ def check_request(path: str, body: Any, episode: str | None) -> Request:
     r.logprobs = bool(body.get("logprobs"))
     r.stream = bool(body.get("stream"))
     return r
+
+
+def _check_chat(r: Request, body: dict) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list", "messages")
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise BadRequest(f"bad message {m!r}: each needs a role, one of {', '.join(ROLES)}", "messages")
+    r.messages = [_plain(m) for m in messages]
+    tools = body.get("tools")
+    functions = isinstance(tools, list) and all(
+        isinstance(t, dict) and t.get("type") == "function" for t in tools
+    )
+    if tools is not None and not functions:
+        raise BadRequest("'tools' must be a list of {'type': 'function', 'function': {...}}", "tools")
+    r.tools = tools or None
+    if body.get("tool_choice") not in (None, "auto", "none"):
+        raise BadRequest("tool_choice: only 'auto' and 'none' are supported", "tool_choice")
+    if body.get("tool_choice") == "none":
+        r.tools = None
+
+
+def _check_prompt(r: Request, body: dict) -> None:
+    prompt = body.get("prompt")
+    ok = isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(i, int) for i in prompt))
+    if not ok:
+        raise BadRequest("'prompt' must be a string or a list of token ids (one prompt)", "prompt")
+    r.prompt = prompt
 
 
 def _plain(m: dict) -> dict:
@@ -275,6 +276,59 @@ def stream_events(body: dict, chat: bool) -> list[dict]:
     return events
 
 
+class _Handler(BaseHTTPRequestHandler):
+    """One connection's requests (`self.server.endpoint` is the EndpointServer)."""
+
+    protocol_version = "HTTP/1.1"  # keep-alive: an agent's requests reuse its connection
+    # TCP_NODELAY: the body written after the headers must not wait for the client's delayed ACK
+    disable_nagle_algorithm = True
+
+    def log_message(self, *args) -> None:  # no line per request on stderr
+        pass
+
+    def do_GET(self) -> None:
+        if self.path.rstrip("/") == "/v1/models":
+            data = [{"id": self.server.endpoint.model, "object": "model", "created": 0, "owned_by": "tandem"}]
+            return self._json(200, {"object": "list", "data": data})
+        self._json(404, _error(f"no route {self.path}", None, "not_found"))
+
+    def do_POST(self) -> None:
+        endpoint, path = self.server.endpoint, self.path.rstrip("/")
+        if path not in ("/v1/chat/completions", "/v1/completions"):
+            return self._json(404, _error(f"no route {self.path}", None, "not_found"))
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+            try:
+                body = json.loads(self.rfile.read(length) or b"null")
+            except json.JSONDecodeError as e:
+                raise BadRequest(f"the body is not JSON: {e}") from None
+            request = check_request(path, body, self.headers.get(EPISODE_HEADER))
+            choices, prompt_tokens = endpoint.backend(request)
+        except BadRequest as e:
+            endpoint.refused(self.headers.get(EPISODE_HEADER), e)
+            return self._json(e.status, _error(str(e), e.param))
+        answer = response_body(request, endpoint.model, choices, prompt_tokens)
+        if not request.stream:
+            return self._json(200, answer)
+        payload = "".join(f"data: {json.dumps(e)}\n\n" for e in stream_events(answer, request.chat))
+        self._send(200, (payload + "data: [DONE]\n\n").encode(), "text/event-stream")
+
+    def _json(self, status: int, obj: dict) -> None:
+        self._send(status, json.dumps(obj).encode(), "application/json")
+
+    def _send(self, status: int, data: bytes, kind: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # every episode of a call may connect at once (default: 5)
+
+
 class EndpointServer:
     """`backend(request) -> (choices, prompt_tokens)` behind an OpenAI-compatible HTTP API, on an
     ephemeral port of 127.0.0.1 (`base_url`); `backend` raises BadRequest to refuse a request, and
@@ -287,59 +341,8 @@ class EndpointServer:
         refused: Callable[[str | None, BadRequest], None] = lambda episode, error: None,
     ):
         self.backend, self.model, self.refused = backend, model, refused
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # keep-alive: an agent's requests reuse its connection
-            # TCP_NODELAY: without it, the body written after the headers waits for the client's
-            # delayed ACK, 40 ms per request on Linux (measured: 128 requests took 5 s, not 0.3 s)
-            disable_nagle_algorithm = True
-
-            def log_message(self, *args) -> None:  # no line per request on stderr
-                pass
-
-            def do_GET(self) -> None:
-                if self.path.rstrip("/") == "/v1/models":
-                    data = [{"id": server.model, "object": "model", "created": 0, "owned_by": "tandem"}]
-                    return self._json(200, {"object": "list", "data": data})
-                self._json(404, _error(f"no route {self.path}", None, "not_found"))
-
-            def do_POST(self) -> None:
-                path = self.path.rstrip("/")
-                if path not in ("/v1/chat/completions", "/v1/completions"):
-                    return self._json(404, _error(f"no route {self.path}", None, "not_found"))
-                try:
-                    length = int(self.headers.get("Content-Length") or 0)
-                    try:
-                        body = json.loads(self.rfile.read(length) or b"null")
-                    except json.JSONDecodeError as e:
-                        raise BadRequest(f"the body is not JSON: {e}") from None
-                    request = check_request(path, body, self.headers.get(EPISODE_HEADER))
-                    choices, prompt_tokens = server.backend(request)
-                except BadRequest as e:
-                    server.refused(self.headers.get(EPISODE_HEADER), e)
-                    return self._json(e.status, _error(str(e), e.param))
-                answer = response_body(request, server.model, choices, prompt_tokens)
-                if not request.stream:
-                    return self._json(200, answer)
-                payload = "".join(f"data: {json.dumps(e)}\n\n" for e in stream_events(answer, request.chat))
-                self._send(200, (payload + "data: [DONE]\n\n").encode(), "text/event-stream")
-
-            def _json(self, status: int, obj: dict) -> None:
-                self._send(status, json.dumps(obj).encode(), "application/json")
-
-            def _send(self, status: int, data: bytes, kind: str) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        class Server(ThreadingHTTPServer):
-            request_queue_size = 1024  # every episode of a call may connect at once (default: 5)
-
-        self.httpd = Server(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _Server(("127.0.0.1", 0), _Handler)
+        self.httpd.endpoint = self
         self.port = self.httpd.server_address[1]
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="openai-endpoint", daemon=True)

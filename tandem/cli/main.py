@@ -224,7 +224,8 @@ def parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=cmd_generate)
     d = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
     m = d.add_parser("make", help="write a synthetic task dataset (JSONL or parquet by extension)")
-    m.add_argument("task")
+    tasks = "addition, countdown, multiply, reverse, or reasoning_gym:<dataset> (default config)"
+    m.add_argument("task", help=tasks)
     m.add_argument("--out", required=True)
     m.add_argument("--n", type=at_least(1), default=1000)
     m.add_argument("--seed", type=int, default=0)

@@ -180,6 +180,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         return _choice(value, hint, key)
     if origin in (typing.Union, types.UnionType):
         return _first_fit(value, args, key)
+    if origin is dict:  # data.task_config: whatever mapping its owner takes, checked there
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise _type_error(key, value, "a mapping of names to values, e.g. {max_digits: 3}")
+        return dict(value)
     if origin is list:
         if not isinstance(value, list):
             raise _type_error(key, value, f"a list, e.g. [{LIST_EXAMPLES.get(args[0], '...')}]")

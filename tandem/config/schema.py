@@ -11,7 +11,7 @@ rollout.on_update and rollout.logprobs_mode (`tandem.rollout.protocol`).
 """
 
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 Mode = Annotated[Literal["sync", "one_step_off", "async"], "mode"]
 WandbMode = Annotated[Literal["online", "offline"], "W&B mode"]
@@ -75,7 +75,11 @@ class ModelSection:
 
 @dataclass
 class DataConfig:
-    task: str = "addition"  # synthetic task used when train_files is empty
+    task: str = "addition"  # synthetic task used when train_files is empty; or reasoning_gym:<dataset>
+    # The task's arguments: a built-in task's (addition: max_digits), or the reasoning-gym dataset's
+    # config, passed to reasoning_gym.create_dataset(dataset, seed=..., size=..., **task_config).
+    # One key for both, as the task slot is "a generator of rows and its scorer" whichever makes them.
+    task_config: dict[str, Any] = field(default_factory=dict)
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
     train_size: int = 20000  # synthetic rows generated for training
@@ -140,9 +144,17 @@ class RolloutConfig:
     length_tail_alpha: float = 0.0
     val_temperature: float = 0.0  # 0 = greedy
     # The agent loop above the engine (docs/agents.md): single_turn (one generation per response) |
-    # tools (multi-turn tool calls) | pkg.module:Class (your own tandem.agent.AgentLoop).
+    # tools (multi-turn tool calls) | pkg.module:Class (your own tandem.agent.AgentLoop) |
+    # openai:pkg.module:function (an `async def function(client, task)` agent written against the
+    # OpenAI API, served by the worker's OpenAI-compatible endpoint).
     agent: str = "single_turn"
-    max_turns: int = 4  # tool calls per episode; one more ends it (finish_reason "length")
+    # tools: tool calls per episode, one more ends it (finish_reason "length"); openai: model calls
+    # per episode, one more is refused (HTTP 400)
+    max_turns: int = 4
+    agent_timeout_s: float = 120.0  # openai agents: an episode running longer ends with reward 0
+    # openai agents: how tool calls are read from the completion: hermes (Qwen, Hermes:
+    # <tool_call>{json}</tool_call>) | llama3_json ({"name": ..., "parameters": ...})
+    tool_parser: str = "hermes"
     # The tools agent's tools: calculator (<calc>37*48</calc>) | python (<python>print(2)</python>)
     tools: list[str] = field(default_factory=lambda: ["calculator"])
 

@@ -14,10 +14,12 @@ from collections.abc import Sequence
 import torch
 
 from tandem.agent import TOOLS, agent_class
+from tandem.agent.chat import TOOL_PARSERS
 from tandem.algo import ADV_ESTIMATORS, CORRECTIONS, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
 from tandem.config.sampling import sampling_params
 from tandem.config.schema import Config
-from tandem.data.tasks import TASKS
+from tandem.data.reasoning_gym import PREFIX as REASONING_GYM
+from tandem.data.tasks import TASKS, build_task
 from tandem.dtypes import ROLLOUT_DTYPES, TRAIN_DTYPES
 from tandem.errors import TandemError
 from tandem.rollout.engines import ENGINES
@@ -86,7 +88,6 @@ def _check_names(cfg: Config) -> None:
         ("train.schedule", cfg.train.schedule, SCHEDULES),
         *[("algo.corrections", name, CORRECTIONS) for name in a.corrections],
         *[("rollout.tools", name, TOOLS) for name in r.tools],
-        *([("data.task", cfg.data.task, TASKS)] if not cfg.data.train_files else []),
     ]
     for key, value, registry in registered:
         one_of(value, registry.names(), key, registry.kind)
@@ -217,6 +218,12 @@ def _check_agent(cfg: Config) -> None:
     except TandemError as e:
         raise TandemError(f"Config 'rollout.agent': {e}") from None
     _check(r.max_turns >= 1, "rollout.max_turns", f"must be >= 1 (calls per episode), got {r.max_turns}.")
+    _check(r.agent_timeout_s > 0, "rollout.agent_timeout_s", f"must be > 0 seconds, got {r.agent_timeout_s}.")
+    _check(
+        r.tool_parser in TOOL_PARSERS,
+        "rollout.tool_parser",
+        f"is {r.tool_parser!r}; valid: {', '.join(TOOL_PARSERS)}.",
+    )
     _check(len(set(r.tools)) == len(r.tools), "rollout.tools", f"names a tool twice: {r.tools}.")
     _check(
         r.agent == "single_turn" or r.length_tail_alpha == 0,
@@ -329,9 +336,24 @@ def _check_sim_lengths(cfg: Config) -> None:
 def _check_data(cfg: Config) -> None:
     d = cfg.data
     _check(d.max_prompt_length >= 1, "data.max_prompt_length", "must be >= 1.")
-    if not d.train_files:  # the synthetic task's rows (its name: _check_names)
+    if not d.train_files:  # the synthetic task's rows
+        _check_task(d.task, d.task_config)
         _check(d.train_size >= 1, "data.train_size", f"must be >= 1, got {d.train_size}.")
+    else:
+        _check(
+            not d.task_config,
+            "data.task_config",
+            "is set, but data.train_files are given, so no synthetic task runs. Drop one of them.",
+        )
     _check(d.val_size >= 0, "data.val_size", f"must be >= 0, got {d.val_size}.")
+
+
+def _check_task(task: str, task_config: dict) -> None:
+    """The task's name, and its arguments by building it (a reasoning-gym dataset: imports it, and
+    its config checked by reasoning-gym's own config class)."""
+    if not task.startswith(REASONING_GYM):
+        one_of(task, [*TASKS.names(), f"{REASONING_GYM}<dataset>"], "data.task", TASKS.kind)
+    build_task(task, task_config)
 
 
 def _check_reward(cfg: Config) -> None:

@@ -11,18 +11,26 @@ then has to improve). Responses are exactly the text the model should write befo
 | reverse   | "reverse: abcde" | "edcba"   | "edcba"                                 |
 | multiply  | "37*48="         | "<calc>37*48</calc><result>1776</result>1776" | "1776"      |
 
+"reasoning_gym:<dataset>" is any dataset of reasoning-gym (`ReasoningGym`, tandem.data.reasoning_gym):
+its question is the prompt, its answer the solution and ground truth; it has no flawed solution.
+`build_task(name, config)` builds the task `data.task` names with `data.task_config` as arguments.
+
 Train and test are disjoint by construction: a problem is in "test" when the md5 of its canonical
 text is 0 mod 10 (about 10% of problems), else in "train", and `make_rows` draws only problems of
-the split asked for. Canonical text makes a+b and b+a (and countdown's number orders) one problem.
+the split asked for. Canonical text makes a+b and b+a (and countdown's number orders) one problem;
+a reasoning-gym question's canonical text is the question itself.
 Rows are drawn with replacement, so a large n may repeat a problem.
 """
 
 import hashlib
+import inspect
+import math
 import os
 import random
 from collections.abc import Callable
 from typing import Any
 
+from tandem.data import reasoning_gym as rgym
 from tandem.data.dataset import save_rows
 from tandem.errors import TandemError
 from tandem.registry import Registry
@@ -51,12 +59,7 @@ class Task:
 
     def make_rows(self, n: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
         """n rows of `split`, deterministic in (task arguments, n, seed, split), in verl's columns."""
-        if split not in SPLITS:
-            raise TandemError(
-                f"Unknown split {split!r} for task {self.name!r}. Valid splits: {', '.join(SPLITS)}."
-            )
-        if n < 1:
-            raise TandemError(f"Task {self.name!r}: the number of rows must be at least 1, got {n}.")
+        self._check_request(n, split)
         rng = random.Random(seed)
         rows: list[dict[str, Any]] = []
         for _ in range(1000 * n + 10_000):  # bounded: a split with no problems must not hang
@@ -74,6 +77,14 @@ class Task:
             if len(rows) == n:
                 return rows
         raise TandemError(f"Task {self.name!r} found too few {split} problems; give it larger problems.")
+
+    def _check_request(self, n: int, split: str) -> None:
+        if split not in SPLITS:
+            raise TandemError(
+                f"Unknown split {split!r} for task {self.name!r}. Valid splits: {', '.join(SPLITS)}."
+            )
+        if n < 1:
+            raise TandemError(f"Task {self.name!r}: the number of rows must be at least 1, got {n}.")
 
 
 def split_of(canonical: str) -> str:
@@ -266,6 +277,68 @@ class Multiply(Task):
         return str((a + 5) // 10 * 10 * ((b + 5) // 10 * 10))
 
 
+class ReasoningGym(Task):
+    """ "reasoning_gym:<dataset>": entries of a reasoning-gym dataset built with `config`
+    (data.task_config), scored by the dataset's own `score_answer` (tandem.data.reasoning_gym).
+
+    The split is the other tasks' (md5 of the question text), not a seed per split: most datasets
+    draw entry i from Random(seed + i), so seed s + 1 gives the entries of seed s shifted by one, and
+    reasoning-gym has no train/test split of its own. A split's seed picks the entries read; those
+    whose question belongs to the other split are skipped."""
+
+    def __init__(self, dataset: str, config: dict[str, Any]):
+        rgym.check(dataset, config)  # now, at config load, not after the run has started
+        self.dataset, self.config = dataset, dict(config)
+        self.name = rgym.PREFIX + dataset
+
+    def make_rows(self, n: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
+        self._check_request(n, split)
+        share = 1 / TEST_BUCKETS if split == "test" else 1 - 1 / TEST_BUCKETS
+        # Twice the entries the split's share needs: enough unless the dataset has few problems.
+        kwargs = {**self.config, "seed": seed, "size": 2 * math.ceil(n / share) + 100}
+        rows: list[dict[str, Any]] = []
+        for entry in rgym.entries(self.dataset, kwargs):
+            if split_of(entry["question"]) == split:
+                rows.append(rgym.to_row(self.dataset, kwargs, entry, split, len(rows)))
+                if len(rows) == n:
+                    return rows
+        raise TandemError(
+            f"Task {self.name!r} found {len(rows)} {split} problems of the {n} asked for in its first "
+            f"{kwargs['size']} entries: the dataset has few distinct questions, or it ran out. Ask for "
+            "fewer rows (data.train_size, data.val_size) or widen its config (data.task_config)."
+        )
+
+    def solution(self, row: dict[str, Any] | Prompt) -> str:
+        """The entry's answer, reasoning-gym's reference solution."""
+        answer = _ground_truth(row)
+        if answer is None:
+            raise TandemError(f"Task {self.name!r}: the entry {_content(row)!r} has no reference answer.")
+        return str(answer)
+
+    def flawed_solution(self, row: dict[str, Any] | Prompt, rng: random.Random) -> str:
+        raise TandemError(
+            f"Task {self.name!r} has no flawed solution: reasoning-gym gives only the right answer. Set "
+            "sft.flawed_fraction=0 and make a weak warm start with fewer sft.steps instead."
+        )
+
+
+def build_task(name: str, config: dict[str, Any] | None = None) -> Task:
+    """The task `name` (data.task) built with `config` (data.task_config) as its arguments: a task of
+    TASKS, or "reasoning_gym:<dataset>". TandemError naming a key the task does not take."""
+    config = dict(config or {})
+    if name.startswith(rgym.PREFIX):
+        return ReasoningGym(name.removeprefix(rgym.PREFIX), config)
+    factory = TASKS.get(name)
+    params = inspect.signature(factory).parameters
+    unknown = [k for k in config if k not in params]
+    if unknown:
+        raise TandemError(
+            f"Config 'data.task_config' has the key {unknown[0]!r}, which task {name!r} does not take. "
+            f"Its keys: {', '.join(params) or 'none'}."
+        )
+    return factory(**config)
+
+
 def _factors(row: dict[str, Any] | Prompt) -> tuple[int, int]:
     a, b = _content(row).removesuffix("=").split("*")
     return int(a), int(b)
@@ -287,6 +360,6 @@ def _ground_truth(row: dict[str, Any] | Prompt) -> Any:
 
 def make_dataset(task: str, out: str, n: int = 1000, seed: int = 0, split: str = "train") -> str:
     """Write n rows of `task` (default arguments) to `out` (.jsonl / .json / .parquet); return `out`."""
-    rows = TASKS.get(task)().make_rows(n, seed, split)
+    rows = build_task(task).make_rows(n, seed, split)
     save_rows(rows, out)
     return os.fspath(out)

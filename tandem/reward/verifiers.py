@@ -13,6 +13,8 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
+from tandem.data.reasoning_gym import DATA_SOURCE as REASONING_GYM
+from tandem.data.reasoning_gym import score as score_reasoning_gym
 from tandem.registry import OptionRegistry
 from tandem.reward.code import CodeLimits, extract_program, parse_tests, run_tests
 
@@ -139,6 +141,14 @@ def code(
     """
     tests = parse_tests(ground_truth, data_source)
     return run_tests(extract_program(solution_str), tests, code_limits or CodeLimits())
+
+
+@VERIFIERS.register(REASONING_GYM)
+def reasoning_gym(solution_str: str, ground_truth: Any, extra_info: dict) -> float:
+    """The reasoning-gym dataset's own `score_answer(answer=solution_str, entry)` in [0, 1], the
+    entry rebuilt from the row (`extra_info["reasoning_gym"]`: dataset, config, question, metadata;
+    answer = ground_truth), as the rows of data.task=reasoning_gym:<dataset> carry it."""
+    return score_reasoning_gym(solution_str, ground_truth, extra_info)
 
 
 @VERIFIERS.register("math")

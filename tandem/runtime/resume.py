@@ -19,6 +19,7 @@ FIXED = [
     "model.path",
     "model.tokenizer",
     "data.task",
+    "data.task_config",
     "data.train_files",
     "data.train_size",
     "data.prompt_key",

@@ -7,6 +7,7 @@ any actor starts, so a mistake fails in seconds with a clear message. The Ray ac
 
 import dataclasses
 import json
+import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from tandem.config.validate import check_training
 from tandem.controller.inputs import Data
 from tandem.data.dataset import load_prompts, prompts_from_rows
 from tandem.data.loader import PromptLoader
-from tandem.data.tasks import TASKS
+from tandem.data.tasks import build_task
 from tandem.data.template import encode_prompts
 from tandem.data.tokenizer import load_tokenizer
 from tandem.devices import check_runnable
@@ -53,7 +54,7 @@ def load_sources(
     """(file, its prompts) for each file, or one (synthetic task, its rows) when no file is given."""
     if files:
         return [(f, load_prompts(f, cfg.data.prompt_key)) for f in files]
-    rows = TASKS.get(cfg.data.task)().make_rows(size, seed=seed, split=split)
+    rows = build_task(cfg.data.task, cfg.data.task_config).make_rows(size, seed=seed, split=split)
     return [(f"synthetic task {cfg.data.task!r} ({split})", prompts_from_rows(rows))]
 
 
@@ -152,7 +153,9 @@ def build_data(cfg: Config) -> Data:
     if d.val_files or not d.train_files:  # own training data and no val files: no validation
         val = load_sources(cfg, d.val_files, "test", d.val_size, cfg.run.seed + 1)
     val_prompts, val_ids = limit.encode_sources(tokenizer, val)
-    if cfg.reward.fn == "auto":
+    # The agents of the endpoint give every reward themselves: reward.fn never scores their rows.
+    agent_scores = cfg.rollout.agent.startswith(("openai:", "verifiers:"))
+    if cfg.reward.fn == "auto" and not agent_scores:
         check_data_sources(train + val)
     check_memory(cfg, model_cfg, train_ids, machine_memory())
     loader = PromptLoader(train_prompts, train_ids, cfg.rollout.batch_size, d.shuffle, cfg.run.seed)
@@ -187,7 +190,16 @@ def build_rollout(cfg: Config, index: int = 0) -> tuple[RolloutWorker, PromptLim
     limit, tokenizer = prompt_limit(cfg), load_checked_tokenizer(cfg)
     engine = ENGINE_BUILDERS.get(cfg.rollout.engine)(cfg, tokenizer, cfg.run.seed + 1000 * index)
     r = cfg.rollout
-    agent = build_agent(r.agent, tokenizer, r.tools, r.max_turns)
+    agent = build_agent(
+        r.agent,
+        tokenizer,
+        r.tools,
+        r.max_turns,
+        timeout_s=r.agent_timeout_s,
+        max_prompt_length=cfg.data.max_prompt_length,
+        tool_parser=r.tool_parser,
+        model_name=os.path.basename(os.path.normpath(cfg.model.path)) or "tandem",
+    )
     return RolloutWorker(engine, tokenizer, agent), limit
 
 

@@ -14,7 +14,7 @@ import torch
 from tandem.agent import build_agent
 from tandem.config import Config
 from tandem.data.dataset import prompts_from_rows
-from tandem.data.tasks import TASKS
+from tandem.data.tasks import build_task
 from tandem.data.template import encode_prompts
 from tandem.data.tokenizer import build_char_tokenizer, load_tokenizer
 from tandem.errors import TandemError
@@ -60,7 +60,7 @@ def fresh_model(cfg: Config, tokenizer) -> CausalLM:
 
 def demonstrations(cfg: Config, tokenizer, n: int) -> list[Sample]:
     """Prompt + response samples from the task generator; response ends with EOS."""
-    task = TASKS.get(cfg.data.task)()
+    task = build_task(cfg.data.task, cfg.data.task_config)
     rows = task.make_rows(n, seed=cfg.run.seed, split="train")
     prompts = prompts_from_rows(rows)
     ids = encode_prompts(tokenizer, prompts, cfg.data.max_prompt_length, source=f"task {task.name}")

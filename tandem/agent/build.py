@@ -1,0 +1,57 @@
+"""Building the agent a config names (`rollout.agent`): a registered loop, a user's
+`pkg.module:Class`, or an agent of the ecosystem behind the OpenAI-compatible endpoint
+(`openai:...`, `verifiers:...`). Apart from loop.py so that the contract does not import the
+agents built on it."""
+
+import functools
+import importlib
+from collections.abc import Callable, Sequence
+
+from tandem.agent.loop import AGENTS, AgentLoop
+from tandem.errors import TandemError
+
+
+def agent_class(spec: str) -> Callable[..., AgentLoop]:
+    """A registered agent's name, "pkg.module:Class", "openai:pkg.module:function" or
+    "verifiers:pkg.module:function" -> the class (for openai: `OpenAIAgent` bound to the function;
+    for verifiers: `VerifiersAgent` bound to the environment); TandemError naming the valid names
+    otherwise."""
+    if spec in AGENTS:
+        return AGENTS.get(spec)
+    if spec.startswith("openai:"):
+        from tandem.agent.openai_agent import OpenAIAgent, load_agent_fn
+
+        load_agent_fn(spec)  # a missing module or a function that is not async: said now
+        return functools.partial(OpenAIAgent, fn=spec)
+    if spec.startswith("verifiers:"):  # a verifiers environment (tandem/agent/verifiers_env.py)
+        from tandem.agent.verifiers_env import VerifiersAgent, build_env
+
+        # built now: a missing package, module or function, a seat tandem cannot serve are said here
+        return functools.partial(VerifiersAgent, env=build_env(spec))
+    module_name, sep, attr = spec.partition(":")
+    forms = (
+        f"An agent is one of {', '.join(AGENTS.names())}, 'pkg.module:Class', 'openai:pkg.module:function' "
+        "or 'verifiers:pkg.module:function'."
+    )
+    if not sep or not module_name or not attr:
+        raise TandemError(f"Unknown agent {spec!r}. {forms}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise TandemError(f"Cannot import module {module_name!r} of agent {spec!r}: {e}. {forms}") from None
+    cls = getattr(module, attr, None)
+    if cls is None or not callable(getattr(cls, "run", None)):
+        what = "has no attribute" if cls is None else "has no `run` method in"
+        raise TandemError(
+            f"Agent {spec!r}: module {module_name!r} {what} {attr!r}. An agent class implements "
+            "tandem.agent.AgentLoop's contract (its docstring; docs/agents.md)."
+        )
+    return cls
+
+
+def build_agent(spec: str, tokenizer, tools: Sequence[str] = (), max_turns: int = 1, **openai) -> AgentLoop:
+    """The agent `spec` names (see `agent_class`), for a worker with this tokenizer. `openai`: the
+    OpenAI agent's own settings (timeout_s, max_prompt_length, tool_parser, model_name), which
+    other agents do not take."""
+    extra = openai if spec.startswith(("openai:", "verifiers:")) else {}
+    return agent_class(spec)(tokenizer=tokenizer, tools=list(tools), max_turns=max_turns, **extra)
