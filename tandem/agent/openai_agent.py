@@ -69,19 +69,27 @@ STATS = ("turns", "tool_calls", "tool_parse_errors", *FAULTS, "bad_requests", "t
          "prompt_tokens", "reused_prompt_tokens")  # fmt: skip
 
 
-def load_agent_fn(spec: str) -> Callable:
-    """ "openai:pkg.module:function" (or without the prefix) -> the coroutine function."""
-    path = spec.removeprefix(PREFIX)
-    module_name, sep, attr = path.partition(":")
-    form = "rollout.agent=openai:pkg.module:function, with `async def function(client, task)`"
+def named_attr(spec: str, prefix: str, form: str, before_import: Callable[[], None] = lambda: None) -> Any:
+    """ "<prefix>pkg.module:name" (or without the prefix) -> getattr(module, name, None);
+    TandemError naming `form` for a spec of another shape or a module that does not import.
+    `before_import` runs once the shape is right (a check that the agent's package is installed)."""
+    module_name, sep, attr = spec.removeprefix(prefix).partition(":")
     if not sep or not module_name or not attr:
         raise TandemError(f"Agent {spec!r}: expected {form}.")
+    before_import()
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise TandemError(f"Agent {spec!r}: cannot import module {module_name!r}: {e}.") from None
-    fn = getattr(module, attr, None)
+    return getattr(module, attr, None)
+
+
+def load_agent_fn(spec: str) -> Callable:
+    """ "openai:pkg.module:function" (or without the prefix) -> the coroutine function."""
+    form = "rollout.agent=openai:pkg.module:function, with `async def function(client, task)`"
+    fn = named_attr(spec, PREFIX, form)
     if fn is None or not inspect.iscoroutinefunction(fn):
+        module_name, _, attr = spec.removeprefix(PREFIX).partition(":")
         what = "has no attribute" if fn is None else "is not an `async def` function:"
         raise TandemError(f"Agent {spec!r}: module {module_name!r} {what} {attr!r}. Expected {form}.")
     return fn

@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import inspect
 import logging
 import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from tandem.agent.openai_agent import OpenAIAgent
+from tandem.agent.openai_agent import OpenAIAgent, named_attr
 from tandem.errors import TandemError
 
 if TYPE_CHECKING:
@@ -52,16 +51,9 @@ class EpisodeFailed(TandemError):
 
 def load_env_fn(spec: str) -> Callable[[], vf.Env]:
     """ "verifiers:pkg.module:function" (or without the prefix) -> the function building the env."""
-    module_name, sep, attr = spec.removeprefix(PREFIX).partition(":")
-    if not sep or not module_name or not attr:
-        raise TandemError(f"Agent {spec!r}: expected {FORM}.")
-    _import_verifiers()
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise TandemError(f"Agent {spec!r}: cannot import module {module_name!r}: {e}.") from None
-    fn = getattr(module, attr, None)
+    fn = named_attr(spec, PREFIX, FORM, before_import=_import_verifiers)
     if not callable(fn) or inspect.iscoroutinefunction(fn):
+        module_name, _, attr = spec.removeprefix(PREFIX).partition(":")
         what = "has no function" if fn is None else "has a coroutine function, not a plain one:"
         raise TandemError(f"Agent {spec!r}: module {module_name!r} {what} {attr!r}. Expected {FORM}.")
     return fn
