@@ -58,6 +58,10 @@ class Sample:
     # The reward the episode's agent returned (rollout.agent=openai:...): the reward role takes it
     # as the sample's reward instead of calling reward.fn. None: score it with reward.fn.
     agent_reward: float | None = None
+    # An extra sample of one episode (rollout.agent=openai:..., docs/agents.md): the `index` of the
+    # group's sample whose episode made it. It shares that sample's reward and advantage, is trained
+    # as a row of its own, and is not one of the group's rollout.n. None: a sample of its own.
+    episode_of: int | None = None
     reward_parts: dict[str, float] = field(default_factory=dict)
     advantage: float = 0.0
     token_advantages: list[float] = field(default_factory=list)  # a critic's, per token (GAE); else empty
@@ -116,3 +120,8 @@ class Sample:
         if not self.versions:
             return (-1, -1)
         return (min(self.versions), max(self.versions))
+
+
+def episodes(samples: list[Sample]) -> list[Sample]:
+    """The samples that are episodes of their own: without an episode's extra samples."""
+    return [s for s in samples if s.episode_of is None]

@@ -14,7 +14,7 @@ from tandem.controller.loop import Loop, Stopped
 from tandem.controller.protocol import CallFailed, WorkerDied
 from tandem.data.loader import PromptLoader
 from tandem.errors import TandemError
-from tandem.sample import Prompt, Status
+from tandem.sample import Prompt, Sample, Status
 from tandem.sim.cluster import Job, SimCluster
 from tandem.sim.workers import TimedWorker
 
@@ -64,10 +64,39 @@ class FakeRollout(TimedWorker):
         return None
 
 
+class ExtraRollout(FakeRollout):
+    """Each finished episode also returns an extra sample (an openai agent's history rewrite)."""
+
+    def result(self, job: Job, now: float):
+        out = super().result(job, now)
+        if job.method != "generate" or isinstance(out, WorkerDied):
+            return out
+        samples, span = out
+        extras = [
+            Sample(
+                s.prompt,
+                s.prompt_ids,
+                s.group_id,
+                ((s.index + 1) << 16) + 1,
+                response_ids=[9],
+                logprobs=[-1.0],
+                versions=[job.state["version"]],
+                loss_mask=[1],
+                status=Status.FINISHED,
+                finish_reason="stop",
+                episode_of=s.index,
+            )  # fmt: skip
+            for s in samples
+            if s.status is Status.FINISHED
+        ]
+        return samples + extras, span
+
+
 class FakeTrainer(TimedWorker):
     def __init__(self, name: str, fail: bool = False, mismatch: float = 0.0, metrics: dict | None = None):
         super().__init__(name)
         self.version, self.fail, self.mismatch, self.metrics = 0, fail, mismatch, metrics or {}
+        self.batches = []  # the samples of each train step
 
     def cost(self, job: Job) -> float:
         return 3.0 if job.method == "train_step" else 0.1
@@ -77,6 +106,7 @@ class FakeTrainer(TimedWorker):
             if self.fail:
                 return CallFailed("Traceback: RuntimeError: the loss is nan")
             self.version += 1
+            self.batches.append(job.args[0])
             metrics = {"actor/loss": 0.0, "mismatch/logprob_abs_diff_max": self.mismatch, **self.metrics}
             return metrics, [self.span("train", job, now)]
         if job.method == "send_weights":
@@ -168,6 +198,25 @@ def test_sync_trains_on_policy_and_validates_on_schedule(tmp_path):
     assert trained_groups(log) == list(range(20))  # every group once, in order
     assert summary["val/accuracy_final"] == 0.0  # n=1 held-out samples all have index 0: reward 0
     assert all(0 <= r["perf/idle_ratio/train"] <= 1 and r["timing_s/step"] > 3 for r in log.steps)
+
+
+@pytest.mark.parametrize("mode", [["run.mode=sync"], ["run.mode=async", "run.max_staleness=1"]])
+def test_an_episodes_extra_samples_ride_with_its_group_and_do_not_count_as_its_samples(tmp_path, mode):
+    """rollout.agent=openai: an episode may return extra samples (Sample.episode_of). A group is
+    whole at rollout.n episodes, and trains with every extra; held-out metrics count episodes."""
+    cluster = fake_cluster()
+    for name in ("rollout/0", "rollout/1"):
+        cluster.workers[name] = ExtraRollout(name)
+    _, log, summary = run(tmp_path, *mode, cluster=cluster)
+    batches = cluster.workers["train/0"].batches
+    assert len(batches) == 5 and sorted(trained_groups(log)) == list(range(20))
+    for batch in batches:
+        assert len(batch) == 4 * 2 * 2  # batch_size groups x rollout.n episodes x (own + extra)
+        mains = {(s.group_id, s.index) for s in batch if s.episode_of is None}
+        assert len(mains) == 8 and all(
+            (s.group_id, s.episode_of) in mains for s in batch if s.episode_of is not None
+        )
+    assert summary["val/accuracy_final"] == 0.0  # the extras (odd index: reward 1) are not counted
 
 
 @pytest.mark.parametrize(

@@ -155,6 +155,29 @@ async def tool_user(client, task):
     return 1.0
 
 
+async def rewrites(client, task):
+    """A draft, then a request with the history rewritten (not extending the draft), then one with
+    n=2 choices whose second choice it continues: three chains no request extended."""
+    draft = await client.chat.completions.create(model="m", messages=task["messages"], max_tokens=5)
+    fresh = [{"role": "user", "content": "again: " + (draft.choices[0].message.content or "")}]
+    two = await client.chat.completions.create(model="m", messages=fresh, max_tokens=5, n=2)
+    taken = two.choices[1].message
+    last = await client.chat.completions.create(
+        model="m",
+        messages=[*fresh, {"role": "assistant", "content": taken.content}, {"role": "user", "content": "ok"}],
+        max_tokens=5,
+    )
+    RECEIVED.setdefault("rewrites", []).append(
+        (
+            draft.choices[0].token_ids,
+            two.choices[0].token_ids,
+            two.choices[1].token_ids,
+            last.choices[0].token_ids,
+        )
+    )
+    return 0.25
+
+
 async def raises(client, task):
     await client.chat.completions.create(model="m", messages=task["messages"], max_tokens=4)
     raise RuntimeError("the agent's own bug")
@@ -230,11 +253,27 @@ def test_a_second_turn_reuses_the_first_turns_token_ids(engine_cls):
         # the context is only what is new: the rest of the first turn and the user's message
         tail = TOK.decode(context)
         assert tail.endswith("<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"), tail
-        assert "2+3=" not in tail and s.agent_reward == 0.5 and s.agent_stats["unused_calls"] == 0
+        assert "2+3=" not in tail and s.agent_reward == 0.5 and s.agent_stats["samples"] == 1
         # the trainer's one forward over prompt + both turns gives the engine's logprobs
         recomputed = full_forward_logprobs(m, s.prompt_ids, s.response_ids)
         trained = torch.tensor(s.loss_mask, dtype=torch.bool)
         torch.testing.assert_close(torch.tensor(s.logprobs)[trained], recomputed[trained], atol=1e-5, rtol=0)
+
+
+def test_calls_that_do_not_extend_each_other_become_extra_samples_of_the_episode():
+    samples = worker("rewrites").generate(episodes(2), PARAMS)
+    got = RECEIVED.pop("rewrites")
+    assert len(samples) == 2 + 2 * 2  # each episode: its own sample + the draft + the untaken choice
+    for own in samples[:2]:
+        draft, other, taken, last = next(g for g in got if own.response_ids[-len(g[3]) :] == g[3])
+        assert own.episode_of is None and own.response_ids[: len(taken)] == taken
+        extras = [s for s in samples if s.episode_of == own.index]
+        assert sorted(s.response_ids for s in extras) == sorted([draft, other])
+        for s in [own, *extras]:
+            assert s.status is Status.FINISHED and s.agent_reward == 0.25 and s.group_id == own.group_id
+        assert all(x.loss_mask == [1] * len(x.response_ids) and x.index >= 1 << 16 for x in extras)
+        assert own.agent_stats["samples"] == 3 and extras[0].agent_stats == {}
+    assert len({s.key for s in samples}) == len(samples)
 
 
 def test_streamed_and_sync_clients_and_plain_completions():
@@ -292,8 +331,8 @@ def test_each_fault_ends_its_episode_with_reward_0_and_the_others_go_on():
 
 
 def test_requests_past_the_episodes_turn_limit_are_refused():
-    (s,) = worker("greedy_loop", max_turns=2).generate(episodes(1), PARAMS)
-    assert s.agent_stats["turns"] == 2 and s.agent_stats["truncated"] == 1
+    s, extra = worker("greedy_loop", max_turns=2).generate(episodes(1), PARAMS)  # 2 calls, 2 chains
+    assert s.agent_stats["turns"] == 2 and s.agent_stats["truncated"] == 1 and extra.agent_reward == 0.0
     assert s.agent_reward == 0.0 and s.agent_stats["errors"] == 1  # the agent did not catch the 400
 
 

@@ -1,13 +1,14 @@
 """The trainer: micro-batching changes nothing, the guard skips bad steps, the policy improves."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 from helpers import VOCAB, clone_model, grads, random_samples, tiny_model, train_worker
 
 from tandem.model.logprobs import token_logprobs
-from tandem.train.batch import micro_batches, rank_micro_batches, shard
+from tandem.train.batch import micro_batches, pad_rows, rank_micro_batches, shard
 from tandem.train.optim import lr_factor
 from tandem.train.worker import TrainWorker
 
@@ -224,3 +225,25 @@ def test_ranks_split_rows_evenly_and_run_as_many_micro_batches():
     assert len(plans[0]) == len(plans[1])  # FSDP2's collectives need the same count everywhere
     assert sorted(i for p in plans for part in p for i in part) == list(range(8))
     assert [] in plans[0] or [] in plans[1]  # the shorter plan is padded with dummies
+
+
+def test_an_episodes_extra_samples_take_its_advantage_and_leave_the_groups_baseline_alone():
+    """rollout.agent=openai: an episode's extra samples (Sample.episode_of) train with the advantage
+    of their episode; the GRPO baseline of the group is over its rollout.n episodes only."""
+    samples = random_samples(2, 4, seed=3)
+    for s, r in zip(samples, [1, 0, 0, 0, 1, 1, 0, 1], strict=True):
+        s.reward = float(r)
+    w = worker(tiny_model(), 64)
+    width = max(len(s.response_ids) for s in samples)
+    alone = w.advantages(samples, pad_rows([s.loss_mask for s in samples], width)).clone()
+    extras = [replace(samples[i], index=(i % 4 + 1) << 16, episode_of=i % 4, response_ids=[5] * (i + 2),
+                      logprobs=[-1.0] * (i + 2), versions=[0] * (i + 2), loss_mask=[1] * (i + 2))
+              for i in (0, 0, 5)]  # fmt: skip
+    rows = samples + extras
+    width = max(len(s.response_ids) for s in rows)
+    adv = w.advantages(rows, pad_rows([s.loss_mask for s in rows], width))
+    torch.testing.assert_close(adv[: len(samples), : alone.shape[1]], alone)  # the baseline is unchanged
+    assert [x.advantage for x in extras] == pytest.approx([samples[0].advantage] * 2 + [samples[5].advantage])
+    assert (
+        samples[0].advantage > 0 and (adv[-1, : len(extras[-1].response_ids)] == samples[5].advantage).all()
+    )

@@ -55,6 +55,10 @@ class AgentLoop:
       (loss mask 0, logprob 0.0);
     - count what it did per episode in `sample.agent_stats` (name -> number): each name becomes the
       step's `agent/<name>/mean` metric (and `val/agent/<name>/mean` on held-out prompts).
+    - (optional) return, after the samples it was given, extra FINISHED samples of an episode
+      (`Sample.episode_of` = the index of the episode's sample, in its group, with an index of their
+      own past rollout.n): trained as rows of their own with the episode's reward and advantage
+      (the openai agent's completions that do not extend each other).
     The worker decodes `response_text` from the whole response after `run`.
 
     `demonstration(text)` is how a transcript of this agent turns into response tokens and a loss

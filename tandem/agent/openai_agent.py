@@ -12,15 +12,17 @@ episode still running is waiting for the model (or the oldest request has waited
 so an episode busy with a slow tool does not hold up the others). So many concurrent episodes share
 one batch, on whichever engine the run uses.
 
-What becomes the training sample (docs/agents.md): a request whose messages are an earlier request's
+What becomes training samples (docs/agents.md): a request whose messages are an earlier request's
 messages, the assistant message the endpoint returned for it, then new messages EXTENDS that
 completion: its prompt is the earlier prompt ids + the generated ids + the new messages' ids
 (`ChatRenderer.continuation`: nothing is re-tokenized, and the engine's prefix cache serves the
-shared prefix). The episode's sample is the chain of the last completion the agent received:
-its first prompt, then every completion of the chain (loss mask 1, behaviour logprobs and
-versions from the engine) and everything between them (tool results, user turns: loss mask 0). A
-completion the final chain does not contain (an agent that rewrote its history, or the choices it
-did not take) is counted in agent/unused_calls and not trained on.
+shared prefix). A chain is a first prompt, then every completion that extends the one before (loss
+mask 1, behaviour logprobs and versions from the engine) and everything between them (tool
+results, user turns: loss mask 0). Every chain that no later request extended is one training
+sample, all with the episode's reward: the chain of the last completion the agent received is the
+episode's own sample (the group's), and each other one (an agent that rewrote its history, a
+sub-agent's calls, choices of an n > 1 request it did not continue) an extra sample of the episode
+(`Sample.episode_of`), counted in agent/samples.
 
 Limits and faults end an episode with reward 0, counted in agent/* and logged once per kind: the
 agent raised (errors), ran past `timeout_s` (timeouts), never called the model (no_calls). A
@@ -65,8 +67,9 @@ BATCH_WAIT_S = 0.05  # a pause in arrivals this long ends a batch while served e
 FIRST_WAIT_S = 5.0  # the longest a request waits for episodes yet to make their first request
 SCRATCH_INDEX = 1 << 20  # engine requests are numbered from here, apart from the samples' own keys
 FAULTS = ("errors", "timeouts", "no_calls")
-STATS = ("turns", "tool_calls", "tool_parse_errors", *FAULTS, "bad_requests", "truncated", "unused_calls",
+STATS = ("turns", "tool_calls", "tool_parse_errors", *FAULTS, "bad_requests", "truncated", "samples",
          "prompt_tokens", "reused_prompt_tokens")  # fmt: skip
+EXTRA_INDEX = 1 << 16  # an episode's extra samples: index (i + 1) * EXTRA_INDEX + k for the group's sample i
 
 
 def named_attr(spec: str, prefix: str, form: str, before_import: Callable[[], None] = lambda: None) -> Any:
@@ -104,7 +107,6 @@ class Chain:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
-    calls: int = 0  # completions in it
 
     def then(self, context: list[int], s: Sample) -> Chain:
         """This chain, the context ids, then the generated response of `s` (its own prompt is this
@@ -116,7 +118,6 @@ class Chain:
             self.logprobs + [0.0] * len(context) + s.logprobs,
             self.versions + [version] * len(context) + s.versions,
             self.loss_mask + [0] * len(context) + [1] * len(s.response_ids),
-            self.calls + 1,
         )
 
 
@@ -129,6 +130,8 @@ class Served:
     text: str  # the completion's text (plain completions extend on it)
     message: dict | None  # chat: the assistant message returned
     ended_on_eos: bool
+    finish: str  # the engine's finish reason: "stop" or "length"
+    extended: bool = False  # a served request continued it: its chain is not a sample of its own
 
 
 @dataclass
@@ -154,6 +157,7 @@ class Episode:
     info: dict[str, Any] = field(default_factory=dict)
     future: Any = None
     ended: bool = False  # finished, failed or cancelled: takes no more requests
+    aborted: bool = False  # running when the worker was aborted: comes back ABORTED, whatever follows
 
 
 @dataclass
@@ -228,12 +232,11 @@ class OpenAIAgent(AgentLoop):
             if not self._serve(turn, batch, params):
                 aborted = True
                 break
-        for ep in episodes:
-            self._finish(ep, aborted)
+        extras = [x for ep in episodes for x in self._finish(ep, aborted)]
         with self._cond:
             for ep in episodes:
                 self._episodes.pop(ep.id, None)
-        return samples
+        return samples + extras
 
     def _next_batch(self, episodes: list[Episode]) -> list[Pending] | None:
         """The requests to serve now; None once every episode has ended. Serve when every episode
@@ -278,6 +281,9 @@ class OpenAIAgent(AgentLoop):
                 s.status is Status.ABORTED and len(s.response_ids) == n
                 for s, n in zip(engine_samples, before, strict=True)
             ):
+                with self._cond:  # before the agents hear of it (and may fail on it)
+                    for ep in {id(p.episode): p.episode for p in batch}.values():
+                        ep.aborted = not ep.ended
                 for p in batch:  # the worker was aborted: no request of this call is served
                     p.error = BadRequest("the rollout worker was aborted (a partial rollout)", status=503)
                     p.done.set()
@@ -327,8 +333,12 @@ class OpenAIAgent(AgentLoop):
                 if calls:
                     message["tool_calls"] = calls
             ended_on_eos = bool(s.response_ids) and s.response_ids[-1] == eos
-            served.append(Served(chain, list(s.response_ids), cut, message, ended_on_eos))
+            served.append(
+                Served(chain, list(s.response_ids), cut, message, ended_on_eos, s.finish_reason or "stop")
+            )
         with self._cond:
+            if p.parent is not None:
+                p.parent.extended = True
             ep.calls.append(
                 Call(
                     r.messages if r.chat else None,
@@ -344,27 +354,35 @@ class OpenAIAgent(AgentLoop):
         p.answer = (choices, len(p.prompt_ids))
         p.done.set()
 
-    def _finish(self, ep: Episode, aborted: bool) -> None:
-        """The episode's sample: its final chain, the agent's reward, its stats."""
+    def _finish(self, ep: Episode, aborted: bool) -> list[Sample]:
+        """The episode's sample (its final chain, the agent's reward, its stats) -> its extra
+        samples: the other chains no request extended, with the same reward."""
         s = ep.sample
         if not ep.future.done():
             ep.future.cancel()
-        if aborted and not ep.ended:
+        if aborted and (ep.aborted or not ep.ended):
             s.response_ids, s.logprobs, s.versions, s.loss_mask = [], [], [], []
             s.end("abort")
-            return
+            return []
         ep.ended = True
         if not ep.calls and not any(ep.stats[f] for f in FAULTS):
             self._fail(ep, "no_calls", "returned without calling the model")
-        chain = ep.last.chain if ep.last is not None else Chain(s.prompt_ids)
-        s.prompt_ids = list(chain.prompt_ids)
-        s.response_ids, s.logprobs = list(chain.response_ids), list(chain.logprobs)
-        s.versions, s.loss_mask = list(chain.versions), list(chain.loss_mask)
-        ep.stats["unused_calls"] = float(sum(len(c.choices) for c in ep.calls) - chain.calls)
+        reward = ep.reward if not any(ep.stats[f] for f in FAULTS) else 0.0
+        extras = []
+        for served in (c for call in ep.calls for c in call.choices):
+            if served.extended or served is ep.last:
+                continue
+            extra = Sample(s.prompt, [], s.group_id, (s.index + 1) * EXTRA_INDEX + len(extras))
+            _fill(extra, served.chain, reward, served.finish)
+            extra.episode_of = s.index
+            extras.append(extra)
+        _fill(s, ep.last.chain if ep.last is not None else Chain(s.prompt_ids), reward, "stop")
+        if ep.stats["truncated"]:
+            s.finish_reason = "length"
+        ep.stats["samples"] = 1.0 + len(extras)
         s.agent_stats.update(ep.stats)
         s.agent_stats.update({k: float(v) for k, v in ep.info.items() if isinstance(v, (int, float))})
-        s.agent_reward = ep.reward if not any(ep.stats[f] for f in FAULTS) else 0.0
-        s.end("length" if ep.stats["truncated"] else "stop")
+        return extras
 
     # -- the endpoint's side: requests from the agents --------------------------------------------
     def _request(self, r: Request) -> tuple[list[Choice], int]:
@@ -482,7 +500,8 @@ class OpenAIAgent(AgentLoop):
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the agent's own failure ends its episode, not the run
-            self._fail(ep, "errors", f"raised {type(e).__name__}: {e}", cancel=False)
+            if not ep.aborted:  # (one the abort caused is not its own: the episode starts afresh)
+                self._fail(ep, "errors", f"raised {type(e).__name__}: {e}", cancel=False)
         finally:
             with self._cond:
                 ep.ended = True
@@ -538,6 +557,15 @@ class OpenAIAgent(AgentLoop):
             self._server.close()
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._server = None
+
+
+def _fill(s: Sample, chain: Chain, reward: float, finish: str) -> None:
+    """`s` becomes the chain's tokens, FINISHED with the episode's reward."""
+    s.prompt_ids = list(chain.prompt_ids)
+    s.response_ids, s.logprobs = list(chain.response_ids), list(chain.logprobs)
+    s.versions, s.loss_mask = list(chain.versions), list(chain.loss_mask)
+    s.agent_reward = reward
+    s.end("length" if finish == "length" else "stop")
 
 
 def _cut(text: str, stop: list[str]) -> str:

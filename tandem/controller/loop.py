@@ -48,7 +48,7 @@ from tandem.controller.validation import Validation
 from tandem.errors import TandemError
 from tandem.rollout.group import make_groups
 from tandem.rollout.sampler import request_seed
-from tandem.sample import Sample, Status
+from tandem.sample import Sample, Status, episodes
 from tandem.sync import TRANSPORTS
 
 STOP_POLL_S = 1.0  # the longest the loop waits on the cluster before it looks for a stop signal
@@ -276,13 +276,13 @@ class Loop:
         if partial:  # re-submitted as prompt + partial response, ahead of new prompts
             self.stats.count("rollout/aborted", len(partial))
             self.work.appendleft((Kind.GENERATE, partial, call.version))
+        finished = [s for s in samples if s.status == Status.FINISHED]
+        for s in finished:  # an episode's extra samples (episode_of) ride with their group
+            self.groups.setdefault(s.group_id, []).append(s)
         done = []
-        for s in samples:
-            if s.status == Status.FINISHED:
-                group = self.groups.setdefault(s.group_id, [])
-                group.append(s)
-                if len(group) == self.cfg.rollout.n:
-                    done.extend(sorted(self.groups.pop(s.group_id), key=lambda x: x.index))
+        for gid in dict.fromkeys(s.group_id for s in finished):
+            if len(episodes(self.groups[gid])) == self.cfg.rollout.n:
+                done.extend(sorted(self.groups.pop(gid), key=lambda x: x.index))
         if done:
             self.score(done, call.version)
 
@@ -551,10 +551,12 @@ class Loop:
         for s in saved:
             by_group[s.group_id][s.index] = s
         for gid, samples in by_group.items():
-            if len(samples) < self.cfg.rollout.n:  # never when saved whole; a fresh group otherwise
+            if (
+                len(episodes(list(samples.values()))) < self.cfg.rollout.n
+            ):  # a fresh group, unless saved whole
                 prompt, ids = self.data.train.at(gid)
                 fresh = make_groups([prompt], [ids], self.cfg.rollout.n, first_group=gid)
-                samples = {s.index: samples.get(s.index, s) for s in fresh}
+                samples = {**samples, **{s.index: samples.get(s.index, s) for s in fresh}}
             ordered = [s for _, s in sorted(samples.items())]
             finished = [s for s in ordered if s.status == Status.FINISHED]
             rest = [s for s in ordered if s.status != Status.FINISHED]

@@ -12,7 +12,7 @@ from statistics import mean
 from tandem.buffer import RolloutBuffer
 from tandem.controller.timeline import Timeline
 from tandem.errors import TandemError
-from tandem.sample import Sample
+from tandem.sample import Sample, episodes
 
 
 def _summary(prefix: str, values: list[float]) -> dict[str, float]:
@@ -27,7 +27,7 @@ def rollout_stats(samples: list[Sample], trained_version: int) -> dict[str, floa
     parts = sorted({k for s in samples for k in s.reward_parts})  # e.g. a verl function's extra keys
     return {
         **{f"reward/{k}/mean": mean(float(s.reward_parts.get(k, 0.0)) for s in samples) for k in parts},
-        **_summary("critic/score", [s.reward for s in samples]),
+        **_summary("critic/score", [s.reward for s in episodes(samples)]),
         **_summary("response_length", lengths),
         "response_length/clip_ratio": mean(float(s.finish_reason == "length") for s in samples),
         **_summary("prompt_length", [float(len(s.prompt_ids)) for s in samples]),
@@ -42,6 +42,7 @@ def agent_stats(samples: list[Sample], prefix: str = "agent") -> dict[str, float
     """`<prefix>/<name>/mean` over the episodes of every counter the agent loop kept in
     `Sample.agent_stats` (tools: turns, tool_calls, tool_errors, tool_use, truncated); {} for
     single-turn samples."""
+    samples = episodes(samples)  # an episode's extra samples carry none
     names = sorted({k for s in samples for k in s.agent_stats})
     return {f"{prefix}/{k}/mean": mean(float(s.agent_stats.get(k, 0.0)) for s in samples) for k in names}
 

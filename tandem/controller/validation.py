@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from tandem.controller.stats import val_stats
 from tandem.rollout.group import make_groups
-from tandem.sample import Prompt, Sample
+from tandem.sample import Prompt, Sample, episodes
 
 
 class Validation:
@@ -48,7 +48,7 @@ class Validation:
 
     def returned(self, version: int, samples: list[Sample]) -> list[Sample] | None:
         """One chunk is back -> the version's samples once all are, else None."""
-        self.samples[version].extend(samples)
+        self.samples[version].extend(episodes(samples))  # one held-out answer per prompt
         self.left[version] -= 1
         if self.left[version]:
             return None

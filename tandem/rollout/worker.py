@@ -86,7 +86,7 @@ class RolloutWorker:
         with self._lock:
             self._running, self._abort_all, self._aborted = True, False, set()
         try:
-            self.agent.run(self._turn, samples, params)
+            samples = self.agent.run(self._turn, samples, params)  # + an episode's extra samples
         finally:
             with self._lock:
                 self._running = False

@@ -13,7 +13,7 @@ from tandem.rollout.group import make_groups
 from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.worker import RolloutWorker
 from tandem.runtime.roles import build_rollout, load_split
-from tandem.sample import Prompt, Sample
+from tandem.sample import Prompt, Sample, episodes
 
 
 def evaluate(
@@ -25,7 +25,7 @@ def evaluate(
 ) -> tuple[dict[str, float], list[Sample]]:
     """-> ({"val/accuracy", "val/score/mean", ...}: `val_stats`, the scored
     samples), one response per prompt."""
-    samples = rollout.generate(make_groups(prompts, prompt_ids, n=1), params)
+    samples = episodes(rollout.generate(make_groups(prompts, prompt_ids, n=1), params))
     return val_stats(samples, reward.score(samples), float(rollout.version)), samples
 
 
@@ -48,4 +48,5 @@ def generate_text(cfg: Config, text: str, chat: bool = True) -> list[str]:
     samples = rollout.generate(
         make_groups([prompt], ids, cfg.rollout.n), sampling_params(cfg, cfg.rollout.temperature)
     )
+    samples = episodes(samples)
     return [s.response_text for s in samples]

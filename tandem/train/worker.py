@@ -159,11 +159,18 @@ class TrainWorker:
                     "advantages from the critic (CriticWorker.estimate runs before the policy's step)."
                 )
             adv = pad_rows([s.token_advantages for s in samples], mask.shape[1]) * mask
-        else:
-            rewards = torch.tensor([s.reward for s in samples], dtype=torch.float)
-            groups = torch.tensor([s.group_id for s in samples])
+        else:  # over episodes: an episode's extra samples take its advantage, not a group place
+            own = [i for i, s in enumerate(samples) if s.episode_of is None]
+            rewards = torch.tensor([samples[i].reward for i in own], dtype=torch.float)
+            groups = torch.tensor([samples[i].group_id for i in own])
             estimator = ADV_ESTIMATORS.get(self.algo.adv_estimator)
-            adv = estimator(rewards, groups, mask, norm_by_std=self.algo.norm_by_std)
+            adv = torch.zeros(mask.shape)
+            adv[own] = estimator(rewards, groups, mask[own], norm_by_std=self.algo.norm_by_std)
+            of = {(samples[i].group_id, samples[i].index): i for i in own}
+            for i, s in enumerate(samples):
+                if s.episode_of is not None:
+                    j = of[(s.group_id, s.episode_of)]
+                    adv[i] = (adv[j] * mask[j]).sum() / mask[j].sum().clamp(min=1) * mask[i]
         for s, row, m in zip(samples, adv, mask, strict=True):
             s.advantage = float((row * m).sum() / m.sum().clamp(min=1))
         return adv
