@@ -276,6 +276,29 @@ def test_calls_that_do_not_extend_each_other_become_extra_samples_of_the_episode
     assert len({s.key for s in samples}) == len(samples)
 
 
+def test_a_tools_demonstration_for_tandem_sft_is_the_chain_the_endpoint_records():
+    """`tandem sft` with rollout.agent=openai:... (recipes/sft-openai-tools.yaml): the multiply
+    task's transcript becomes exactly the tokens and loss mask that the example calculator agent's
+    episode records through the endpoint when the model writes that transcript."""
+    agent = build_agent("openai:tandem.agent.examples:calculator", TOK, ["calculator"], 4)
+    prompt = Prompt(
+        messages=[{"role": "user", "content": "37*48="}], ground_truth="1776", data_source="multiply"
+    )
+    prompt_ids = agent.prompt_ids(prompt, TOK.encode("unused"))
+    ids, mask = agent.demonstration("<calc>37*48</calc><result>1776</result>1776")
+    m = Scripted(prompt_ids, "")
+    m.forced[len(prompt_ids) : len(prompt_ids) + len(ids) + 1] = torch.tensor(ids + [EOS])
+    engine = BuiltinEngine(m, [EOS], TOK.pad_token_id, seed=3)
+    w = RolloutWorker(
+        engine, TOK, build_agent("openai:tandem.agent.examples:calculator", TOK, max_turns=4, timeout_s=20.0)
+    )
+    (s,) = w.generate(make_groups([prompt], [TOK.encode("37*48=")], 1), PARAMS)
+    assert (
+        s.agent_reward == 1.0 and s.agent_stats["tool_calls"] == 1 and s.agent_stats["calculator_calls"] == 1
+    )
+    assert s.prompt_ids == prompt_ids and s.response_ids == ids + [EOS] and s.loss_mask == mask + [1]
+
+
 def test_streamed_and_sync_clients_and_plain_completions():
     samples = worker("streamed").generate(episodes(2), PARAMS)
     texts = RECEIVED.pop("streamed")

@@ -47,7 +47,7 @@ async def calculator(client, task: dict) -> tuple[float, dict]:
     calls = 0
     for _ in range(4):
         reply = await client.chat.completions.create(
-            model="policy", messages=messages, tools=[CALCULATOR], max_tokens=64
+            model="policy", messages=messages, tools=[CALCULATOR], max_tokens=100
         )
         message = reply.choices[0].message
         if not message.tool_calls:

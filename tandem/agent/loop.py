@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from tandem.agent.tools import TOOLS, Tool, ToolError
 from tandem.errors import TandemError
 from tandem.registry import Registry
-from tandem.sample import Sample, Status
+from tandem.sample import Prompt, Sample, Status
 
 if TYPE_CHECKING:  # the rollout package imports the engines: not needed to check a config
     from tandem.rollout.protocol import SamplingParams
@@ -62,7 +62,8 @@ class AgentLoop:
     The worker decodes `response_text` from the whole response after `run`.
 
     `demonstration(text)` is how a transcript of this agent turns into response tokens and a loss
-    mask, for `tandem sft`: the parts RL would not train on are masked the same way here.
+    mask, for `tandem sft`: the parts RL would not train on are masked the same way here; and
+    `prompt_ids(prompt, ids)` the prompt those tokens follow (an openai agent's has its tools).
     """
 
     def __init__(self, tokenizer=None, tools: Sequence[str] = (), max_turns: int = 1):
@@ -75,6 +76,11 @@ class AgentLoop:
         """Response text (no EOS) -> (token ids, loss mask): every token trained on."""
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return ids, [1] * len(ids)
+
+    def prompt_ids(self, prompt: Prompt, ids: list[int]) -> list[int]:
+        """The ids an episode of this agent starts from, given the data's (`tandem sft` trains
+        after them): the data's own."""
+        return ids
 
 
 AGENTS: Registry[Callable[..., AgentLoop]] = Registry("agent")

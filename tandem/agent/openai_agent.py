@@ -43,7 +43,9 @@ import asyncio
 import importlib
 import inspect
 import itertools
+import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -53,9 +55,10 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.agent.chat import ChatRenderer, parse_tool_calls, same_message
 from tandem.agent.loop import AgentLoop, Turn
+from tandem.agent.tools import TOOLS, openai_tool
 from tandem.agent.openai_server import EPISODE_HEADER, BadRequest, Choice, EndpointServer, Request
 from tandem.errors import TandemError
-from tandem.sample import Sample, Status
+from tandem.sample import Prompt, Sample, Status
 
 if TYPE_CHECKING:
     from tandem.rollout.protocol import SamplingParams
@@ -192,6 +195,7 @@ class OpenAIAgent(AgentLoop):
     ):
         super().__init__(tokenizer)
         self.fn = fn if callable(fn) else load_agent_fn(fn)
+        self.tools = list(tools)  # for `tandem sft` only: the tools its demonstrations call
         self.max_turns, self.timeout_s, self.max_prompt_length = max_turns, timeout_s, max_prompt_length
         self.tool_parser, self.model_name = tool_parser, model_name
         self._renderer: ChatRenderer | None = None
@@ -384,6 +388,46 @@ class OpenAIAgent(AgentLoop):
         s.agent_stats.update({k: float(v) for k, v in ep.info.items() if isinstance(v, (int, float))})
         return extras
 
+    # -- tandem sft: demonstrations as the endpoint's chains ---------------------------------------
+    def prompt_ids(self, prompt: Prompt, ids: list[int]) -> list[int]:
+        """A chat prompt rendered with the OpenAI schemas of `rollout.tools` (`openai_tool`), as an
+        agent that offers them sends it."""
+        if not self.tools or not prompt.messages:
+            return ids
+        return self._chat().prompt(prompt.messages, [openai_tool(n) for n in self.tools])
+
+    def demonstration(self, text: str) -> tuple[list[int], list[int]]:
+        """A transcript in the tools' tag format (`<calc>37*48</calc><result>1776</result>1776`) as
+        the endpoint's chain holds such an episode: each call written as the template writes a tool
+        call, then EOS (loss mask 1); the tool message and the next generation prompt as the
+        template renders them after it (loss mask 0); the rest as text (loss mask 1). The template
+        must render a conversation's prefix as a prefix of the whole (as the endpoint needs)."""
+        chat, eos = self._chat(), self.tokenizer.eos_token_id
+        tools = [openai_tool(n) for n in self.tools]
+        names = {TOOLS.get(n).tag: n for n in self.tools}
+        ids: list[int] = []
+        mask: list[int] = []
+        done = 0
+        for m in _TAGGED_CALL.finditer(text):
+            if m.group(1) not in names:
+                continue
+            name = names[m.group(1)]
+            args = json.dumps({TOOLS.get(name).argument: m.group(2)})
+            call = {"id": "call_0", "type": "function", "function": {"name": name, "arguments": args}}
+            said = text[done : m.start()]
+            written = chat.encode(said + f'<tool_call>{{"name": "{name}", "arguments": {args}}}</tool_call>')
+            served = [
+                {"role": "user", "content": ""},
+                {"role": "assistant", "content": said, "tool_calls": [call]},
+            ]
+            result = [{"role": "tool", "tool_call_id": "call_0", "content": m.group(3)}]
+            context = chat.continuation(served, result, tools, ended_on_eos=True) or []
+            ids += written + [eos] + context
+            mask += [1] * (len(written) + 1) + [0] * len(context)
+            done = m.end()
+        rest = chat.encode(text[done:])
+        return ids + rest, mask + [1] * len(rest)
+
     # -- the endpoint's side: requests from the agents --------------------------------------------
     def _request(self, r: Request) -> tuple[list[Choice], int]:
         """The endpoint's backend (an HTTP thread): queue the request, wait for the engine."""
@@ -557,6 +601,9 @@ class OpenAIAgent(AgentLoop):
             self._server.close()
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._server = None
+
+
+_TAGGED_CALL = re.compile(r"<(\w+)>(.*?)</\1><result>(.*?)</result>", re.DOTALL)
 
 
 def _fill(s: Sample, chain: Chain, reward: float, finish: str) -> None:

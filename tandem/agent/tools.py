@@ -24,10 +24,13 @@ class ToolError(Exception):
 
 @dataclass(frozen=True)
 class Tool:
-    """`tag`: the model writes `<tag>input</tag>`; `run(input) -> output`, or raises ToolError."""
+    """`tag`: the model writes `<tag>input</tag>`; `run(input) -> output`, or raises ToolError.
+    `description` and `argument` (the input's name) make its OpenAI schema (`openai_tool`)."""
 
     tag: str
     run: Callable[[str], str]
+    description: str = ""
+    argument: str = "input"
 
     def __call__(self, text: str) -> str:
         return self.run(text)
@@ -130,7 +133,9 @@ def _format(value: Fraction) -> str:
     return f"-{text}" if scaled < 0 else text
 
 
-TOOLS.register("calculator")(Tool("calc", calculate))
+TOOLS.register("calculator")(
+    Tool("calc", calculate, "The exact value of an arithmetic expression, e.g. 37*48.", "expression")
+)
 
 # -- python --------------------------------------------------------------------------------------
 PYTHON_TIMEOUT_S = 5.0
@@ -155,4 +160,20 @@ def run_program(code: str) -> str:
     return result.stdout.rstrip("\n")
 
 
-TOOLS.register("python")(Tool("python", run_program))
+TOOLS.register("python")(
+    Tool("python", run_program, "Runs a Python program and returns what it printed.", "code")
+)
+
+
+def openai_tool(name: str) -> dict:
+    """The OpenAI `tools` entry of a registered tool: a function of one string argument."""
+    tool = TOOLS.get(name)
+    parameters = {
+        "type": "object",
+        "properties": {tool.argument: {"type": "string"}},
+        "required": [tool.argument],
+    }
+    return {
+        "type": "function",
+        "function": {"name": name, "description": tool.description, "parameters": parameters},
+    }

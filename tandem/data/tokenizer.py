@@ -32,11 +32,13 @@ SPLIT_PATTERN = (
 )
 
 # Qwen-style ChatML with no default system message, so a prompt is only what the dataset wrote.
-# ChatML, and tool calling in Hermes' / Qwen's format: with `tools`, a system turn lists them as
-# JSON in <tools></tools> (after the first system message's text, which it replaces); an assistant
-# message's tool_calls are written <tool_call>{"name": ..., "arguments": ...}</tool_call> after its
-# text; a message without content renders it empty. Messages without tools render exactly as plain
-# ChatML (tests/test_openai_agent.py checks it against the plain template).
+# Tool calling in Hermes' / Qwen's format: with `tools`, a system turn lists them (after the first
+# system message's text, which it replaces) as `<tools>name(arg, ...)</tools>`, one per line: not
+# Qwen's JSON schemas, since this tokenizer spends a token per character and a tiny model needs
+# only the names; an assistant message's tool_calls are written
+# <tool_call>{"name": ..., "arguments": ...}</tool_call> after its text; a message without content
+# renders it empty. Messages without tools render exactly as plain ChatML (tests/test_openai_agent.py
+# checks it against the plain template).
 CHATML_TEMPLATE = (
     "{%- set first = 0 %}"
     "{%- if tools %}"
@@ -44,10 +46,13 @@ CHATML_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' %}"
     "{{ messages[0]['content'] + '\\n\\n' }}{%- set first = 1 %}"
     "{%- endif %}"
-    "{{ '# Tools\\n<tools>\\n' }}"
-    "{%- for tool in tools %}{{ tool | tojson + '\\n' }}{%- endfor %}"
-    '{{ \'</tools>\\nCall a tool as <tool_call>{"name": ..., "arguments": {...}}</tool_call>\''
-    " + '<|im_end|>\\n' }}"
+    "{{ '<tools>' }}"
+    "{%- for tool in tools %}"
+    "{%- set f = tool['function'] if 'function' in tool else tool %}"
+    "{{ f['name'] + '(' + ((f.get('parameters') or {}).get('properties') or {}) | list | join(', ') + ')' }}"
+    "{{ '\\n' if not loop.last else '' }}"
+    "{%- endfor %}"
+    "{{ '</tools><|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- for message in messages[first:] %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"

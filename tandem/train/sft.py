@@ -77,7 +77,7 @@ def demonstrations(cfg: Config, tokenizer, n: int) -> list[Sample]:
         samples.append(
             Sample(
                 prompt=prompt,
-                prompt_ids=prompt_ids,
+                prompt_ids=agent.prompt_ids(prompt, prompt_ids),
                 response_ids=response + [tokenizer.eos_token_id],
                 loss_mask=mask + [1],
             )
