@@ -55,8 +55,8 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.agent.chat import ChatRenderer, parse_tool_calls, same_message
 from tandem.agent.loop import AgentLoop, Turn
-from tandem.agent.tools import TOOLS, openai_tool
 from tandem.agent.openai_server import EPISODE_HEADER, BadRequest, Choice, EndpointServer, Request
+from tandem.agent.tools import TOOLS, openai_tool
 from tandem.errors import TandemError
 from tandem.sample import Prompt, Sample, Status
 
