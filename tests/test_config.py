@@ -1,7 +1,7 @@
 """Config: recipes, dotted overrides, and a clear error for every kind of mistake."""
 
 import typing
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
 
 import pytest
@@ -94,9 +94,14 @@ def test_bad_recipe_files(tmp_path):
 # --- keys written as for verl -----------------------------------------------------------------------
 
 
-def _tandem_keys() -> set[str]:
-    """Every section.key of the config tree."""
-    return {f"{section}.{key}" for section, values in asdict(Config()).items() for key in values}
+def _tandem_keys(node: object = None, prefix: str = "") -> set[str]:
+    """Every dotted key of the config tree, in nested sections too (train.lora.rank)."""
+    node = Config() if node is None else node
+    keys: set[str] = set()
+    for f in fields(node):
+        value = getattr(node, f.name)
+        keys |= _tandem_keys(value, f"{prefix}{f.name}.") if is_dataclass(value) else {prefix + f.name}
+    return keys
 
 
 # Keys the resume work of issue 12 adds to run; the table maps verl's resume keys to them already.

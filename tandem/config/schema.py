@@ -225,6 +225,26 @@ class CriticConfig:
     vf_clip: float = 0.5  # values move at most this far from their old ones in the loss
 
 
+LORA_ALL_LINEAR = "all-linear"
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on the policy (docs/training.md "LoRA"): only they train, and checkpoints hold
+    them as PEFT's adapter_config.json + adapter_model.safetensors."""
+
+    rank: int = 0  # r of each adapter; 0 = off (every weight trains)
+    alpha: float = 32.0  # the update is scaled by alpha / rank, as PEFT's lora_alpha
+    dropout: float = 0.0  # on the adapters' input in the loss's forward, as PEFT's lora_dropout
+    # Linear layers that get an adapter: names matched as PEFT matches a list (a module whose name
+    # is one of them or ends in "." + one), or "all-linear" (every projection of attention and the
+    # dense MLPs: not lm_head, nor an MoE block's router or experts).
+    target_modules: list[str] | str = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    modules_to_save: list[str] = field(default_factory=list)  # trained whole beside the adapters (lm_head)
+
+
 @dataclass
 class TrainConfig:
     lr: float = 1e-4  # suits the few-million-parameter built-in model; billion-parameter models want ~1e-6
@@ -250,6 +270,7 @@ class TrainConfig:
     # Micro-batches as variable-length sequences packed back to back (no padding); false pads each
     # row to the micro-batch's longest.
     padding_free: bool = True
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from tandem.agent import TOOLS, agent_class
 from tandem.agent.chat import TOOL_PARSERS
 from tandem.algo import ADV_ESTIMATORS, CORRECTIONS, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
 from tandem.config.sampling import sampling_params
-from tandem.config.schema import Config
+from tandem.config.schema import LORA_ALL_LINEAR, Config
 from tandem.data.reasoning_gym import PREFIX as REASONING_GYM
 from tandem.data.tasks import TASKS, build_task
 from tandem.dtypes import ROLLOUT_DTYPES, TRAIN_DTYPES
@@ -53,6 +53,7 @@ def validate(cfg: Config) -> None:
         _check_corrections,
         _check_critic,
         _check_train,
+        _check_lora,
         _check_sft,
     ):
         check(cfg)
@@ -463,6 +464,56 @@ def _check_train(cfg: Config) -> None:
         t.offload == "none" or t.strategy == "fsdp2",
         "train.offload",
         f"is {t.offload!r}, which is FSDP2's CPU offload: set train.strategy=fsdp2 as well.",
+    )
+
+
+def _check_lora(cfg: Config) -> None:
+    """train.lora's values, and what adapters cannot run with. Its targets are checked against the
+    model's modules before any actor starts (`tandem.model.lora.check_lora`, in `build_data`)."""
+    lora = cfg.train.lora
+    _check(
+        lora.rank >= 0, "train.lora.rank", f"must be >= 0 (0 = off: every weight trains), got {lora.rank}."
+    )
+    _check(
+        lora.alpha > 0,
+        "train.lora.alpha",
+        f"must be > 0 (the update is scaled by alpha / rank), got {lora.alpha}.",
+    )
+    _check(0 <= lora.dropout < 1, "train.lora.dropout", f"must be in [0, 1), got {lora.dropout}.")
+    targets = lora.target_modules
+    _check(
+        targets == LORA_ALL_LINEAR if isinstance(targets, str) else bool(targets) and all(targets),
+        "train.lora.target_modules",
+        f"is {targets!r}: give a list of module names, e.g. [q_proj, v_proj] (a module whose name is one "
+        f"of them or ends in '.' + one gets an adapter, as in PEFT), or {LORA_ALL_LINEAR}. A single name "
+        "is a list of one: [q_proj].",
+    )
+    _check(
+        all(lora.modules_to_save),
+        "train.lora.modules_to_save",
+        f"holds an empty name: {lora.modules_to_save}.",
+    )
+    if not lora.rank:
+        return
+    _check(
+        not cfg.run.deterministic,
+        "run.deterministic",
+        "=true cannot run with LoRA adapters (train.lora.rank > 0) yet: the batch-invariant forward "
+        "multiplies the projections' weights directly, past the adapters.",
+    )
+    _check(
+        not lora.modules_to_save or cfg.algo.kl_coef == 0,
+        "train.lora.modules_to_save",
+        f"is {lora.modules_to_save} with algo.kl_coef={cfg.algo.kl_coef}: the KL term's reference is the "
+        "policy with its adapters off, and a module trained whole has no original left to turn back "
+        "to. Train adapters only (modules_to_save=[]) or drop the KL term.",
+    )
+    groups = [t for g in cfg.placement.groups for t in ([g] if isinstance(g, str) else g)]
+    _check(
+        "ref_logp" not in groups,
+        "placement.groups",
+        "places ref_logp, but with train.lora.rank > 0 there is no reference worker: the reference "
+        "policy is the train workers' own model with its adapters off. Leave ref_logp out.",
     )
 
 

@@ -13,6 +13,7 @@ from tandem.errors import TandemError
 from tandem.model.config import ModelConfig
 from tandem.model.decoder import CausalLM
 from tandem.model.experts import EXPERT_NAMES
+from tandem.model.peft_format import ADAPTER_CONFIG, merge_adapter_file
 
 INDEX = "model.safetensors.index.json"
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors' names; tandem casts any of them
@@ -166,12 +167,16 @@ def _read_tensors(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 def load_model(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> CausalLM:
-    """A CausalLM with the checkpoint's weights, cast to `dtype`, on `device`."""
+    """A CausalLM with the checkpoint's weights, cast to `dtype`, on `device`. A PEFT LoRA adapter
+    beside them (adapter_config.json: a LoRA run's checkpoint) is folded in, as transformers applies
+    it to the weights of its directory: the model is the policy the two make."""
     path = Path(path)
     cfg = check_checkpoint(path, finite=False)  # _read_tensors checks the values it reads
     with torch.device("meta"):
         model = CausalLM(cfg)
     tensors = _read_tensors(path, cfg)
+    if (path / ADAPTER_CONFIG).is_file():
+        tensors = merge_adapter_file(tensors, path)
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

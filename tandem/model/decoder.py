@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tandem.errors import TandemError
 from tandem.model import batch_invariant as bi
 from tandem.model.config import ModelConfig
 from tandem.model.experts import SparseMoE, moe_layers
@@ -208,6 +209,8 @@ class CausalLM(nn.Module):
 
     @batch_invariant.setter
     def batch_invariant(self, on: bool) -> None:
+        if on:
+            _refuse_adapters(self, "The batch-invariant forward")
         self._batch_invariant = bool(on)
         for layer in self.model.layers:
             layer.self_attn.batch_invariant = layer.mlp.batch_invariant = bool(on)
@@ -345,6 +348,7 @@ def fuse_projections(model: CausalLM) -> CausalLM:
     engines may share one), except for a copy.deepcopy of one, whose parameters and fused tensors
     no longer share storage: it is fused again from its parameters. Returns `model`.
     """
+    _refuse_adapters(model, "fuse_projections")
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         linked = attn.fused is not None and attn.fused[0].data_ptr() == attn.q_proj.weight.data_ptr()
@@ -353,6 +357,16 @@ def fuse_projections(model: CausalLM) -> CausalLM:
             if isinstance(mlp, MLP):  # experts run as they are
                 mlp.fused = _fuse([mlp.gate_proj, mlp.up_proj])
     return model
+
+
+def _refuse_adapters(model: nn.Module, what: str) -> None:
+    """`what` multiplies the projections' weights itself, so it would pass a LoRA adapter by."""
+    adapted = next((n for n, m in model.named_modules() if hasattr(m, "lora_A")), None)
+    if adapted is not None:
+        raise TandemError(
+            f"{what} multiplies the projections' weights directly, past the LoRA adapter of {adapted}: "
+            "merge the adapters first (tandem.model.lora.merge_lora)."
+        )
 
 
 def _stacked(linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:

@@ -16,6 +16,7 @@ from tandem.config import Config
 from tandem.controller.timeline import Span
 from tandem.determinism import make_deterministic
 from tandem.dtypes import DTYPES
+from tandem.model.config import resolve_model_path
 from tandem.reward import RewardPool
 from tandem.reward.shaping import overlong_penalty
 from tandem.rollout.protocol import SamplingParams
@@ -185,7 +186,8 @@ class TrainActor(_Timed, _DistMember):
         """Every rank, into a checkpoint's temporary directory: the Hugging Face weights (rank 0
         writes what all gather) and this rank's resumable state (`tandem.train.state`)."""
         start = time.time()
-        save_hf_model(self.trainer, self.tokenizer, Path(path))
+        base = resolve_model_path(self.cfg.model.path).resolve()  # a LoRA adapter's base
+        save_hf_model(self.trainer, self.tokenizer, Path(path), str(base))
         save_state(self.trainer, Path(path))
         return self._span("save", start)
 

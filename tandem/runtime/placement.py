@@ -51,7 +51,8 @@ def role_counts(cfg: Config) -> dict[str, int]:
     return {
         "generate": cfg.rollout.num_workers,
         "actor_train": cfg.train.num_workers,
-        "ref_logp": 1 if cfg.algo.kl_coef > 0 else 0,
+        # With LoRA the reference is the train workers' own model with its adapters off.
+        "ref_logp": 1 if cfg.algo.kl_coef > 0 and not cfg.train.lora.rank else 0,
         "critic": cfg.train.num_workers if ADV_ESTIMATORS.traits(cfg.algo.adv_estimator).needs_critic else 0,
     }
 

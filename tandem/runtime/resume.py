@@ -36,6 +36,7 @@ FIXED = [
     "train.num_workers",
     "train.strategy",
     "train.offload",
+    "train.lora",  # which tensors train, so which the saved state holds
     "algo.adv_estimator",  # gae's critic has its own state in the checkpoint; the others have none
 ]
 

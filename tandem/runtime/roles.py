@@ -33,6 +33,8 @@ from tandem.model.checkpoint import check_checkpoint, load_model
 from tandem.model.config import ModelConfig, model_dir, resolve_model_path
 from tandem.model.decoder import CausalLM
 from tandem.model.experts import set_router_dtype
+from tandem.model.lora import apply_lora, base_weights, check_lora, has_lora
+from tandem.model.peft_format import refuse_adapter_dir, save_adapter
 from tandem.registry import Registry
 from tandem.reward.verifiers import VERIFIERS
 from tandem.rollout.base import RolloutEngine
@@ -138,6 +140,9 @@ def build_data(cfg: Config) -> Data:
     ENGINES.get(cfg.rollout.engine).check_installed()
     # The weights' names, shapes and dtypes from their headers: a bad file fails here, not in every actor.
     path = model_dir(cfg.model.path)
+    if cfg.train.lora.rank:  # before the weights: a PEFT adapter directory has none to check
+        refuse_adapter_dir(path)
+        check_lora(cfg.train.lora, path)
     model_cfg = check_checkpoint(path)
     ENGINES.get(cfg.rollout.engine).check_model(json.loads((path / "config.json").read_text()), str(path))
     if cfg.algo.routing_replay and not model_cfg.num_experts:
@@ -295,10 +300,13 @@ def load_policy(cfg: Config, dtype: str, path: str = "") -> CausalLM:
 
 def build_trainer(cfg: Config, tokenizer, keep_ref: bool = True) -> TrainWorker:
     """The policy's train worker (fp32 master weights, train.dtype compute); `keep_ref=False` when a
-    ref worker computes reference logprobs."""
+    ref worker computes reference logprobs. With train.lora.rank > 0 the policy gets LoRA adapters
+    and only they train (the critic, if any, trains whole)."""
     torch.manual_seed(cfg.run.seed)
     check_runnable(cfg.run.device, cfg.train.dtype)
     policy = load_policy(cfg, "float32")
+    if cfg.train.lora.rank:
+        apply_lora(policy, cfg.train.lora, seed=cfg.run.seed)
     return TrainWorker(
         policy,
         cfg.algo,
@@ -353,12 +361,18 @@ def build_critic(cfg: Config, tokenizer) -> CriticWorker:
     )
 
 
-def save_hf_model(trainer: TrainWorker, tokenizer, path: Path) -> None:
+def save_hf_model(trainer: TrainWorker, tokenizer, path: Path, base_path: str = "") -> None:
     """A Hugging Face checkpoint directory: model and tokenizer, loadable by transformers. Every
-    train rank calls it (under fsdp2 the weights are gathered from the shards); rank 0 writes."""
+    train rank calls it (under fsdp2 the weights are gathered from the shards); rank 0 writes.
+    With LoRA, the base's weights and beside them the adapter as PEFT saves it (adapter_config.json,
+    adapter_model.safetensors; `base_path` its base_model_name_or_path): a directory transformers
+    and tandem's loader both load as the policy, and PeftModel.from_pretrained as an adapter."""
     from tandem.model.checkpoint import save_model
 
     tensors = trainer.full_weights()
     if trainer.rank == 0:
-        save_model(trainer.model, path, tensors=tensors)
+        lora = has_lora(trainer.model)
+        save_model(trainer.model, path, tensors=base_weights(trainer.model, tensors) if lora else tensors)
+        if lora:
+            save_adapter(trainer.model, path, base_path, tensors)
         tokenizer.save_pretrained(str(path))

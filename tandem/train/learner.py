@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from tandem.config import TrainConfig
 from tandem.errors import TandemError
@@ -30,6 +30,9 @@ from tandem.train import parallel
 from tandem.train.batch import Rows, packed, padded, rank_micro_batches
 from tandem.train.optim import make_optimizer, make_scheduler
 from tandem.train.state import rng_states, set_rng_states
+
+# Loading leaves the frozen parameters out (`Learner.state`); dcp.load has required every trained one.
+INTO_TRAINED = StateDictOptions(strict=False)
 
 # One micro-batch's loss: `part` (indices into the mini-batch's samples; [] for a dummy forward) ->
 # (its share of the mini-batch's loss, its shares of the metrics, a detached per-token output
@@ -61,7 +64,9 @@ class Learner:
     ):
         """model: fp32 weights (they become the master weights); dtype: the compute dtype;
         total_updates: the optimizer steps of the run (the LR schedule's length); seed: the
-        mini-batch shuffle's."""
+        mini-batch shuffle's. Parameters that do not require grad (a LoRA run's base,
+        `tandem.model.lora`) are frozen: outside the optimizer and the checkpoints, and under ddp or
+        one worker kept in the compute dtype only (`parallel.MasterWeights`)."""
         if any(p.dtype != torch.float32 for p in model.parameters()):
             raise TandemError("The trainer keeps fp32 master weights: load the policy in float32.")
         self.device, self.dtype, self.cfg = torch.device(device), dtype, train
@@ -145,10 +150,14 @@ class Learner:
         (B, R_max) on the CPU, every rank's rows."""
         width = max(max(len(s.response_ids) for s in samples), 1)
         out = torch.zeros(len(samples), width)
-        for part in self.plan(samples):
-            t = forward([samples[i] for i in part or [0]], width)
-            if part:
-                out[part] = t.cpu()
+        self.compute.eval()  # the policy itself: no LoRA dropout in a score
+        try:
+            for part in self.plan(samples):
+                t = forward([samples[i] for i in part or [0]], width)
+                if part:
+                    out[part] = t.cpu()
+        finally:
+            self.compute.train()
         return self.all_reduce(out)  # each row is non-zero on one rank only
 
     def mini_batches(self, n: int) -> list[Tensor]:
@@ -211,10 +220,18 @@ class Learner:
                 self.masters.refresh()
         return norm if math.isfinite(norm) else 0.0
 
-    def save(self, root: Path, extra: dict[str, Any]) -> None:
-        """Every rank, collectively: `root/` (DCP: master weights and optimizer state, each rank its
-        shards) and `root/rank_<r>.pt` (the rest of this rank's state, and `extra`)."""
+    def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The model's and the optimizer's state dicts as checkpoints hold them: what trains. Frozen
+        parameters (a LoRA run's base) come from model.path again, so they are left out (a tied
+        one under both its names, which `ignore_frozen_params` would keep under one)."""
         model_sd, optim_sd = get_state_dict(self.model, [self.optimizer])
+        frozen = {n for n, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd
+
+    def save(self, root: Path, extra: dict[str, Any]) -> None:
+        """Every rank, collectively: `root/` (DCP: the trained master weights and optimizer state, each
+        rank its shards) and `root/rank_<r>.pt` (the rest of this rank's state, and `extra`)."""
+        model_sd, optim_sd = self.state()
         group = self.dp_group
         with _one_process_is_fine():
             dcp.save(
@@ -235,13 +252,17 @@ class Learner:
     def load(self, root: Path) -> dict[str, Any]:
         """Every rank, collectively, after `parallelize`: the state `save` wrote into `root` -> the
         rank's saved dict (`extra` among it)."""
-        model_sd, optim_sd = get_state_dict(self.model, [self.optimizer])
+        model_sd, optim_sd = self.state()
         state = {"model": model_sd, "optim": optim_sd}
         group = self.dp_group
         with _one_process_is_fine():
             dcp.load(state, checkpoint_id=root, process_group=group, no_dist=group is None)
         set_state_dict(
-            self.model, [self.optimizer], model_state_dict=state["model"], optim_state_dict=state["optim"]
+            self.model,
+            [self.optimizer],
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=INTO_TRAINED,
         )
         if self.masters is not None:  # the compute copy takes the loaded masters, rounded once
             self.masters.refresh()

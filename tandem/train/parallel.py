@@ -71,13 +71,19 @@ class MasterWeights:
     """fp32 master weights of a model that computes in a lower precision.
 
     `masters` is the fp32 model (the optimizer steps its parameters; weight pushes and checkpoints
-    read them); `compute` a copy of it in `dtype` that runs forward and backward.
+    read them); `compute` a copy of it in `dtype` that runs forward and backward. Frozen parameters
+    (a LoRA run's base) never step, so no master is kept of them: they become `dtype` in place and
+    the two models share them, one copy.
     """
 
     def __init__(self, masters: CausalLM, dtype: torch.dtype):
         self.masters = masters
-        self.compute = copy.deepcopy(masters).to(dtype)
-        self.pairs = list(zip(masters.parameters(), self.compute.parameters(), strict=True))
+        frozen = [p for p in masters.parameters() if not p.requires_grad]
+        for p in frozen:
+            p.data = p.data.to(dtype)
+        self.compute = copy.deepcopy(masters, {id(p): p for p in frozen}).to(dtype)
+        pairs = zip(masters.parameters(), self.compute.parameters(), strict=True)
+        self.pairs = [(master, p) for master, p in pairs if master.requires_grad]
 
     @torch.no_grad()
     def take_grads(self) -> None:

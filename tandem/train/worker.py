@@ -33,6 +33,7 @@ from tandem.algo.corrections import CORRECTIONS, OldSource
 from tandem.config import AlgoConfig, TrainConfig
 from tandem.errors import TandemError
 from tandem.model.decoder import CausalLM
+from tandem.model.lora import adapters_off, has_lora
 from tandem.sample import Sample
 from tandem.train.batch import pad_rows, score
 from tandem.train.learner import Learner, loss_counts
@@ -85,6 +86,8 @@ class TrainWorker:
     ):
         """model: fp32 weights (they become the master weights); dtype: the compute dtype.
         keep_ref=False: a ref worker fills `Sample.ref_logprobs`, so no frozen copy is kept here.
+        A model with LoRA adapters (`tandem.model.lora`) trains them only, and its reference is
+        itself with the adapters off: never a copy, nor a ref worker.
         exact_behaviour: the engine's logprobs of tokens sampled by this trainer's current version
         equal its own bit for bit (run.deterministic, the same dtype, raw logprobs), so a step on
         such tokens takes μ as π_old, whatever its mini-batches and epochs, and never recomputes."""
@@ -92,7 +95,8 @@ class TrainWorker:
         # so nothing rounds away); it is only kept when a KL term needs it. Copied before the learner
         # applies activation checkpointing to the model's layers.
         self.ref_model = None
-        if algo.kl_coef > 0 and keep_ref:
+        self.lora = has_lora(model)
+        if algo.kl_coef > 0 and keep_ref and not self.lora:
             self.ref_model = copy.deepcopy(model).to(torch.device(device)).to(dtype)
             self.ref_model.eval().requires_grad_(False)
         self.learner = Learner(model, train, pad_token_id, total_updates, seed, device, dtype)
@@ -273,9 +277,12 @@ class TrainWorker:
 
     def _ref_logprobs(self, samples: list[Sample], width: int) -> Tensor | None:
         """(B, R) reference logprobs: from the samples when a ref worker filled them, else computed
-        on the frozen copy; None without a KL term."""
+        on the frozen copy, or with LoRA on the policy with its adapters off; None without a KL term."""
         if self.algo.kl_coef <= 0:
             return None
+        if self.lora:  # the base policy: the same weights, adapters off (verl's and TRL's way)
+            with adapters_off(self.learner.compute):
+                return self.compute_logprobs(samples)
         if self.ref_model is None:
             missing = [s for s in samples if len(s.ref_logprobs) != len(s.response_ids)]
             if missing:

@@ -1,0 +1,274 @@
+"""LoRA adapters on tandem's decoder, trained in place of its weights (`peft_format` saves them).
+
+`apply_lora` turns each targeted projection into a `LoraLinear`:
+
+    y = x Wᵀ + b + s · B(A(dropout(x))),   A (r, in), B (out, r), s = alpha / r
+
+W and b are the projection's own parameters, frozen, under their own names (`...q_proj.weight`); A
+and B train and are named `...q_proj.lora_A.weight`, `...q_proj.lora_B.weight`: PEFT's saved names
+less its `base_model.model.` prefix, so weight sync, checkpoints and PEFT speak one naming. A starts
+as PEFT's does (Kaiming-uniform), B at zero, so a fresh adapter computes the base model exactly.
+`modules_to_save` modules (an untied lm_head) train whole, under their own names.
+
+The base stays one copy: `adapters_off` makes the same model compute the base policy, which is the
+KL term's reference (verl and TRL do the same with PEFT's `disable_adapter`).
+
+An MoE block's router and experts get no adapter: Hugging Face (transformers >= 5) stores a layer's
+experts as fused 3-D tensors, which PEFT's target_modules cannot reach, so such an adapter could
+not be loaded anywhere else. The batch-invariant forward and fused projections (the engines') read
+the weights directly, past the adapters: `apply_lora` refuses such a model, `merge_lora` makes one.
+"""
+
+import math
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tandem.config.schema import LORA_ALL_LINEAR, LoraConfig
+from tandem.errors import TandemError
+from tandem.model.config import ModelConfig
+from tandem.model.decoder import CausalLM
+from tandem.model.experts import SparseMoE
+
+
+class LoraLinear(nn.Module):
+    """A frozen linear plus a trainable low-rank update (the module docstring's formula), computed as
+    PEFT computes it; `enabled=False` (`adapters_off`) leaves the frozen linear alone."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float, generator: torch.Generator):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight.requires_grad_(False)
+        self.register_parameter("bias", None if base.bias is None else base.bias.requires_grad_(False))
+        bound = 1 / math.sqrt(self.in_features)  # kaiming_uniform_(a=√5) of A, PEFT's default
+        a = torch.empty(rank, self.in_features).uniform_(-bound, bound, generator=generator)
+        like = dict(device=self.weight.device, dtype=self.weight.dtype)
+        self.lora_A = _bias_free(a.to(**like))
+        self.lora_B = _bias_free(torch.zeros(self.out_features, rank, **like))
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.scaling = alpha / rank
+        self.enabled = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        if not self.enabled:
+            return out
+        return out + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+
+
+def _bias_free(weight: Tensor) -> nn.Linear:
+    """A bias-free nn.Linear holding `weight` (out, in), drawing no initial values of its own."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight)
+    return linear
+
+
+@dataclass
+class Adapters:
+    """What `apply_lora` did to a model: its config, the linears it adapted, the modules it trains whole."""
+
+    config: LoraConfig
+    targets: list[str]
+    saved: list[str]
+
+
+def apply_lora(model: CausalLM, lora: LoraConfig, seed: int = 0) -> CausalLM:
+    """Freeze `model` and give each linear `lora.target_modules` names an adapter of `lora.rank`
+    (A drawn from `seed`); `lora.modules_to_save` train whole. In place; returns `model`.
+    TandemError for targets `lora_targets` refuses, a model with adapters already, or one whose
+    forward would pass them by (batch-invariant, fused projections)."""
+    if getattr(model, "adapters", None) is not None:
+        raise TandemError("The model has LoRA adapters already; apply_lora once.")
+    if lora.rank < 1:
+        raise TandemError(f"LoRA adapters need a rank >= 1, got {lora.rank} (train.lora.rank=0 is off).")
+    fused = any(layer.self_attn.fused is not None for layer in model.model.layers)
+    if model.batch_invariant or fused:
+        raise TandemError(
+            "LoRA adapters cannot go on a model whose forward is batch-invariant or runs fused "
+            "projections: both multiply the projections' weights directly, past the adapters."
+        )
+    targets = lora_targets(model, lora)
+    saved = saved_modules(model, lora, targets)
+    model.requires_grad_(False)
+    generator = torch.Generator().manual_seed(seed)
+    for name in targets:
+        owner, _, child = name.rpartition(".")
+        parent = model.get_submodule(owner)
+        setattr(
+            parent, child, LoraLinear(getattr(parent, child), lora.rank, lora.alpha, lora.dropout, generator)
+        )
+    for name in saved:
+        model.get_submodule(name).requires_grad_(True)
+    model.adapters = Adapters(lora, targets, saved)
+    return model
+
+
+def lora_targets(model: CausalLM, lora: LoraConfig) -> list[str]:
+    """The names of the linears `lora.target_modules` selects, in model order: a module whose name
+    is a target or ends in "." + one (PEFT's rule for a list), or every linear that can have an
+    adapter (all-linear). TandemError naming the target for one that matches no linear, or
+    matches the LM head or an MoE block's router or experts."""
+    moe = [f"{n}." for n, m in model.named_modules() if isinstance(m, SparseMoE)]
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    eligible = [n for n in linears if n != "lm_head" and not n.startswith(tuple(moe))]
+    if lora.target_modules == LORA_ALL_LINEAR:
+        return eligible
+    if isinstance(lora.target_modules, str):
+        raise TandemError(
+            f"train.lora.target_modules is {lora.target_modules!r}: a list, or {LORA_ALL_LINEAR}."
+        )
+    names = ", ".join(dict.fromkeys(n.rpartition(".")[2] for n in eligible))
+    for target in lora.target_modules:
+        matched = [n for n in linears if n == target or n.endswith(f".{target}")]
+        if not matched:
+            raise TandemError(
+                f"Config 'train.lora.target_modules' names {target!r}, which matches no linear layer of "
+                f"the model. Its linear layers that take an adapter: {names} (a name, or a dotted "
+                f"suffix of one such as self_attn.q_proj), or {LORA_ALL_LINEAR} for all of them."
+            )
+        if "lm_head" in matched:
+            raise TandemError(
+                f"Config 'train.lora.target_modules' names {target!r}, the LM head: tandem scores "
+                "tokens with the head's weight directly, past any adapter. Train it whole with "
+                "train.lora.modules_to_save=[lm_head] (an untied head)."
+            )
+        if inside := [n for n in matched if n.startswith(tuple(moe))]:
+            raise TandemError(
+                f"Config 'train.lora.target_modules' names {target!r}, which matches {inside[0]}, in an "
+                "MoE block: LoRA on an MoE block's router and experts is not supported (Hugging Face "
+                "stores a layer's experts as fused 3-D tensors, which PEFT's adapters cannot reach). "
+                f"Name the projections of attention and of the dense layers' MLPs ({names}), or "
+                f"{LORA_ALL_LINEAR}, which takes every one of them."
+            )
+    return [n for n in eligible if any(n == t or n.endswith(f".{t}") for t in lora.target_modules)]
+
+
+def saved_modules(model: CausalLM, lora: LoraConfig, targets: list[str]) -> list[str]:
+    """The modules `lora.modules_to_save` selects (PEFT's rule: a name that ends with one), to train
+    whole. TandemError for one that matches nothing, holds an adapted linear, or shares a weight
+    with a module outside it (a tied LM head: PEFT would load the two apart)."""
+    modules = [n for n, _ in model.named_modules() if n]
+    chosen = []
+    for target in lora.modules_to_save:
+        matched = [n for n in modules if n.endswith(target)]
+        if not matched:
+            top = ", ".join(n for n in modules if n.count(".") <= 1 and ".layers" not in n)
+            raise TandemError(
+                f"Config 'train.lora.modules_to_save' names {target!r}, which matches no module of the "
+                f"model (its top-level modules: {top})."
+            )
+        for name in matched:
+            if clash := [t for t in targets if t == name or t.startswith(f"{name}.")]:
+                raise TandemError(
+                    f"Config 'train.lora.modules_to_save' names {target!r}, which holds {clash[0]}, a "
+                    "train.lora.target_modules linear: a module trains whole or gets an adapter, not both."
+                )
+            _refuse_tied(model, name)
+        chosen += [n for n in matched if n not in chosen]
+    return chosen
+
+
+def _refuse_tied(model: nn.Module, module: str) -> None:
+    inside = {id(p) for p in model.get_submodule(module).parameters()}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in inside and not name.startswith(f"{module}."):
+            raise TandemError(
+                f"Config 'train.lora.modules_to_save' names {module}, whose weight is tied to {name} "
+                "(tie_word_embeddings): training it whole would train both, which PEFT would load as two "
+                "different weights. Leave it out, or use a checkpoint whose head is untied."
+            )
+
+
+def check_lora(lora: LoraConfig, path: Path) -> None:
+    """What `apply_lora` would refuse on model.path's checkpoint, checked in the driver before any
+    actor starts, on a model of meta tensors."""
+    with torch.device("meta"):
+        model = CausalLM(ModelConfig.load(path))
+    saved_modules(model, lora, lora_targets(model, lora))
+
+
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoraLinear]]:
+    """(name, module) of every adapted linear, in model order."""
+    return ((n, m) for n, m in model.named_modules() if isinstance(m, LoraLinear))
+
+
+def has_lora(model: nn.Module) -> bool:
+    return getattr(model, "adapters", None) is not None
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Within the block, `model` computes its base policy: every adapter is skipped. Modules trained
+    whole (modules_to_save) keep no original to turn back to: refused."""
+    adapters = getattr(model, "adapters", None)
+    if adapters is not None and adapters.saved:
+        raise TandemError(
+            f"adapters_off: {adapters.saved} are trained whole and have no base to turn back to."
+        )
+    modules = [m for _, m in lora_modules(model)]
+    for m in modules:
+        m.enabled = False
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.enabled = True
+
+
+def adapter_names(model: CausalLM) -> list[str]:
+    """The names of the tensors that train, as `named_parameters` gives them, in its order: each
+    adapter's lora_A and lora_B, and the parameters of the modules trained whole. An adapter-only
+    weight push carries these."""
+    own, saved = _low_rank_names(model), tuple(f"{n}." for n in model.adapters.saved)
+    return [n for n, _ in model.named_parameters() if n in own or n.startswith(saved)]
+
+
+def _low_rank_names(model: nn.Module) -> set[str]:
+    """The names of every adapter's A and B."""
+    return {f"{n}.{ab}.weight" for n, _ in lora_modules(model) for ab in ("lora_A", "lora_B")}
+
+
+def base_weights(model: CausalLM, tensors: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """Every weight but the adapters' A and B, as the model holds it (modules trained whole as
+    trained): the Hugging Face checkpoint that, with the adapter beside it, is the policy."""
+    tensors = dict(model.named_parameters()) if tensors is None else tensors
+    low_rank = _low_rank_names(model)
+    return {n: t for n, t in tensors.items() if n not in low_rank}
+
+
+def merged_weights(model: CausalLM, tensors: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """The base model's weights by name, each adapted one merged, W + s · B @ A, all in fp32: a
+    Hugging Face checkpoint of the policy. `tensors`: the weights by name when the model's own are
+    shards (fsdp2 gathers them first)."""
+    tensors = dict(model.named_parameters()) if tensors is None else tensors
+    scaling = {n: m.scaling for n, m in lora_modules(model)}
+    out = {}
+    for name, t in base_weights(model, tensors).items():
+        module = name.rpartition(".")[0]
+        t = t.detach().float()
+        if module in scaling and name.endswith(".weight"):
+            a, b = tensors[f"{module}.lora_A.weight"], tensors[f"{module}.lora_B.weight"]
+            t = t + scaling[module] * (b.detach().float() @ a.detach().float())
+        out[name] = t
+    return out
+
+
+@torch.no_grad()
+def merge_lora(model: CausalLM) -> CausalLM:
+    """Fold every adapter into its linear (W + s · B @ A, rounded once to W's dtype) and make the
+    model a plain one again, every parameter trainable: what a full-weights export, the batch-
+    invariant forward or fused projections need. In place; returns `model`."""
+    for name, m in list(lora_modules(model)):
+        weight = m.weight.float() + m.scaling * (m.lora_B.weight.float() @ m.lora_A.weight.float())
+        linear = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+        linear.weight = nn.Parameter(weight.to(m.weight.dtype))
+        linear.bias = m.bias
+        owner, _, child = name.rpartition(".")
+        setattr(model.get_submodule(owner), child, linear)
+    model.adapters = None
+    return model.requires_grad_(True)
