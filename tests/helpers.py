@@ -40,6 +40,27 @@ def tiny_config(vocab_size: int = VOCAB, max_positions: int = 64, **ids) -> Mode
     )
 
 
+class Scripted(CausalLM):
+    """A tiny random decoder (`tiny_config`) that writes what it is told: `script` maps a position to
+    the token ids from there on. The logits at position p get +12 on the token scripted for p + 1
+    (random logits are near 0, so greedy picks it, with a logprob near -1e-3); elsewhere, random."""
+
+    def __init__(self, tokenizer, script: dict[int, list[int]], max_positions: int = 1024, seed: int = 0):
+        ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        super().__init__(tiny_config(len(tokenizer), max_positions, **ids))
+        init_weights(self, seed)
+        self.forced = torch.full((max_positions + 2,), -1, dtype=torch.long)
+        for start, scripted in script.items():
+            self.forced[start : start + len(scripted)] = torch.tensor(scripted)
+
+    def forward(self, input_ids, positions, token_mask, cache=None, targets=None):
+        out = super().forward(input_ids, positions, token_mask, cache, targets)
+        if targets is not None:
+            return out
+        nxt = self.forced[(positions + 1).clamp(max=len(self.forced) - 1)]  # (B, T)
+        return out.scatter_add(-1, nxt.clamp(min=0)[..., None], (nxt >= 0).float()[..., None] * 12.0)
+
+
 def tiny_model(seed: int = 0, std: float = 0.1) -> CausalLM:
     model = CausalLM(tiny_config())
     init_weights(model, seed, std=std)

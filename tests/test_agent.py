@@ -11,8 +11,7 @@ logprobs, stop strings, versions, updates, aborts — is the engines' own code.
 import random
 
 import pytest
-import torch
-from helpers import tiny_config
+from helpers import Scripted, tiny_config
 
 from tandem.agent import AGENTS, TOOLS, AgentLoop, ToolAgent, ToolError, agent_class, build_agent
 from tandem.agent import tools as tools_module
@@ -39,24 +38,9 @@ TWO_CALLS = "<calc>2*3</calc><result>6</result><calc>6+1</calc><result>7</result
 PARAMS = SamplingParams(temperature=0.0, max_new_tokens=96)
 
 
-class Scripted(CausalLM):
-    """A tiny random decoder that writes `script` (response tokens after a prompt of `prompt_len`):
-    the logits at position p get +12 on the token scripted for position p + 1 (the random logits
-    are near 0, so greedy picks it, with a logprob near -1e-3)."""
-
-    def __init__(self, script: list[int], prompt_len: int = len(PROMPT), seed: int = 0):
-        super().__init__(tiny_config(len(TOK), 128, eos_token_id=EOS, pad_token_id=TOK.pad_token_id))
-        init_weights(self, seed)
-        self.forced = torch.full((130,), -1, dtype=torch.long)
-        self.forced[prompt_len : prompt_len + len(script)] = torch.tensor(script)
-
-    def forward(self, input_ids, positions, token_mask, cache=None, targets=None):
-        out = super().forward(input_ids, positions, token_mask, cache, targets)
-        if targets is not None:
-            return out
-        nxt = self.forced[(positions + 1).clamp(max=len(self.forced) - 1)]  # (B, T)
-        bias = (nxt >= 0).float()[..., None] * 12.0
-        return out.scatter_add(-1, nxt.clamp(min=0)[..., None], bias)
+def scripted(script: list[int], prompt_len: int = len(PROMPT), seed: int = 0) -> Scripted:
+    """A tiny random decoder that writes `script`: response tokens after a prompt of `prompt_len`."""
+    return Scripted(TOK, {prompt_len: script}, max_positions=128, seed=seed)
 
 
 def script(text: str) -> list[int]:
@@ -66,7 +50,7 @@ def script(text: str) -> list[int]:
 def worker(
     text: str, engine_cls=BuiltinEngine, agent="tools", on_update="drain", **agent_kw
 ) -> RolloutWorker:
-    engine = engine_cls(Scripted(script(text)), [EOS], TOK.pad_token_id, on_update=on_update)
+    engine = engine_cls(scripted(script(text)), [EOS], TOK.pad_token_id, on_update=on_update)
     kw = {"tools": ["calculator"], "max_turns": 4} | agent_kw
     return RolloutWorker(engine, TOK, build_agent(agent, TOK, kw["tools"], kw["max_turns"]))
 
@@ -286,7 +270,7 @@ def test_agent_counters_become_step_metrics():
 
 
 def test_single_turn_is_one_engine_call_with_unchanged_results():
-    engine = BuiltinEngine(Scripted(script(ONE_CALL)), [EOS], TOK.pad_token_id, seed=3)
+    engine = BuiltinEngine(scripted(script(ONE_CALL)), [EOS], TOK.pad_token_id, seed=3)
     (s,) = RolloutWorker(engine, TOK).generate(
         episodes(), SamplingParams(max_new_tokens=96, stop=["</calc>"])
     )
@@ -357,7 +341,7 @@ def test_a_user_agent_class_loads_by_its_path_and_runs():
     assert cfg.rollout.agent == "agent_example:Recheck"
     text = "ab"
     forced = script(text) + TOK.encode("<again>", add_special_tokens=False) + script("cd")
-    engine = BuiltinEngine(Scripted(forced), [EOS], TOK.pad_token_id)
+    engine = BuiltinEngine(scripted(forced), [EOS], TOK.pad_token_id)
     w = RolloutWorker(engine, TOK, build_agent("agent_example:Recheck", TOK))
     (s,) = w.generate(episodes(), PARAMS)
     assert s.response_ids == forced and s.response_text == "ab<again>cd"

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from helpers import full_forward_logprobs, tiny_config
+from helpers import Scripted, full_forward_logprobs, tiny_config
 
 openai = pytest.importorskip("openai", reason="the openai client is not installed (pip install openai)")
 
@@ -41,23 +41,9 @@ def model(seed: int = 0) -> CausalLM:
     return m
 
 
-class Scripted(CausalLM):
-    """A tiny random decoder that writes `text` then EOS after the prompt `prompt_ids` (logits +12
-    on the scripted token), and random tokens elsewhere."""
-
-    def __init__(self, prompt_ids: list[int], text: str):
-        super().__init__(tiny_config(len(TOK), 1024, eos_token_id=EOS, pad_token_id=TOK.pad_token_id))
-        init_weights(self, 0)
-        script = TOK.encode(text, add_special_tokens=False) + [EOS]
-        self.forced = torch.full((1030,), -1, dtype=torch.long)
-        self.forced[len(prompt_ids) : len(prompt_ids) + len(script)] = torch.tensor(script)
-
-    def forward(self, input_ids, positions, token_mask, cache=None, targets=None):
-        out = super().forward(input_ids, positions, token_mask, cache, targets)
-        if targets is not None:
-            return out
-        nxt = self.forced[(positions + 1).clamp(max=len(self.forced) - 1)]
-        return out.scatter_add(-1, nxt.clamp(min=0)[..., None], (nxt >= 0).float()[..., None] * 12.0)
+def scripted(prompt_ids: list[int], text: str) -> Scripted:
+    """A tiny random decoder that writes `text` then EOS after the prompt `prompt_ids`."""
+    return Scripted(TOK, {len(prompt_ids): TOK.encode(text, add_special_tokens=False) + [EOS]})
 
 
 class Counting(BuiltinEngine):
@@ -286,8 +272,7 @@ def test_a_tools_demonstration_for_tandem_sft_is_the_chain_the_endpoint_records(
     )
     prompt_ids = agent.prompt_ids(prompt, TOK.encode("unused"))
     ids, mask = agent.demonstration("<calc>37*48</calc><result>1776</result>1776")
-    m = Scripted(prompt_ids, "")
-    m.forced[len(prompt_ids) : len(prompt_ids) + len(ids) + 1] = torch.tensor(ids + [EOS])
+    m = Scripted(TOK, {len(prompt_ids): ids + [EOS]})
     engine = BuiltinEngine(m, [EOS], TOK.pad_token_id, seed=3)
     w = RolloutWorker(
         engine, TOK, build_agent("openai:tandem.agent.examples:calculator", TOK, max_turns=4, timeout_s=20.0)
@@ -312,7 +297,7 @@ def test_streamed_and_sync_clients_and_plain_completions():
 def test_a_tool_call_in_hermes_format_reaches_the_client_and_the_episode_goes_on():
     messages = [{"role": "user", "content": "add 2 and 3"}]
     prompt = ChatRenderer(TOK).prompt(messages, TOOLS)
-    m = Scripted(prompt, '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')
+    m = scripted(prompt, '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')
     samples = make_groups([Prompt(messages=messages)], [prompt], 1)
     (s,) = worker("tool_user", m).generate(samples, SamplingParams(temperature=0.0, max_new_tokens=200))
     finish, msg = RECEIVED.pop("tool_user")[0]
@@ -327,7 +312,7 @@ def test_a_tool_call_in_hermes_format_reaches_the_client_and_the_episode_goes_on
 def test_malformed_tool_call_json_comes_back_as_content_and_is_counted():
     messages = [{"role": "user", "content": "add 2 and 3"}]
     prompt = ChatRenderer(TOK).prompt(messages, TOOLS)
-    m = Scripted(prompt, '<tool_call>{"name": "add", "arguments": {"a": 2,</tool_call>')
+    m = scripted(prompt, '<tool_call>{"name": "add", "arguments": {"a": 2,</tool_call>')
     (s,) = worker("tool_user", m).generate(
         make_groups([Prompt(messages=messages)], [prompt], 1),
         SamplingParams(temperature=0.0, max_new_tokens=200),

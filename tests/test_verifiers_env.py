@@ -11,8 +11,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-import torch
-from helpers import tiny_config
+from helpers import Scripted, tiny_config
 
 pytest.importorskip("openai", reason="the openai client is not installed (pip install openai)")
 vf = pytest.importorskip("verifiers.v1", reason="verifiers is not installed (pip install verifiers)")
@@ -59,24 +58,11 @@ def null_harness_env() -> vf.Env:
     )
 
 
-class Scripted(CausalLM):
-    """A tiny random decoder that writes `script[p]` then EOS after `p` prompt tokens, and random
-    tokens elsewhere (logits +12 on the scripted token)."""
-
-    def __init__(self, script: dict[int, str]):
-        super().__init__(tiny_config(len(TOK), 1024, eos_token_id=EOS, pad_token_id=TOK.pad_token_id))
-        init_weights(self, 0)
-        self.forced = torch.full((1030,), -1, dtype=torch.long)
-        for start, text in script.items():
-            ids = TOK.encode(text, add_special_tokens=False) + [EOS]
-            self.forced[start : start + len(ids)] = torch.tensor(ids)
-
-    def forward(self, input_ids, positions, token_mask, cache=None, targets=None):
-        out = super().forward(input_ids, positions, token_mask, cache, targets)
-        if targets is not None:
-            return out
-        nxt = self.forced[(positions + 1).clamp(max=len(self.forced) - 1)]
-        return out.scatter_add(-1, nxt.clamp(min=0)[..., None], (nxt >= 0).float()[..., None] * 12.0)
+def scripted(script: dict[int, str]) -> Scripted:
+    """A tiny random decoder that writes `script[p]` then EOS after `p` prompt tokens."""
+    return Scripted(
+        TOK, {p: TOK.encode(text, add_special_tokens=False) + [EOS] for p, text in script.items()}
+    )
 
 
 def random_model() -> CausalLM:
@@ -195,7 +181,7 @@ def test_the_reward_is_the_rubrics_and_the_second_turn_extends_the_first():
     first = renderer.prompt(ROW["prompt"], None)
     history = [*ROW["prompt"], {"role": "assistant", "content": "131"}, {"role": "user", "content": QUESTION}]
     second = renderer.prompt(history, None)
-    w = worker(Scripted({len(first): "131", len(second): SUM}))
+    w = worker(scripted({len(first): "131", len(second): SUM}))
     try:
         samples = w.generate(episodes(2), PARAMS)
     finally:
@@ -229,7 +215,7 @@ def test_rewards_of_random_episodes_are_the_rubrics():
 
 
 def test_a_rubric_that_raises_ends_the_episode_with_reward_0():
-    w = worker(Scripted({}), "verifiers:test_verifiers_env:raising_rubric_env")
+    w = worker(scripted({}), "verifiers:test_verifiers_env:raising_rubric_env")
     try:
         samples = w.generate(episodes(2), SamplingParams(temperature=1.0, max_new_tokens=60))
     finally:
