@@ -1,4 +1,4 @@
-"""`tandem train | sft | eval | generate | data make | simulate` — the command line.
+"""`tandem train | sft | eval | generate | export | data make | simulate | report` — the command line.
 
 A TandemError (bad config, bad data, unknown name, a bad flag) prints as one paragraph and exits
 with 2, as does a file-system error about a path; anything else is a bug and keeps its traceback.
@@ -136,6 +136,14 @@ def cmd_generate(ns: argparse.Namespace) -> None:
         print(f"[{i}] {text}")
 
 
+def cmd_export(ns: argparse.Namespace) -> None:
+    from tandem.model.export import export_checkpoint
+
+    out = export_checkpoint(ns.checkpoint, ns.out, merge=ns.merge, dtype=ns.dtype)
+    what = "a full Hugging Face checkpoint, the adapter merged" if ns.merge else "the adapter alone"
+    print(f"saved {out} ({what})")
+
+
 def cmd_data_make(ns: argparse.Namespace) -> None:
     from tandem.data.tasks import make_dataset
 
@@ -210,18 +218,24 @@ def parser() -> argparse.ArgumentParser:
         s.set_defaults(fn=fn)
     e = sub.add_parser("eval", help="accuracy of a checkpoint on a dataset")
     e.add_argument("args", nargs="*", help="[recipe.yaml] [section.key=value ...]")
-    e.add_argument("--model", help="checkpoint directory (default: model.path)")
+    e.add_argument("--model", help="checkpoint directory, or LoRA adapter directory (default: model.path)")
     e.add_argument("--data", help="JSONL/parquet file (default: the task's held-out split)")
     e.add_argument("--show", type=at_least(0), default=0, help="print this many prompts with their responses")
     e.set_defaults(fn=cmd_eval)
     g = sub.add_parser("generate", help="sample responses to a prompt")
     g.add_argument("prompt")
-    g.add_argument("--model", help="checkpoint directory (default: the built-in warm start)")
+    g.add_argument("--model", help="checkpoint or LoRA adapter directory (default: the built-in warm start)")
     g.add_argument("--n", type=int, default=1)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.set_defaults(fn=cmd_generate)
+    x = sub.add_parser("export", help="a LoRA checkpoint merged into a full model, or its adapter alone")
+    x.add_argument("checkpoint", help="a LoRA run's step directory, or a PEFT adapter directory")
+    x.add_argument("--out", required=True, help="a new directory")
+    x.add_argument("--merge", action="store_true", help="fold the adapter into the base's weights")
+    x.add_argument("--dtype", default="", help="--merge: float32, bfloat16 or float16 (default: the base's)")
+    x.set_defaults(fn=cmd_export)
     d = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
     m = d.add_parser("make", help="write a synthetic task dataset (JSONL or parquet by extension)")
     tasks = "addition, countdown, multiply, reverse, or reasoning_gym:<dataset> (default config)"

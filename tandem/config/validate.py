@@ -495,6 +495,7 @@ def _check_lora(cfg: Config) -> None:
     )
     if not lora.rank:
         return
+    ENGINES.get(cfg.rollout.engine).check_lora(lora.rank, lora.modules_to_save)
     _check(
         not cfg.run.deterministic,
         "run.deterministic",

@@ -241,6 +241,13 @@ def base_weights(model: CausalLM, tensors: Mapping[str, Tensor] | None = None) -
     return {n: t for n, t in tensors.items() if n not in low_rank}
 
 
+def merged(weight: Tensor, a: Tensor, b: Tensor, scaling: float) -> Tensor:
+    """weight (out, in), a (r, in), b (out, r) -> W + s · B @ A (out, in) in fp32. The one formula
+    every merge uses (exports, the engines' merged adapters), so they agree bit for bit. In place on
+    the product, as W.float() + s · (B @ A) rounds, with no fp32 copy of W."""
+    return (b.detach().float() @ a.detach().float()).mul_(scaling).add_(weight.detach())
+
+
 def merged_weights(model: CausalLM, tensors: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
     """The base model's weights by name, each adapted one merged, W + s · B @ A, all in fp32: a
     Hugging Face checkpoint of the policy. `tensors`: the weights by name when the model's own are
@@ -250,12 +257,23 @@ def merged_weights(model: CausalLM, tensors: Mapping[str, Tensor] | None = None)
     out = {}
     for name, t in base_weights(model, tensors).items():
         module = name.rpartition(".")[0]
-        t = t.detach().float()
         if module in scaling and name.endswith(".weight"):
             a, b = tensors[f"{module}.lora_A.weight"], tensors[f"{module}.lora_B.weight"]
-            t = t + scaling[module] * (b.detach().float() @ a.detach().float())
-        out[name] = t
+            out[name] = merged(t, a, b, scaling[module])
+        else:
+            out[name] = t.detach().float()
     return out
+
+
+def adapter_shapes(cfg: ModelConfig, lora: LoraConfig) -> dict[str, tuple[int, ...]]:
+    """name -> shape of every tensor an adapter-only weight push carries (`adapter_names`: each
+    adapter's A and B, the parameters of `modules_to_save`), in the trainer's order, from the
+    model's config alone: what a rollout worker plans its receive by, with no trainer at hand."""
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    apply_lora(model, lora)
+    params = dict(model.named_parameters())
+    return {n: tuple(params[n].shape) for n in adapter_names(model)}
 
 
 @torch.no_grad()
@@ -264,7 +282,7 @@ def merge_lora(model: CausalLM) -> CausalLM:
     model a plain one again, every parameter trainable: what a full-weights export, the batch-
     invariant forward or fused projections need. In place; returns `model`."""
     for name, m in list(lora_modules(model)):
-        weight = m.weight.float() + m.scaling * (m.lora_B.weight.float() @ m.lora_A.weight.float())
+        weight = merged(m.weight, m.lora_A.weight, m.lora_B.weight, m.scaling)
         linear = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
         linear.weight = nn.Parameter(weight.to(m.weight.dtype))
         linear.bias = m.bias

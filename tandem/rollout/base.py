@@ -78,7 +78,8 @@ class RolloutEngine:
 
     def named_weights(self) -> Mapping[str, Tensor]:
         """The tensors, by Hugging Face name with the trainer's shapes and dtypes, that an update's
-        `apply()` writes into: the live parameters, or buffers the engine loads from (vLLM)."""
+        `apply()` writes into: the live parameters, or buffers the engine loads from (vLLM). In a
+        LoRA run, only what a push carries: the adapters (`tandem.model.lora.adapter_shapes`)."""
         raise NotImplementedError
 
     @property

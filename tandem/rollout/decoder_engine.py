@@ -1,5 +1,6 @@
 """What the built-in engines share: their copy of tandem's decoder (fused for inference, or its
-linear weights in FP8; optionally compiled), its sampling generator, and the tensors sleeping frees."""
+linear weights in FP8; optionally compiled; a LoRA run's adapters merged into it), its sampling
+generator, and the tensors sleeping frees."""
 
 import itertools
 import os
@@ -9,10 +10,12 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
+from tandem.config.schema import LoraConfig
 from tandem.errors import TandemError
 from tandem.model.decoder import CausalLM, fuse_projections
 from tandem.model.experts import Routing, moe_layers, routing
 from tandem.model.fp8 import quantize_model, requantize
+from tandem.rollout.adapters import MergedAdapters
 from tandem.rollout.base import RolloutEngine, Storages
 from tandem.rollout.call import GenerateCall
 from tandem.rollout.sequence import Sequence
@@ -27,6 +30,8 @@ class DecoderEngine(RolloutEngine):
     float8 e4m3 in 128x128 blocks with `fp8_scale` scales (`tandem.model.fp8`); the parameters keep
     the pushed high-precision values by name and are quantised again after every update.
     record_routing (an MoE model): every token's experts go to `Sample.routing` (routing replay).
+    lora (rank > 0): a LoRA run's engine: `named_weights()` are the adapters (and modules_to_save),
+    which pushes carry, merged into the weights after every update (`tandem.rollout.adapters`).
     """
 
     def __init__(
@@ -42,12 +47,15 @@ class DecoderEngine(RolloutEngine):
         quantization: str = "none",
         fp8_scale: str = "fp32",
         record_routing: bool = False,
+        lora: LoraConfig | None = None,
     ):
         super().__init__(eos_token_ids, version, on_update, on_step)
         self.moe_layers = moe_layers(model.cfg) if record_routing else []
         if record_routing and not self.moe_layers:
             raise ValueError("record_routing needs a mixture-of-experts model; this one has no experts")
         self.model = model.eval().requires_grad_(False)
+        # Before fusing or quantising: the adapters copy the base weights of the plain projections.
+        self.adapters = MergedAdapters(self.model, lora) if lora is not None and lora.rank else None
         self.quantized = quantization == "fp8"
         if self.quantized:  # each projection its own fp8 matmul (a fused weight would bypass them)
             quantize_model(self.model, fp8_scale)
@@ -61,7 +69,7 @@ class DecoderEngine(RolloutEngine):
         self.pad_token_id = pad_token_id
         # On the model's device: a sampling draw must come from a generator of the noise's device.
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.memory = Storages(model_tensors(self.model))
+        self.memory = Storages(self.weight_tensors())
         self._ids = itertools.count()
 
     @property
@@ -69,7 +77,16 @@ class DecoderEngine(RolloutEngine):
         return self.model.lm_head.weight.device
 
     def named_weights(self) -> dict[str, Tensor]:
+        if self.adapters is not None:
+            return self.adapters.tensors
         return dict(self.model.named_parameters())
+
+    def weight_tensors(self) -> list[Tensor]:
+        """The weights' tensors that sleep frees: all of them, or with LoRA what an update rewrites
+        (`MergedAdapters.rewritten`; the base stays)."""
+        if self.adapters is not None:
+            return self.adapters.rewritten()
+        return list(model_tensors(self.model))
 
     def forward(self, *args) -> tuple[Tensor, Tensor | None]:
         """The model's forward -> (logits, the experts each of its (B, T) tokens used, (B, T, L, k)
@@ -91,7 +108,9 @@ class DecoderEngine(RolloutEngine):
         return seqs
 
     def _after_update(self) -> None:
-        if self.quantized:
+        if self.adapters is not None:
+            self.adapters.merge()
+        if self.quantized:  # from the merged weights
             requantize(self.model)
 
     def rng_state(self) -> Tensor:

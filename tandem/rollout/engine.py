@@ -23,7 +23,7 @@ class BuiltinEngine(DecoderEngine):
     """Generates on `model` in batches of `max_batch_size` samples, one after another.
 
     options: `DecoderEngine`'s (seed, version, on_update, on_step, compile, quantization,
-    fp8_scale, record_routing); a step is a prefill or a decode step of the current batch.
+    fp8_scale, record_routing, lora); a step is a prefill or a decode step of the current batch.
     """
 
     def __init__(

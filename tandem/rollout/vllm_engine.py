@@ -10,11 +10,22 @@ cross a process boundary (CUDA IPC or NCCL, vLLM's weight-transfer API) and its 
 to count; in-process, an update is a plain call of the worker's `reload_weights`, and pausing is
 simply not stepping (AsyncLLM's pause_generation/resume_generation exist for the engine-core loop
 we do not run).
+
+LoRA (`lora` with a rank > 0: a LoRA run): vLLM serves the base checkpoint with LoRA enabled, and
+the update buffers are the adapter's (`VllmAdapter`, vLLM's own LoRA path), so a push carries the
+adapter only; each applied update reaches vLLM as an adapter of a new name and id, and every
+request submitted after it carries that adapter. Every token records the version of the adapter its
+request carried, under each rollout.on_update policy as without LoRA: "drain" finishes running
+requests on the old adapter and the next call starts on the new one; "abort" returns them partial,
+and their continuations start on the new one; "continue" aborts them between two steps, swaps the
+adapter and resubmits each as prompt + tokens so far with the new one (its earlier tokens keep the
+old version; vLLM recomputes their keys under the new adapter).
 """
 
 import itertools
 import logging
 import os
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,20 +34,26 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tandem.config.schema import LoraConfig
 from tandem.dtypes import DTYPES
 from tandem.errors import TandemError
 from tandem.model.checkpoint import load_model
+from tandem.model.export import base_files
+from tandem.model.peft_format import ADAPTER_CONFIG, refuse_adapter_dir
 from tandem.rollout.base import Generation, RolloutEngine, Storages
 from tandem.rollout.call import GenerateCall
 from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.sampler import row_seed
 from tandem.rollout.vllm_config import (
     VLLM_LOGPROBS_MODES,
+    check_vllm_lora,
     describe,
     require_vllm,
     vllm_device,
     vllm_logprobs_modes,
+    vllm_lora_args,
 )
+from tandem.rollout.vllm_lora import VllmAdapter
 from tandem.sample import Sample
 
 # vLLM's CPU worker replaces torch.set_num_threads with a no-op once it has started; the engine
@@ -60,6 +77,13 @@ class VLLMEngine(RolloutEngine):
         other `vllm.EngineArgs` field.
     sleep_mode: vLLM's enable_sleep_mode, needed by `sleep()` (rollout.free_memory_during_train).
         GPU only: vLLM's CPU worker ignores sleep, so the CPU build refuses it here.
+    lora: train.lora: with a rank > 0 the engine serves the base at `model_path` plus the run's
+        adapter through vLLM's LoRA path (module docstring); `named_weights()` are the adapter's.
+
+    A checkpoint with a PEFT adapter beside its weights (a LoRA run's step directory) is served as
+    `load_model` reads it, the adapter folded in: vLLM loads the base weights (from links to the
+    directory's files but the adapter's, which vLLM would take for a weights file), then the
+    folded ones.
     """
 
     detokenizes = True
@@ -83,46 +107,55 @@ class VLLMEngine(RolloutEngine):
         enforce_eager: bool = False,
         engine_args: dict[str, Any] | None = None,
         sleep_mode: bool = False,
+        lora: LoraConfig | None = None,
     ):
         super().__init__(eos_token_ids, version, on_update, on_step)
-        if logprobs_mode not in VLLM_LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode={logprobs_mode!r}; valid: {', '.join(VLLM_LOGPROBS_MODES)}")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype!r}; valid: {', '.join(DTYPES)}")
+        lora = lora if lora is not None and lora.rank > 0 else None
         on_cpu = vllm_device() == "cpu"
-        if sleep_mode and on_cpu:
-            raise TandemError(
-                "rollout.free_memory_during_train=true with vLLM's CPU build: vLLM does not support "
-                "sleep mode on CPUs (its CPU worker ignores sleep and wake_up), so the engine could "
-                "not free its memory. Set rollout.free_memory_during_train=false."
-            )
+        _check_args(Path(model_path), dtype, logprobs_mode, sleep_mode and on_cpu, lora)
         self.on_cpu, self.threads = on_cpu, torch.get_num_threads()
-        self.llm = _start_vllm(
-            cpu_kv_cache_gib if on_cpu else None,
-            model=str(model_path),
-            tokenizer=str(tokenizer or model_path),
-            dtype=dtype,
-            seed=seed,
-            logprobs_mode=logprobs_mode,
-            **({} if on_cpu else {"gpu_memory_utilization": gpu_memory_utilization}),
-            max_num_seqs=max_num_seqs,
-            enable_prefix_caching=enable_prefix_caching,
-            enforce_eager=enforce_eager,
-            enable_sleep_mode=sleep_mode,
-            **(engine_args or {}),
-        )
+        folds = (Path(model_path) / ADAPTER_CONFIG).is_file()  # an adapter beside the weights
+        with tempfile.TemporaryDirectory(prefix="tandem-vllm-base-") as links:  # read at start only
+            self.llm = _start_vllm(
+                cpu_kv_cache_gib if on_cpu else None,
+                model=str(base_files(Path(model_path), Path(links)) if folds else model_path),
+                tokenizer=str(tokenizer or model_path),
+                dtype=dtype,
+                seed=seed,
+                logprobs_mode=logprobs_mode,
+                **({} if on_cpu else {"gpu_memory_utilization": gpu_memory_utilization}),
+                max_num_seqs=max_num_seqs,
+                enable_prefix_caching=enable_prefix_caching,
+                enforce_eager=enforce_eager,
+                enable_sleep_mode=sleep_mode,
+                **(vllm_lora_args(lora.rank) if lora is not None else {}),
+                **(engine_args or {}),
+            )
         self.pad_token_id, self.sleep_mode, self.logprobs_mode = pad_token_id, sleep_mode, logprobs_mode
         device = self.llm.apply_model(lambda model: next(model.parameters()).device)[0]
-        # The trainer's layout, filled from the checkpoint vLLM loaded: what the engine serves.
-        trainer_layout = load_model(model_path, DTYPES[dtype], device).named_parameters()
-        self._weights = {name: p.detach() for name, p in trainer_layout}
+        self.adapter = None if lora is None else VllmAdapter(model_path, lora, DTYPES[dtype], device)
+        if self.adapter is not None:
+            self._weights = self.adapter.buffers
+        else:
+            # The trainer's layout, filled from the checkpoint vLLM loaded: what the engine serves.
+            trainer_layout = load_model(model_path, DTYPES[dtype], device).named_parameters()
+            self._weights = {name: p.detach() for name, p in trainer_layout}
+            if folds:  # vLLM read the base weights only
+                self._after_update()
         self.memory = Storages(self._weights.values())
         self._ids = itertools.count()
 
     def named_weights(self) -> dict[str, Tensor]:
         """Update buffers with the trainer's names, shapes and dtypes: vLLM fuses q/k/v and gate/up,
-        so its own parameters cannot take the trainer's tensors by name."""
+        so its own parameters cannot take the trainer's tensors by name. With LoRA, the adapter's
+        tensors only (`VllmAdapter.buffers`)."""
         return self._weights
+
+    @property
+    def lora_request(self) -> Any:
+        """The `LoRARequest` every request submitted now carries: the adapter of the version served
+        (None without LoRA, and before a LoRA run's first update: the base)."""
+        return None if self.adapter is None else self.adapter.request
 
     @property
     def device(self) -> torch.device:
@@ -146,10 +179,11 @@ class VLLMEngine(RolloutEngine):
         return _Requests(self, samples, call)
 
     def _on_sleep(self) -> None:
-        """vLLM's sleep level 2 drops its weights and KV cache (the next push refills them)."""
+        """vLLM's sleep level 2 drops its weights and KV cache (the next push refills them). With
+        LoRA a push brings the adapter only, so level 1 keeps the base weights (in CPU memory)."""
         if not self.sleep_mode:
             raise RuntimeError("VLLMEngine.sleep() needs the engine started with sleep_mode=True")
-        self.llm.sleep(level=2)
+        self.llm.sleep(level=2 if self.adapter is None else 1)
 
     def _on_wake(self) -> None:
         self.llm.wake_up()
@@ -159,12 +193,16 @@ class VLLMEngine(RolloutEngine):
         takes checkpoint names, fuses q/k/v and gate/up, and re-runs each layer's post-load
         processing, which on CPUs repacks the weights and empties the original parameter, so a plain
         `load_weights` fails there). All tensors travel in one call: a fused layer is processed once
-        all its parts have arrived. Then empty the prefix cache so no key of the old weights serves
-        a new request."""
-        weights = iter(list(self._weights.items()))
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        if self.on_cpu:
-            self.llm.apply_model(_repack_tied)
+        all its parts have arrived. With LoRA, load them as the next adapter instead. Then empty the
+        prefix cache so no key of the old weights serves a new request (an adapter's name is in
+        vLLM's keys already: this frees the old adapter's blocks)."""
+        if self.adapter is not None:
+            self.adapter.load_into(self.llm)
+        else:
+            weights = iter(list(self._weights.items()))
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            if self.on_cpu:
+                self.llm.apply_model(_repack_tied)
         # Only possible with no request holding KV blocks: true here, every request has ended or
         # was aborted.
         if self.llm.reset_prefix_cache() is False:
@@ -222,7 +260,8 @@ class _Requests(Generation):
         for s in samples:
             request_id = f"tandem-{next(self.engine._ids)}"
             prompt = TokensPrompt(prompt_token_ids=s.prompt_ids + s.response_ids)
-            self.engine.llm.add_request(request_id, prompt, _vllm_params(s, self.call))
+            params = _vllm_params(s, self.call)
+            self.engine.llm.add_request(request_id, prompt, params, lora_request=self.engine.lora_request)
             self.live[request_id] = _Request(s, self.engine.version)
 
     def _drop(self, requests: "dict[str, _Request]", reason: str | None = None) -> "list[_Request]":
@@ -346,3 +385,22 @@ def _start_vllm(cpu_kv_cache_gib: int | None, **engine_args: Any) -> Any:
             "(set before vLLM read its environment?); weight updates need it in this one."
         )
     return llm
+
+
+def _check_args(
+    model_path: Path, dtype: str, logprobs_mode: str, cpu_sleep: bool, lora: LoraConfig | None
+) -> None:
+    """What VllmEngine refuses before starting vLLM."""
+    if logprobs_mode not in VLLM_LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode={logprobs_mode!r}; valid: {', '.join(VLLM_LOGPROBS_MODES)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}; valid: {', '.join(DTYPES)}")
+    if cpu_sleep:
+        raise TandemError(
+            "rollout.free_memory_during_train=true with vLLM's CPU build: vLLM does not support "
+            "sleep mode on CPUs (its CPU worker ignores sleep and wake_up), so the engine could "
+            "not free its memory. Set rollout.free_memory_during_train=false."
+        )
+    if lora is not None:
+        check_vllm_lora(lora.rank, lora.modules_to_save)
+        refuse_adapter_dir(model_path)  # its adapter would be left out of the base

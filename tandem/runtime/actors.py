@@ -135,9 +135,12 @@ class RolloutActor(_Timed, _DistMember):
         return self.worker.version
 
     @ray.method(concurrency_group="gen")
-    def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
-        """(version, the engine's parameters): for checks that weights arrived bit for bit."""
-        return self.worker.version, {n: p.detach().clone() for n, p in self.params.items()}
+    def weights(self, served: bool = False) -> tuple[int, dict[str, torch.Tensor]]:
+        """(version, what pushes write: the engine's parameters, a LoRA run's adapters), for checks
+        that weights arrived bit for bit; `served`: a built-in engine's model as it computes (the
+        adapters merged in)."""
+        params = dict(self.worker.engine.model.named_parameters()) if served else self.params
+        return self.worker.version, {n: p.detach().clone() for n, p in params.items()}
 
 
 @ray.remote
@@ -147,7 +150,7 @@ class TrainActor(_Timed, _DistMember):
         self.cfg, self.rank, self.name = cfg, rank, f"train/{rank}"
         self.tokenizer = load_checked_tokenizer(cfg)
         self.trainer = build_trainer(cfg, self.tokenizer, keep_ref=keep_ref)
-        self.plan = _plan(cfg, self.trainer.named_weights())
+        self.plan = _plan(cfg, self.trainer.pushed_weights())
         self.transport = None
 
     def join(self, *args) -> bool:
@@ -170,16 +173,16 @@ class TrainActor(_Timed, _DistMember):
         return self.trainer.full_weights()
 
     def send_weights(self, version: int):
-        """Every rank: rank 0 pushes the policy's weights, one bucket at a time; under fsdp2 the
-        others take part in gathering each tensor from the shards. -> (the transport's handle or
-        None, span)."""
+        """Every rank: rank 0 pushes the policy's weights (a LoRA run's adapters only), one bucket at
+        a time; under fsdp2 the others take part in gathering each tensor from the shards. -> (the
+        transport's handle or None, span)."""
         start = time.time()
         if self.rank > 0:
             self.trainer.gather_weights([slot.spec.name for b in self.plan.buckets for slot in b])
             return None, self._span("sync", start)
         if self.transport is None:
             self.transport = _transport(self, self.plan)
-        handle = self.transport.send(self.trainer.named_weights(), version)
+        handle = self.transport.send(self.trainer.pushed_weights(), version)
         return handle, self._span("sync", start)
 
     def save(self, path: str) -> Span:

@@ -214,7 +214,8 @@ ENGINE_BUILDERS: Registry[EngineBuilder] = Registry("rollout engine")
 
 def _on_tandem_model(engine_cls, cfg: Config, tokenizer, seed: int, **engine_kw) -> RolloutEngine:
     """A built-in engine (`BuiltinEngine` or `PagedEngine`) on tandem's decoder, on run.device in
-    rollout.dtype, with the settings both take; `engine_kw` are the engine's own."""
+    rollout.dtype, with the settings both take; `engine_kw` are the engine's own. A LoRA run's
+    engine takes the adapters that its pushes carry (train.lora)."""
     model = load_policy(cfg, cfg.rollout.dtype)
     r = cfg.rollout
     return engine_cls(
@@ -227,6 +228,7 @@ def _on_tandem_model(engine_cls, cfg: Config, tokenizer, seed: int, **engine_kw)
         quantization=r.quantization,
         fp8_scale=r.fp8_scale,
         record_routing=cfg.algo.routing_replay,
+        lora=cfg.train.lora,
         **engine_kw,
     )
 
@@ -280,6 +282,7 @@ def _vllm_engine(cfg: Config, tokenizer, seed: int) -> RolloutEngine:
         sleep_mode=bool(r.free_memory_during_train),
         # vLLM's own online FP8 (weights quantised at load and at every reload), not tandem's blockwise
         engine_args={"quantization": "fp8"} if r.quantization == "fp8" else None,
+        lora=cfg.train.lora,  # rank > 0: the base plus the run's adapter, on vLLM's LoRA path
     )
 
 

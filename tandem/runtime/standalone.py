@@ -1,6 +1,13 @@
 """Evaluation and generation without training, in one process: `tandem eval` and `tandem generate`.
 
-Held-out evaluation is greedy (by default) responses to validation prompts, scored by the reward."""
+Held-out evaluation is greedy (by default) responses to validation prompts, scored by the reward.
+Both serve model.path as it is: a full checkpoint, a LoRA run's step directory (the adapter beside
+the weights folded in) or a PEFT adapter directory on the base it names (`checkpoint_dir`); a
+recipe's train.lora, which trains a new adapter, plays no part."""
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -8,6 +15,7 @@ from tandem import devices
 from tandem.config import Config
 from tandem.config.sampling import sampling_params
 from tandem.controller.stats import val_stats
+from tandem.model.export import checkpoint_dir
 from tandem.reward import RewardPool
 from tandem.rollout.group import make_groups
 from tandem.rollout.protocol import SamplingParams
@@ -29,7 +37,20 @@ def evaluate(
     return val_stats(samples, reward.score(samples), float(rollout.version)), samples
 
 
+@contextmanager
+def serving(cfg: Config) -> Iterator[Config]:
+    """`cfg` as eval and generate run it: model.path a directory tandem loads, no adapter to train."""
+    with checkpoint_dir(cfg.model.path) as path:
+        train = dataclasses.replace(cfg.train, lora=dataclasses.replace(cfg.train.lora, rank=0))
+        yield dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(path)), train=train)
+
+
 def evaluate_checkpoint(cfg: Config, show: int = 0) -> dict[str, float]:
+    with serving(cfg) as cfg:
+        return _evaluate(cfg, show)
+
+
+def _evaluate(cfg: Config, show: int) -> dict[str, float]:
     rollout, limit = build_rollout(devices.resolve(cfg, torch.cuda.device_count()))
     prompts, source = load_split(cfg, cfg.data.val_files, "test", cfg.data.val_size, cfg.run.seed + 1)
     ids = limit.encode(rollout.tokenizer, prompts, source)
@@ -42,11 +63,11 @@ def evaluate_checkpoint(cfg: Config, show: int = 0) -> dict[str, float]:
 
 
 def generate_text(cfg: Config, text: str, chat: bool = True) -> list[str]:
-    rollout, limit = build_rollout(devices.resolve(cfg, torch.cuda.device_count()))
-    prompt = Prompt(messages=[{"role": "user", "content": text}]) if chat else Prompt(text=text)
-    ids = limit.encode(rollout.tokenizer, [prompt], "the command line")
-    samples = rollout.generate(
-        make_groups([prompt], ids, cfg.rollout.n), sampling_params(cfg, cfg.rollout.temperature)
-    )
-    samples = episodes(samples)
-    return [s.response_text for s in samples]
+    with serving(cfg) as cfg:
+        rollout, limit = build_rollout(devices.resolve(cfg, torch.cuda.device_count()))
+        prompt = Prompt(messages=[{"role": "user", "content": text}]) if chat else Prompt(text=text)
+        ids = limit.encode(rollout.tokenizer, [prompt], "the command line")
+        samples = rollout.generate(
+            make_groups([prompt], ids, cfg.rollout.n), sampling_params(cfg, cfg.rollout.temperature)
+        )
+    return [s.response_text for s in episodes(samples)]

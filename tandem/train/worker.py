@@ -33,7 +33,7 @@ from tandem.algo.corrections import CORRECTIONS, OldSource
 from tandem.config import AlgoConfig, TrainConfig
 from tandem.errors import TandemError
 from tandem.model.decoder import CausalLM
-from tandem.model.lora import adapters_off, has_lora
+from tandem.model.lora import adapter_names, adapters_off, has_lora
 from tandem.sample import Sample
 from tandem.train.batch import pad_rows, score
 from tandem.train.learner import Learner, loss_counts
@@ -134,6 +134,15 @@ class TrainWorker:
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Parameters by Hugging Face name, for weight sync (`Learner.named_weights`)."""
         return self.learner.named_weights()
+
+    def pushed_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """What a weight push carries, by name, in `named_weights` order: every parameter, or with
+        LoRA only what trains (`adapter_names`: the adapters, modules_to_save), as a LoRA run's
+        engines plan it from the model's config (`adapter_shapes`). Shards under fsdp2."""
+        if not self.lora:
+            return self.named_weights()
+        names = set(adapter_names(self.model))
+        return ((n, t) for n, t in self.named_weights() if n in names)
 
     def full_weights(self) -> dict[str, Tensor]:
         """Every parameter whole, on the CPU (collective under fsdp2)."""
