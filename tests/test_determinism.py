@@ -98,6 +98,7 @@ def test_one_step_off_with_two_engines_repeats_bit_for_bit(tmp_path):
         ["run.mode=one_step_off", "train.num_workers=2", "train.strategy=fsdp2"],
         ["train.dtype=float32", "rollout.dtype=float32", "run.mode=one_step_off"],  # the default is bf16 here
         ["train.mini_batch_size=8", "train.epochs=2"],  # sync: π_old is μ, never recomputed
+        ["train.lora.rank=8", "train.lora.alpha=16", "train.lr=1e-3"],  # adapters merged on both sides
     ],
 )
 def test_runs_repeat_bit_for_bit(tmp_path, overrides):

@@ -30,6 +30,7 @@ from tandem.model.lora import (
     adapters_off,
     apply_lora,
     merge_lora,
+    merged,
     merged_weights,
 )
 from tandem.model.peft_format import adapter_state_dict, refuse_adapter_dir
@@ -117,6 +118,26 @@ def test_gradient_checkpointing_steps_the_adapters_as_without():
     plain, checkpointed = trained(2), trained(2, gradient_checkpointing=True)
     for name, t in plain.named_weights():
         torch.testing.assert_close(dict(checkpointed.named_weights())[name], t, rtol=1e-5, atol=1e-7)
+
+
+def test_the_batch_invariant_forward_multiplies_by_the_merged_weight_and_trains_the_adapters():
+    """run.deterministic: each adapted linear's weight merged with its adapter (`merged`'s bits,
+    what an engine serves) in the batch-invariant forward; the same steps as the plain forward's
+    to float error, gradients reaching A and B. tests/test_lora_sync.py checks the engines."""
+    plain, invariant = lora_worker(), lora_worker()
+    invariant.compute.batch_invariant = True
+    for i in range(2):
+        batch = random_samples(4, 4, seed=i)
+        a, b = plain.train_step(copy.deepcopy(batch)), invariant.train_step(batch)
+        assert a["actor/grad_norm"] == pytest.approx(b["actor/grad_norm"], rel=1e-4)
+    for name, t in plain.named_weights():
+        torch.testing.assert_close(dict(invariant.named_weights())[name], t, rtol=1e-4, atol=1e-6)
+    q = invariant.compute.model.layers[0].self_attn.q_proj
+    assert q.lora_B.weight.abs().max() > 0  # trained
+    expected = merged(q.weight, q.lora_A.weight, q.lora_B.weight, q.scaling)
+    assert torch.equal(q.merged_weight(), expected)
+    with torch.no_grad():
+        torch.testing.assert_close(logits(invariant.compute, IDS), logits(plain.compute, IDS), rtol=1e-4, atol=1e-4)
 
 
 def test_dropout_acts_in_the_loss_forward_only():
@@ -326,7 +347,10 @@ def test_data_parallel_lora_ranks_equal_one_worker(strategy, extra):
         (["train.lora.dropout=1"], r"'train.lora.dropout' must be in \[0, 1\)"),
         (["train.lora.target_modules=q_proj"], r"'train.lora.target_modules' is 'q_proj'.*\[q_proj\]"),
         (["train.lora.target_modules=[]"], r"'train.lora.target_modules' is \[\]"),
-        (["train.lora.rank=4", "run.deterministic=true"], r"'run.deterministic'.*LoRA"),
+        (
+            ["train.lora.rank=4", "train.lora.dropout=0.1", "run.deterministic=true"],
+            r"'train.lora.dropout' is 0.1 with run.deterministic=true.*no form",
+        ),
         (
             ["train.lora.rank=4", "train.lora.modules_to_save=[lm_head]", "algo.kl_coef=0.1"],
             r"'train.lora.modules_to_save'.*no original",
@@ -407,9 +431,7 @@ def test_the_driver_refuses_bad_targets_and_a_peft_adapter_as_model_path_before_
 def test_paths_that_multiply_the_weights_directly_refuse_an_adapted_model():
     with pytest.raises(TandemError, match="past the LoRA adapter of model.layers.0.self_attn.q_proj"):
         fuse_projections(lora_model())
-    with pytest.raises(TandemError, match="batch-invariant"):
-        lora_model().batch_invariant = True
-    with pytest.raises(TandemError, match="batch-invariant or runs fused"):
+    with pytest.raises(TandemError, match="runs fused projections"):
         apply_lora(fuse_projections(tiny_model()), LORA)
     with pytest.raises(TandemError, match="already"):
         apply_lora(lora_model(), LORA)

@@ -497,10 +497,11 @@ def _check_lora(cfg: Config) -> None:
         return
     ENGINES.get(cfg.rollout.engine).check_lora(lora.rank, lora.modules_to_save)
     _check(
-        not cfg.run.deterministic,
-        "run.deterministic",
-        "=true cannot run with LoRA adapters (train.lora.rank > 0) yet: the batch-invariant forward "
-        "multiplies the projections' weights directly, past the adapters.",
+        not cfg.run.deterministic or lora.dropout == 0,
+        "train.lora.dropout",
+        f"is {lora.dropout} with run.deterministic=true: the batch-invariant forward multiplies by each "
+        "adapted weight merged with its adapter (as the engines do), which has no form that drops "
+        "the adapter's inputs alone. Set train.lora.dropout=0.",
     )
     _check(
         not lora.modules_to_save or cfg.algo.kl_coef == 0,

@@ -97,7 +97,7 @@ class Attention(nn.Module):
                 if isinstance(mask, Segments)
                 else bi.attention(q, k, v, mask)
             )
-            return bi.linear(out.transpose(1, 2).reshape(b, t, -1), self.o_proj.weight, self.o_proj.bias)
+            return bi.linear(out.transpose(1, 2).reshape(b, t, -1), _weight(self.o_proj), self.o_proj.bias)
         if isinstance(mask, Segments):
             out = mask.attend(q, k, v)
         elif t == 1:
@@ -139,7 +139,7 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.batch_invariant:
             gate_up = self.fused or _stacked([self.gate_proj, self.up_proj])
-            return bi.mlp(x, *gate_up, self.down_proj.weight, self.down_proj.bias)
+            return bi.mlp(x, *gate_up, _weight(self.down_proj), self.down_proj.bias)
         if self.fused is not None:
             gate, up = F.linear(x, *self.fused).chunk(2, dim=-1)
         else:
@@ -209,8 +209,6 @@ class CausalLM(nn.Module):
 
     @batch_invariant.setter
     def batch_invariant(self, on: bool) -> None:
-        if on:
-            _refuse_adapters(self, "The batch-invariant forward")
         self._batch_invariant = bool(on)
         for layer in self.model.layers:
             layer.self_attn.batch_invariant = layer.mlp.batch_invariant = bool(on)
@@ -374,7 +372,14 @@ def _stacked(linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
     batch-invariant forward runs the fused model's matmul, of the same shape."""
     biases = [lin.bias for lin in linears]
     bias = None if biases[0] is None else torch.cat(biases)
-    return torch.cat([lin.weight for lin in linears]), bias
+    return torch.cat([_weight(lin) for lin in linears]), bias
+
+
+def _weight(linear: nn.Module) -> Tensor:
+    """The weight a linear's forward multiplies by: a LoRA-adapted one's merged with its adapter
+    (`tandem.model.lora.LoraLinear.merged_weight`), for the batch-invariant forward."""
+    merged = getattr(linear, "merged_weight", None)
+    return linear.weight if merged is None else merged()
 
 
 def _fuse(linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:

@@ -17,6 +17,10 @@ An MoE block's router and experts get no adapter: Hugging Face (transformers >= 
 experts as fused 3-D tensors, which PEFT's target_modules cannot reach, so such an adapter could
 not be loaded anywhere else. The batch-invariant forward and fused projections (the engines') read
 the weights directly, past the adapters: `apply_lora` refuses such a model, `merge_lora` makes one.
+The batch-invariant forward (run.deterministic) multiplies by each adapted linear's merged weight,
+`LoraLinear.merged_weight`: W + s · B @ A in fp32, rounded once, differentiable in A and B, the
+same bits an engine merges into its copy of the base (`merged`), so the behaviour logprobs equal
+the trainer's exactly with an adapter as without. Adapter dropout has no merged form: refused there.
 """
 
 import math
@@ -31,6 +35,7 @@ from torch import Tensor, nn
 
 from tandem.config.schema import LORA_ALL_LINEAR, LoraConfig
 from tandem.errors import TandemError
+from tandem.model import batch_invariant as bi
 from tandem.model.config import ModelConfig
 from tandem.model.decoder import CausalLM
 from tandem.model.experts import SparseMoE
@@ -60,6 +65,15 @@ class LoraLinear(nn.Module):
             return out
         return out + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
 
+    def merged_weight(self) -> Tensor:
+        """The weight the batch-invariant forward multiplies by: W + s · B @ A computed as `merged`
+        computes it (the engines' merge, bit for bit), rounded once to W's dtype, with gradients to
+        A and B; W itself with the adapter off."""
+        if not self.enabled:
+            return self.weight
+        product = bi.linear(self.lora_B.weight.float(), self.lora_A.weight.float().t())  # B @ A
+        return (product * self.scaling + self.weight.float()).to(self.weight.dtype)
+
 
 def _bias_free(weight: Tensor) -> nn.Linear:
     """A bias-free nn.Linear holding `weight` (out, in), drawing no initial values of its own."""
@@ -81,16 +95,15 @@ def apply_lora(model: CausalLM, lora: LoraConfig, seed: int = 0) -> CausalLM:
     """Freeze `model` and give each linear `lora.target_modules` names an adapter of `lora.rank`
     (A drawn from `seed`); `lora.modules_to_save` train whole. In place; returns `model`.
     TandemError for targets `lora_targets` refuses, a model with adapters already, or one whose
-    forward would pass them by (batch-invariant, fused projections)."""
+    forward would pass them by (fused projections)."""
     if getattr(model, "adapters", None) is not None:
         raise TandemError("The model has LoRA adapters already; apply_lora once.")
     if lora.rank < 1:
         raise TandemError(f"LoRA adapters need a rank >= 1, got {lora.rank} (train.lora.rank=0 is off).")
-    fused = any(layer.self_attn.fused is not None for layer in model.model.layers)
-    if model.batch_invariant or fused:
+    if any(layer.self_attn.fused is not None for layer in model.model.layers):
         raise TandemError(
-            "LoRA adapters cannot go on a model whose forward is batch-invariant or runs fused "
-            "projections: both multiply the projections' weights directly, past the adapters."
+            "LoRA adapters cannot go on a model that runs fused projections: it multiplies the "
+            "projections' weights directly, past the adapters."
         )
     targets = lora_targets(model, lora)
     saved = saved_modules(model, lora, targets)
@@ -243,9 +256,12 @@ def base_weights(model: CausalLM, tensors: Mapping[str, Tensor] | None = None) -
 
 def merged(weight: Tensor, a: Tensor, b: Tensor, scaling: float) -> Tensor:
     """weight (out, in), a (r, in), b (out, r) -> W + s · B @ A (out, in) in fp32. The one formula
-    every merge uses (exports, the engines' merged adapters), so they agree bit for bit. In place on
-    the product, as W.float() + s · (B @ A) rounds, with no fp32 copy of W."""
-    return (b.detach().float() @ a.detach().float()).mul_(scaling).add_(weight.detach())
+    every merge uses (exports, the engines' merged adapters, the deterministic trainer's
+    `LoraLinear.merged_weight`), so they agree bit for bit: B @ A by the batch-invariant tiled
+    matmul (one call shape in every process), then in place on the product, as W.float() + s · (B @ A)
+    rounds, with no fp32 copy of W."""
+    product = bi.tiled_mm(b.detach().float(), a.detach().float().t())
+    return product.mul_(scaling).add_(weight.detach()).contiguous()
 
 
 def merged_weights(model: CausalLM, tensors: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:

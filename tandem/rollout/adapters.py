@@ -34,10 +34,10 @@ median of two; a full push took 8.2 s). The price is memory: W0, a copy of the a
 (72% of the 0.5B model's parameters); a sleeping engine frees the merged copy and keeps W0
 (`rewritten`): an adapter push cannot bring the base back.
 
-An unmerged form would let the engine run the trainer's exact ops, which `run.deterministic`
-would need; with merging, the trainer would merge the same way instead (not built: LoRA refuses
-run.deterministic today). In bf16 the merged weight is rounded once where the trainer rounds the
-base's and the adapter's products apart: the behaviour logprobs differ from the trainer's
+Merged, `run.deterministic` keeps mismatch exactly 0: the trainer's batch-invariant forward
+multiplies by the same merged weight (`LoraLinear.merged_weight`, `merged`'s bits). Otherwise, in
+bf16 the merged weight is rounded once where the trainer rounds the base's and the adapter's
+products apart: the behaviour logprobs differ from the trainer's
 recompute about as the bf16 engine's do without one (1.3 times as much on the tiny model of
 tests/test_lora_sync.py); in fp32 to float error, as without an adapter.
 """
