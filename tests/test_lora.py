@@ -137,7 +137,9 @@ def test_the_batch_invariant_forward_multiplies_by_the_merged_weight_and_trains_
     expected = merged(q.weight, q.lora_A.weight, q.lora_B.weight, q.scaling)
     assert torch.equal(q.merged_weight(), expected)
     with torch.no_grad():
-        torch.testing.assert_close(logits(invariant.compute, IDS), logits(plain.compute, IDS), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            logits(invariant.compute, IDS), logits(plain.compute, IDS), rtol=1e-4, atol=1e-4
+        )
 
 
 def test_dropout_acts_in_the_loss_forward_only():
