@@ -2,7 +2,7 @@
 push, the optimizer and a train step cost, and what an adapter costs the engine's decode.
 
     python bench/lora.py [--rank 16] [--dtype auto] [--layers 24] [--train-layers 24] [--repeats 2]
-                         [--new-tokens 12] [--json PATH]
+                         [--new-tokens 12] [--device cpu] [--json PATH]
 
 Side by side in one run, adapters of rank --rank (alpha 2 x rank) on attention + MLP (q, k, v, o,
 gate, up, down projections), everything in --dtype (auto: bf16 on a CPU with native bf16 matmuls,
@@ -29,11 +29,15 @@ else fp32, as train.dtype=auto chooses; the trainer keeps fp32 masters):
 
 `--json` writes one flat object of these figures and their parts. The CPU (lscpu's model name) is
 printed and written; nothing here needs a GPU, and only part 2 starts Ray (in this process).
+`--device cuda` runs the model, the engines and the train workers on the GPU (its name printed and
+written; auto dtype: bf16) and leaves out part 2 where Ray is not installed (the GPU machines have
+none), saying so.
 """
 
 import argparse
 import copy
 import gc
+import importlib.util
 import json
 import math
 import random
@@ -44,7 +48,6 @@ import time
 from contextlib import nullcontext
 from dataclasses import replace
 
-import ray
 import torch
 from engine import RANDOM_MODELS
 
@@ -74,10 +77,13 @@ def cpu_name() -> str:
     return next((line.split(":", 1)[1].strip() for line in out.splitlines() if "Model name" in line), "?")
 
 
+DEVICE = torch.device("cpu")  # --device
+
+
 def random_model(cfg: ModelConfig, dtype: torch.dtype) -> CausalLM:
     model = CausalLM(cfg)
     init_weights(model, seed=0)
-    return model.to(dtype)
+    return model.to(DEVICE, dtype)
 
 
 def adapter_tensors(cfg: ModelConfig, lora: LoraConfig, seed: int = 1) -> dict[str, torch.Tensor]:
@@ -121,6 +127,8 @@ class Pusher:
 
 def push_figures(cfg: ModelConfig, lora: LoraConfig, dtype: torch.dtype, engine: BuiltinEngine, repeats: int):
     """Adapter and full pushes into one LoRA engine, taking turns."""
+    import ray
+
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, object_store_memory=3 * 2**30)
     weights = {n: p.detach() for n, p in engine.model.named_parameters()}
     masters = {n: t.float() for n, t in weights.items()}  # the trainer's fp32 (no copy in fp32)
@@ -202,7 +210,7 @@ def step_seconds(kind: str, cfg: ModelConfig, lora: LoraConfig, dtype: torch.dty
     model = random_model(cfg, torch.float32)
     if kind == "lora":
         apply_lora(model, lora)
-    worker = TrainWorker(model, AlgoConfig(), TrainConfig(), pad_token_id=0, dtype=dtype)
+    worker = TrainWorker(model, AlgoConfig(), TrainConfig(), pad_token_id=0, device=DEVICE, dtype=dtype)
     samples, times = batch(cfg.vocab_size), []
     for _ in range(repeats + 1):  # the first warms up
         start = time.perf_counter()
@@ -309,21 +317,27 @@ def main() -> None:
     ap.add_argument("--train-layers", type=int, default=24, help="layers of the train-step model")
     ap.add_argument("--new-tokens", type=int, default=12, help="tokens each decode call samples")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     ap.add_argument("--json", help="write the figures as one flat JSON object")
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
     # auto: train.dtype=auto's rule on a CPU; bf16 without native bf16 matmuls crawls (an LM head's
     # input gradient, 64 tokens x 152k x 896, took 109 s on an AMD EPYC without AVX512-BF16)
-    auto = "bfloat16" if devices.cpu_has_native_bf16() else "float32"
+    native = DEVICE.type == "cuda" or devices.cpu_has_native_bf16()
+    auto = "bfloat16" if native else "float32"
     dtype = getattr(torch, auto if args.dtype == "auto" else args.dtype)
     cfg = replace(RANDOM_MODELS["qwen2-0.5b-random"], num_hidden_layers=args.layers)
     lora = LoraConfig(rank=args.rank, alpha=2.0 * args.rank)  # q, k, v, o, gate, up, down
     cpu = cpu_name()
+    gpu = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else ""
     print(
-        f"{cpu}, {torch.get_num_threads()} threads; Qwen2-0.5B-shaped random model ({args.layers} layers), "
+        f"{gpu or cpu}, {torch.get_num_threads()} threads; Qwen2-0.5B-shaped random model ({args.layers} layers), "
         f"LoRA rank {args.rank} on attention + MLP, {dtype}"
     )
     figures: dict = {
         "cpu": cpu,
+        "device": gpu or "cpu",
         "rank": args.rank,
         "dtype": str(dtype).removeprefix("torch."),
         "layers": args.layers,
@@ -334,11 +348,14 @@ def main() -> None:
     figures.update(decode_figures("Qwen2-0.5B-shaped", base, lora, args.new_tokens, args.repeats))
     engine = BuiltinEngine(base.model, [0], 0, lora=lora)  # its weights: the adapters' base
     del base
-    figures.update(push_figures(cfg, lora, dtype, engine, args.repeats))
+    if importlib.util.find_spec("ray"):
+        figures.update(push_figures(cfg, lora, dtype, engine, args.repeats))
+    else:
+        print("push: left out, Ray is not installed here (part 2 puts the buckets in Ray's object store)")
     del engine
     gc.collect()
     figures.update(train_figures(cfg, lora, dtype, args.train_layers, args.repeats))
-    addition = BuiltinEngine(load_model(resolve_model_path("builtin:addition"), dtype), [0], 0)
+    addition = BuiltinEngine(load_model(resolve_model_path("builtin:addition"), dtype, DEVICE), [0], 0)
     small = decode_figures("builtin:addition", addition, lora, 4 * args.new_tokens, args.repeats)
     figures.update({f"addition_{k}": v for k, v in small.items()})
     figures["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 Mode = Annotated[Literal["sync", "one_step_off", "async"], "mode"]
+ClusterKind = Annotated[Literal["auto", "ray", "local"], "cluster"]
 WandbMode = Annotated[Literal["online", "offline"], "W&B mode"]
 Device = Annotated[Literal["auto", "cpu", "cuda"], "device"]
 RouterDtype = Annotated[Literal["float32", "model"], "router dtype"]
@@ -53,6 +54,10 @@ class RunConfig:
     wandb_mode: WandbMode = "online"
     progress: bool = True
     threads: int = 0  # torch intra-op threads per role; 0 = the CPUs its placement gives it
+    # Where the roles run: ray = Ray actors, a process each; local = all in this process, called in
+    # turn (sync mode, one worker per role: tandem.runtime.local); auto = local where the run allows
+    # it and Ray is not already running in this process, else ray.
+    cluster: ClusterKind = "auto"
     timeout_s: float = 600.0  # longest wait for any one role's result before the run stops with an error
     # Where the train workers, the reference worker and the built-in engines run: auto | cpu | cuda.
     # auto = cuda when the Ray cluster has GPUs (the driver decides once, before any actor starts).

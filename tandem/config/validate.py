@@ -59,6 +59,9 @@ def validate(cfg: Config) -> None:
         check(cfg)
     if cfg.run.deterministic:
         _check_deterministic(cfg)
+    if cfg.run.cluster == "local":
+        why = one_process_refusal(cfg)
+        _check(not why, "run.cluster", f"is local (one sync run's workers in one process), not with {why}.")
 
 
 def one_of(value: object, valid: Sequence[str], key: str, what: str) -> None:
@@ -534,6 +537,24 @@ def _check_sft(cfg: Config) -> None:
         "sft.num_key_value_heads",
         "must divide sft.num_attention_heads.",
     )
+
+
+def one_process_refusal(cfg: Config) -> str:
+    """ "" where the run can be held in one process (`tandem.runtime.local`), else why not: it needs
+    sync mode (nothing overlaps), one worker per role, no torch.distributed world (fsdp2, the
+    broadcast transport), the built-in engines (vLLM brings processes of its own and runs on Ray
+    only) and no Ray cluster to join."""
+    t = cfg.train
+    reasons = [
+        (cfg.run.mode != "sync", f"run.mode={cfg.run.mode} overlaps generation and training"),
+        (cfg.rollout.num_workers > 1, f"rollout.num_workers={cfg.rollout.num_workers}"),
+        (t.num_workers > 1, f"train.num_workers={t.num_workers}"),
+        (t.strategy == "fsdp2", "train.strategy=fsdp2 needs a torch.distributed world"),
+        (TRANSPORTS.get(cfg.sync.transport).collective, f"sync.transport={cfg.sync.transport}"),
+        (cfg.rollout.engine == "vllm", "rollout.engine=vllm"),
+        (bool(cfg.ray.address), f"ray.address={cfg.ray.address}"),
+    ]
+    return "; ".join(why for no, why in reasons if no)
 
 
 def _check_deterministic(cfg: Config) -> None:

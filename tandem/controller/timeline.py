@@ -70,14 +70,19 @@ class Timeline:
         return out
 
     def write(self, path: Path) -> None:
-        """Chrome trace format: one process per role, one thread per worker, complete ("X") events."""
-        roles = sorted(self.workers)
+        """Chrome trace format: one process per role, one thread per worker, complete ("X") events.
+        Spans of a worker the loop does not call (the driver's start-up) get a row of their own."""
+        workers = {role: list(names) for role, names in self.workers.items()}
+        for s in self.spans:
+            if s.worker not in workers.setdefault(s.role, []):
+                workers[s.role].append(s.worker)
+        roles = sorted(workers)
         pids = {role: i + 1 for i, role in enumerate(roles)}
-        tids = {name: j + 1 for role in roles for j, name in enumerate(self.workers[role])}
+        tids = {name: j + 1 for role in roles for j, name in enumerate(workers[role])}
         events: list[dict] = []
         for role in roles:
             events.append({"ph": "M", "name": "process_name", "pid": pids[role], "args": {"name": role}})
-            for name in self.workers[role]:
+            for name in workers[role]:
                 events.append(
                     {
                         "ph": "M",

@@ -33,11 +33,20 @@ class PromptLoader:
             self.cursor += len(take)
         return [self.prompts[i] for i in picked], [self.prompt_ids[i] for i in picked]
 
-    def at(self, position: int) -> tuple[Prompt, list[int]]:
-        """The prompt `next_batch` hands out `position`-th (0-based, over all calls and epochs)."""
+    def upcoming(self, count: int) -> list[int]:
+        """The rows of the next `count` prompts `next_batch` will hand out (without handing them)."""
+        position = self.epoch * len(self.prompts) + self.cursor
+        return [self._row(position + k) for k in range(min(count, len(self.prompts)))]
+
+    def _row(self, position: int) -> int:
         epoch, i = divmod(position, len(self.prompts))
         order = self._order if epoch == self.epoch else self._permutation(epoch)
-        return self.prompts[order[i]], self.prompt_ids[order[i]]
+        return order[i]
+
+    def at(self, position: int) -> tuple[Prompt, list[int]]:
+        """The prompt `next_batch` hands out `position`-th (0-based, over all calls and epochs)."""
+        row = self._row(position)
+        return self.prompts[row], self.prompt_ids[row]
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "cursor": self.cursor}

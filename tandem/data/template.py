@@ -39,16 +39,19 @@ def encode_prompts(
     max_prompt_length: int,
     source: str = "",
     limit_reason: str = "",
+    rows: list[int] | None = None,
 ) -> list[list[int]]:
     """Token ids of each rendered prompt, without added special tokens.
 
-    Raises TandemError naming the row, its length, the limit and `source` (the dataset file) when a
-    prompt has more than `max_prompt_length` tokens, since truncating it would silently change the task.
-    `limit_reason` says where the limit comes from when it is not data.max_prompt_length.
+    Raises TandemError naming the row (`rows[i]` for the i-th prompt, default i), its length, the
+    limit and `source` (the dataset file) when a prompt has more than `max_prompt_length` tokens,
+    since truncating it would silently change the task. `limit_reason` says where the limit comes
+    from when it is not data.max_prompt_length.
     """
     texts = [render_prompt(tokenizer, p) for p in prompts]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    for row, row_ids in enumerate(ids):
+    for i, row_ids in enumerate(ids):
+        row = rows[i] if rows is not None else i
         if len(row_ids) > max_prompt_length:
             where = f" of {source}" if source else ""
             reason = limit_reason or (

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from tandem.errors import TandemError
 from tandem.model.config import ModelConfig
-from tandem.model.decoder import CausalLM
+from tandem.model.decoder import CausalLM, meta_model
 from tandem.model.experts import EXPERT_NAMES
 from tandem.model.peft_format import ADAPTER_CONFIG, merge_adapter_file
 
@@ -93,8 +93,7 @@ def check_checkpoint(path: str | Path, finite: bool = True) -> ModelConfig:
     if not path.is_dir():
         raise TandemError(f"Model path {path} does not exist or is not a directory.")
     cfg = ModelConfig.load(path)
-    with torch.device("meta"):
-        expected = {n: tuple(p.shape) for n, p in CausalLM(cfg).named_parameters()}
+    expected = {n: tuple(p.shape) for n, p in meta_model(cfg).named_parameters()}
     found = {
         tandem_name: (shape, dtype, file)
         for name, (have, dtype, file) in _headers(weight_files(path)).items()
@@ -172,8 +171,7 @@ def load_model(
     it to the weights of its directory: the model is the policy the two make."""
     path = Path(path)
     cfg = check_checkpoint(path, finite=False)  # _read_tensors checks the values it reads
-    with torch.device("meta"):
-        model = CausalLM(cfg)
+    model = meta_model(cfg)
     tensors = _read_tensors(path, cfg)
     if (path / ADAPTER_CONFIG).is_file():
         tensors = merge_adapter_file(tensors, path)

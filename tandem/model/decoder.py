@@ -4,6 +4,8 @@ Module names mirror Hugging Face's (`model.layers.0.self_attn.q_proj.weight` ...
 state dict loads with no renaming, and weight sync to any engine speaks the same names.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -332,6 +334,27 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, mask, i, cache)
         return self.model.norm(x)
+
+
+def meta_model(cfg: ModelConfig) -> CausalLM:
+    """A CausalLM of uninitialised meta tensors: its parameters' names and shapes, for what needs no
+    values (a checkpoint's expected names, an adapter's shapes) and for `load_model` to fill.
+    Initialising a meta tensor runs torch's reference ops, whose first call imports torch._dynamo:
+    ~2 s of the start-up of every process that built one (2 cores)."""
+    with torch.device("meta"), _no_init():
+        return CausalLM(cfg)
+
+
+@contextmanager
+def _no_init() -> Iterator[None]:
+    """Within the block, linears and embeddings are built without drawing their initial values (as
+    transformers' `no_init_weights` does). Not thread-safe: for one thread building a model."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
 
 
 def fuse_projections(model: CausalLM) -> CausalLM:

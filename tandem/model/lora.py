@@ -37,7 +37,7 @@ from tandem.config.schema import LORA_ALL_LINEAR, LoraConfig
 from tandem.errors import TandemError
 from tandem.model import batch_invariant as bi
 from tandem.model.config import ModelConfig
-from tandem.model.decoder import CausalLM
+from tandem.model.decoder import CausalLM, meta_model
 from tandem.model.experts import SparseMoE
 
 
@@ -200,8 +200,7 @@ def _refuse_tied(model: nn.Module, module: str) -> None:
 def check_lora(lora: LoraConfig, path: Path) -> None:
     """What `apply_lora` would refuse on model.path's checkpoint, checked in the driver before any
     actor starts, on a model of meta tensors."""
-    with torch.device("meta"):
-        model = CausalLM(ModelConfig.load(path))
+    model = meta_model(ModelConfig.load(path))
     saved_modules(model, lora, lora_targets(model, lora))
 
 
@@ -285,8 +284,7 @@ def adapter_shapes(cfg: ModelConfig, lora: LoraConfig) -> dict[str, tuple[int, .
     """name -> shape of every tensor an adapter-only weight push carries (`adapter_names`: each
     adapter's A and B, the parameters of `modules_to_save`), in the trainer's order, from the
     model's config alone: what a rollout worker plans its receive by, with no trainer at hand."""
-    with torch.device("meta"):
-        model = CausalLM(cfg)
+    model = meta_model(cfg)
     apply_lora(model, lora)
     params = dict(model.named_parameters())
     return {n: tuple(params[n].shape) for n in adapter_names(model)}

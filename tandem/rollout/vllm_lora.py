@@ -20,7 +20,7 @@ from torch import Tensor
 
 from tandem.config.schema import LoraConfig
 from tandem.model.config import ModelConfig
-from tandem.model.decoder import CausalLM
+from tandem.model.decoder import meta_model
 from tandem.model.lora import adapter_names, apply_lora
 from tandem.model.peft_format import save_adapter
 
@@ -38,8 +38,7 @@ class VllmAdapter:
 
     def __init__(self, model_path: str | Path, lora: LoraConfig, dtype: torch.dtype, device: torch.device):
         self.base_path = str(Path(model_path).resolve())
-        with torch.device("meta"):  # the names, shapes and PEFT config only: no weight is read
-            model = CausalLM(ModelConfig.load(model_path))
+        model = meta_model(ModelConfig.load(model_path))  # names, shapes, the PEFT config: no weight
         self.model = apply_lora(model, lora)
         shapes = dict(self.model.named_parameters())
         self.buffers: dict[str, Tensor] = {

@@ -1,5 +1,7 @@
-"""The roles as Ray actors. Each wraps the plain role object, times its work as `Span`s, and is
-built from the run's config inside its own process (placement decides its CPUs and threads).
+"""The roles as workers the loop calls: each wraps the plain role object, times its work as
+`Span`s, and is built from the run's config. `RayCluster` makes each a Ray actor in a process of
+its own (placement decides its CPUs and threads); `LocalCluster` (`tandem.runtime.local`) holds
+them as they are, in the driver's process.
 
 Rollout actors have two concurrency groups: "gen" runs generate calls one after another, "weights"
 receives pushes while generation goes on (they are staged; the engine swaps at a safe point chosen
@@ -9,7 +11,6 @@ by `rollout.on_update`).
 import time
 from pathlib import Path
 
-import ray
 import torch
 
 from tandem.config import Config
@@ -57,8 +58,24 @@ def _set_up_process(cfg: Config, threads: int) -> None:
         make_deterministic(cfg.run.seed)
 
 
+def group(name: str):
+    """Marks a rollout method's Ray concurrency group ("gen": generate calls one after another;
+    "weights": pushes received beside them); `RayCluster` applies it. Ray itself is imported only
+    where it runs the workers: a run in one process never imports it."""
+
+    def mark(method):
+        method.concurrency_group = name
+        return method
+
+    return mark
+
+
 class _Timed:
     name = "worker"
+
+    def ready(self) -> float:
+        """Now: called as soon as the worker is built, the end of its start-up (`RayCluster`)."""
+        return time.time()
 
     def _span(self, kind: str, start: float) -> Span:
         return Span(kind, self.name, start, time.time())
@@ -80,7 +97,6 @@ class _DistMember:
         return True
 
 
-@ray.remote(concurrency_groups={"gen": 1, "weights": 1})
 class RolloutActor(_Timed, _DistMember):
     def __init__(self, cfg: Config, rank: int, threads: int):
         _set_up_process(cfg, threads)
@@ -91,11 +107,11 @@ class RolloutActor(_Timed, _DistMember):
         self.staging = StagingBuffer(self.plan)
         self.transport = None
 
-    @ray.method(concurrency_group="weights")
+    @group("weights")
     def join_sync(self, *args) -> bool:
         return _DistMember.join_sync(self, *args)
 
-    @ray.method(concurrency_group="weights")
+    @group("weights")
     def receive_weights(self, sent, version: int) -> Span:
         """`sent` is the trainer's (handle, span) for the object store, None for broadcast."""
         start = time.time()
@@ -106,13 +122,13 @@ class RolloutActor(_Timed, _DistMember):
         self.worker.set_pending_update(version, lambda: self.staging.swap_into(self.params, version))
         return self._span("sync", start)
 
-    @ray.method(concurrency_group="gen")
+    @group("gen")
     def generate(self, samples: list[Sample], params: SamplingParams, kind: str = "generate"):
         start = time.time()
         out = self.worker.generate(samples, params)
         return out, self._span(kind, start)
 
-    @ray.method(concurrency_group="gen")
+    @group("gen")
     def sleep(self) -> tuple[dict[str, float], Span]:
         """After the generate calls before it: free the engine's weights and KV cache for the
         trainer (rollout.free_memory_during_train); the next generate call wakes it."""
@@ -120,21 +136,21 @@ class RolloutActor(_Timed, _DistMember):
         metrics = self.worker.engine.sleep()
         return metrics, self._span("sleep", start)
 
-    @ray.method(concurrency_group="gen")
+    @group("gen")
     def rng_state(self) -> torch.Tensor | None:
         """After the generate calls before it: the engine's sampling stream, for a checkpoint."""
         return self.worker.engine.rng_state()
 
-    @ray.method(concurrency_group="gen")
+    @group("gen")
     def set_rng_state(self, state: torch.Tensor) -> None:
         self.worker.engine.set_rng_state(state)
 
-    @ray.method(concurrency_group="gen")
+    @group("gen")
     def apply_pending(self) -> int:
         self.worker.apply_pending()
         return self.worker.version
 
-    @ray.method(concurrency_group="gen")
+    @group("gen")
     def weights(self, served: bool = False) -> tuple[int, dict[str, torch.Tensor]]:
         """(version, what pushes write: the engine's parameters, a LoRA run's adapters), for checks
         that weights arrived bit for bit; `served`: a built-in engine's model as it computes (the
@@ -143,7 +159,6 @@ class RolloutActor(_Timed, _DistMember):
         return self.worker.version, {n: p.detach().clone() for n, p in params.items()}
 
 
-@ray.remote
 class TrainActor(_Timed, _DistMember):
     def __init__(self, cfg: Config, rank: int, threads: int, keep_ref: bool):
         _set_up_process(cfg, threads)
@@ -200,7 +215,6 @@ class TrainActor(_Timed, _DistMember):
         return self.trainer.version
 
 
-@ray.remote
 class RefActor(_Timed):
     def __init__(self, cfg: Config, threads: int):
         _set_up_process(cfg, threads)
@@ -213,7 +227,6 @@ class RefActor(_Timed):
         return self.worker.score(samples), self._span("ref", start)
 
 
-@ray.remote
 class CriticActor(_Timed, _DistMember):
     """PPO's value model (`tandem.train.critic`): values and GAE before the policy's step, its own
     update beside it. Its ranks form a torch.distributed world of their own (`join`)."""
@@ -249,7 +262,6 @@ class CriticActor(_Timed, _DistMember):
         return self.critic.version
 
 
-@ray.remote
 class RewardActor(_Timed):
     def __init__(self, cfg: Config):
         self.name = "reward/0"

@@ -23,10 +23,18 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tandem import devices
 from tandem.config import Config
 from tandem.controller.protocol import CallFailed, Done, Handle, WorkerDied
+from tandem.controller.timeline import Span
 from tandem.errors import TandemError
 from tandem.runtime import placement
 from tandem.runtime.actors import CriticActor, RefActor, RewardActor, RolloutActor, TrainActor
 from tandem.sync import TRANSPORTS, free_port
+
+# The workers as Ray actors (a rollout worker receives pushes while it generates).
+for _method in vars(RolloutActor).values():
+    if hasattr(_method, "concurrency_group"):  # marked by tandem.runtime.actors.group
+        ray.method(concurrency_group=_method.concurrency_group)(_method)
+Rollout = ray.remote(concurrency_groups={"gen": 1, "weights": 1})(RolloutActor)
+Train, Ref, Critic, Reward = (ray.remote(a) for a in (TrainActor, RefActor, CriticActor, RewardActor))
 
 RAY_CONNECT_TIMEOUT_S = 30.0  # the longest wait for ray.address to answer (or run.timeout_s if less)
 
@@ -159,6 +167,7 @@ class RayCluster:
     names: dict[str, list[str]] = field(default_factory=dict)  # role -> worker names
     critics: list = field(default_factory=list)  # PPO's value model's ranks (algo.adv_estimator=gae)
     outstanding: set = field(default_factory=set)  # submitted calls whose result was not taken yet
+    built: tuple = (0.0, [])  # when the actors were asked for, and a `ready` call's handle per actor
 
     @classmethod
     def start(cls, cfg: Config) -> "RayCluster":
@@ -177,6 +186,7 @@ class RayCluster:
                 f"the cluster has {ray.cluster_resources().get('CPU', 0):g} CPUs and "
                 f"{ray.cluster_resources().get('GPU', 0):g} GPUs."
             ) from None
+        created = time.time()
         on = {s.role: [] for s in slots}
         for s in slots:
             on[s.role].append(s)
@@ -194,15 +204,14 @@ class RayCluster:
         # broadcast transport it could not rejoin the torch.distributed world, so it is not.
         restarts = 0 if TRANSPORTS.get(cfg.sync.transport).collective else 1
         rollouts = [
-            placed(RolloutActor, s, max_restarts=restarts).remote(cfg, s.rank, s.threads)
-            for s in on["generate"]
+            placed(Rollout, s, max_restarts=restarts).remote(cfg, s.rank, s.threads) for s in on["generate"]
         ]
         keep_ref = not on.get("ref_logp")
-        trainers = [placed(TrainActor, s).remote(cfg, s.rank, s.threads, keep_ref) for s in on["actor_train"]]
-        critics = [placed(CriticActor, s).remote(cfg, s.rank, s.threads) for s in on.get("critic", [])]
-        ref = next((placed(RefActor, s).remote(cfg, s.threads) for s in on.get("ref_logp", [])), None)
+        trainers = [placed(Train, s).remote(cfg, s.rank, s.threads, keep_ref) for s in on["actor_train"]]
+        critics = [placed(Critic, s).remote(cfg, s.rank, s.threads) for s in on.get("critic", [])]
+        ref = next((placed(Ref, s).remote(cfg, s.threads) for s in on.get("ref_logp", [])), None)
         # A killed reward actor is restarted and the calls it held run again (scoring is pure).
-        reward = RewardActor.options(num_cpus=0, max_restarts=3, max_task_retries=3).remote(cfg)
+        reward = Reward.options(num_cpus=0, max_restarts=3, max_task_retries=3).remote(cfg)
         names = {
             "rollout": [f"rollout/{i}" for i in range(len(rollouts))],
             "train": [f"train/{i}" for i in range(len(trainers))],
@@ -211,6 +220,8 @@ class RayCluster:
             **({"critic": [f"critic/{i}" for i in range(len(critics))]} if critics else {}),
         }
         cluster = cls(rollouts, trainers, ref, reward, slots, pg, names, critics)
+        actors = [cluster.actor(name) for workers in names.values() for name in workers]
+        cluster.built = (created, [a.ready.remote() for a in actors])  # runs once each is built
         cluster._join_world(cfg)
         return cluster
 
@@ -301,6 +312,19 @@ class RayCluster:
 
     def now(self) -> float:
         return time.time()
+
+    def startup(self) -> list[Span]:
+        """Each worker's start-up: from the driver's asking for its actor to the actor built (its
+        process started, its imports, its role built); the actors that never were are left out."""
+        created, handles = self.built
+        names = [name for workers in self.names.values() for name in workers]
+        spans = []
+        for name, handle in zip(names, handles, strict=True):
+            try:
+                spans.append(Span("startup", name, created, ray.get(handle, timeout=1)))
+            except Exception:  # died, or never built: no span, the run's error says why
+                pass
+        return spans
 
     def close(self) -> None:
         # Calls still queued or running (a run that failed or was stopped) are cancelled, so that Ray

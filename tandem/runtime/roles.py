@@ -9,7 +9,7 @@ import dataclasses
 import json
 import os
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,9 +75,13 @@ class PromptLimit:
     vocab_size: int
     reason: str = ""
 
-    def encode(self, tokenizer, prompts: list[Prompt], source: str) -> list[list[int]]:
-        ids = encode_prompts(tokenizer, prompts, self.tokens, source=source, limit_reason=self.reason)
-        for row, row_ids in enumerate(ids):
+    def encode(
+        self, tokenizer, prompts: list[Prompt], source: str, rows: list[int] | None = None
+    ) -> list[list[int]]:
+        """The prompts' ids (`rows`: their rows in `source`, to name a bad one; default 0, 1, ...)."""
+        ids = encode_prompts(tokenizer, prompts, self.tokens, source, self.reason, rows)
+        for i, row_ids in enumerate(ids):
+            row = rows[i] if rows is not None else i
             if row_ids and max(row_ids) >= self.vocab_size:  # the embedding would raise an IndexError
                 raise TandemError(
                     f"Prompt at row {row} of {source} has the token id {max(row_ids)}, past the model's "
@@ -92,6 +96,39 @@ class PromptLimit:
         """All the sources' prompts and their ids, a bad row named with its own file."""
         prompts = [p for _, ps in sources for p in ps]
         return prompts, [i for name, ps in sources for i in self.encode(tokenizer, ps, name)]
+
+
+class LazyPromptIds(Sequence):
+    """The training prompts' token ids, each encoded (and checked against the limit) the first time
+    the loader hands its prompt out. Encoding every row up front took ~4 s of the default run's
+    start on 2 cores (20,000 chat templates rendered and tokenized) for the 1,600 prompts its 50
+    steps use; `build_data` encodes and checks those in one call before anything starts, so a bad
+    row among them still fails there, and a bad row past them (more steps on a resume, the
+    replacements algo.filter_groups draws) fails the step that draws it, named as before."""
+
+    def __init__(self, limit: PromptLimit, tokenizer, sources: list[tuple[str, list[Prompt]]]):
+        self.limit, self.tokenizer = limit, tokenizer
+        self.where = [(name, row) for name, ps in sources for row in range(len(ps))]
+        self.prompts = [p for _, ps in sources for p in ps]
+        self.ids: list[list[int] | None] = [None] * len(self.prompts)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> list[int]:
+        if self.ids[i] is None:
+            self.encode([i])
+        return self.ids[i]
+
+    def encode(self, indices: list[int]) -> None:
+        """Encode the prompts at `indices` not encoded yet, a call per source file."""
+        todo = [i for i in dict.fromkeys(indices) if self.ids[i] is None]
+        for name in dict.fromkeys(self.where[i][0] for i in todo):
+            mine = [i for i in todo if self.where[i][0] == name]
+            rows = [self.where[i][1] for i in mine]
+            encoded = self.limit.encode(self.tokenizer, [self.prompts[i] for i in mine], name, rows)
+            for i, ids in zip(mine, encoded, strict=True):
+                self.ids[i] = ids
 
 
 def load_checked_tokenizer(cfg: Config):
@@ -153,7 +190,10 @@ def build_data(cfg: Config) -> Data:
         )
     limit, tokenizer, d = prompt_limit(cfg), load_checked_tokenizer(cfg), cfg.data
     train = load_sources(cfg, d.train_files, "train", d.train_size, cfg.run.seed)
-    train_prompts, train_ids = limit.encode_sources(tokenizer, train)
+    train_ids = LazyPromptIds(limit, tokenizer, train)
+    loader = PromptLoader(train_ids.prompts, train_ids, cfg.rollout.batch_size, d.shuffle, cfg.run.seed)
+    first = loader.upcoming(cfg.run.steps * cfg.rollout.batch_size)  # what a run without drops takes
+    train_ids.encode(first)
     val = []
     if d.val_files or not d.train_files:  # own training data and no val files: no validation
         val = load_sources(cfg, d.val_files, "test", d.val_size, cfg.run.seed + 1)
@@ -162,8 +202,7 @@ def build_data(cfg: Config) -> Data:
     agent_scores = cfg.rollout.agent.startswith(("openai:", "verifiers:"))
     if cfg.reward.fn == "auto" and not agent_scores:
         check_data_sources(train + val)
-    check_memory(cfg, model_cfg, train_ids, machine_memory())
-    loader = PromptLoader(train_prompts, train_ids, cfg.rollout.batch_size, d.shuffle, cfg.run.seed)
+    check_memory(cfg, model_cfg, [train_ids[i] for i in first], machine_memory())
     return Data(loader, val_prompts, val_ids)
 
 

@@ -1,24 +1,30 @@
 """`tandem train`: check the inputs, start the actors, run the loop, leave the run directory behind."""
 
 import json
+import os
 import signal
 import sys
+import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 
-import ray
+import torch
 
 from tandem import devices
 from tandem.config import Config, save_config
+from tandem.config.validate import one_process_refusal
 from tandem.controller.loop import Loop, Stopped
 from tandem.controller.metrics import MetricsLogger, require_wandb
+from tandem.controller.timeline import Span
 from tandem.determinism import check_batch_invariance, machine
 from tandem.paths import check_writable, run_lock
 from tandem.reward.user_fn import canonical_spec, load_within
-from tandem.runtime.cluster import RayCluster, plan_slots, start_ray
+from tandem.runtime.local import LocalCluster, cpu_threads
 from tandem.runtime.resume import find_resume
 from tandem.runtime.roles import build_data
+
+IMPORTED = time.time()  # process_start's fallback
 
 
 def with_absolute_paths(cfg: Config) -> Config:
@@ -52,7 +58,39 @@ def wandb_options(cfg: Config) -> dict | None:
 
 def role_threads(cfg: Config) -> set[int]:
     """The torch thread counts the run's roles will have (placement's shares, or run.threads)."""
+    import ray
+
+    from tandem.runtime.cluster import plan_slots
+
     return {cfg.run.threads or s.threads for s in plan_slots(cfg, ray.cluster_resources())}
+
+
+DRIVER = "driver/0"  # the driver's row in timeline.json: its start-up
+
+
+def process_start() -> float:
+    """When this process started (time.time() seconds): Linux's record of it, else when tandem's
+    CLI was imported."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
+        boot = next(line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
+        return int(boot.split()[1]) + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return IMPORTED
+
+
+def first_call(spans: list[Span]) -> float:
+    """When the first rollout call (validation or generation) began: where start-up ends."""
+    return min(s.start for s in spans if s.role == "rollout")
+
+
+def in_one_process(cfg: Config) -> bool:
+    """run.cluster: local, or auto where the run can be held in one process (`one_process_refusal`)
+    and Ray is not running here already (a caller that started or joined Ray meant it for the run)."""
+    if cfg.run.cluster != "auto":
+        return cfg.run.cluster == "local"
+    ray = sys.modules.get("ray")  # not imported: not running either
+    return not (ray is not None and ray.is_initialized()) and not one_process_refusal(cfg)
 
 
 def run_training(cfg: Config, on_step=None) -> dict[str, float]:
@@ -75,25 +113,38 @@ def run_training(cfg: Config, on_step=None) -> dict[str, float]:
 
 
 def _train(cfg: Config, run_dir: Path, on_step, signals: "Signals", stack: ExitStack) -> dict[str, float]:
+    startup = [Span("imports", DRIVER, process_start(), time.time())]  # ... to here: Python, imports
     cfg = with_absolute_paths(cfg)
     resume = find_resume(cfg, run_dir)  # a damaged or incompatible checkpoint is refused here
     if cfg.run.wandb:
         require_wandb()
+    begun = time.time()
     data = build_data(cfg)  # bad input fails here, before any actor starts
     load_within(cfg.reward.fn, cfg.reward.import_timeout_s)  # a module that hangs at import ends it here
-    if start_ray(cfg):  # Ray started here stops here, before the signal handlers go (see Signals)
-        stack.callback(ray.shutdown)
+    startup.append(Span("data", DRIVER, begun, time.time()))
+    local, begun = in_one_process(cfg), time.time()
+    if local:
+        gpus = torch.cuda.device_count()
+    else:  # Ray and the cluster on it imported only here: a run in one process never needs them
+        import ray
+
+        from tandem.runtime.cluster import RayCluster, start_ray
+
+        if start_ray(cfg):  # Ray started here stops here, before the signal handlers go
+            stack.callback(ray.shutdown)
+            startup.append(Span("ray", DRIVER, begun, time.time()))
+        gpus = ray.cluster_resources().get("GPU", 0)
     signals.install()  # again: ray.init puts its own SIGTERM handler in (it aborts the process)
-    cfg = devices.resolve(cfg, ray.cluster_resources().get("GPU", 0))
+    cfg = devices.resolve(cfg, gpus)
     if cfg.run.deterministic:  # refused here, in seconds, if this machine's kernels cannot keep it
-        threads = role_threads(cfg)
+        threads = {cfg.run.threads or cpu_threads()} if local else role_threads(cfg)
         seconds = check_batch_invariance(cfg, threads)
         print(
             f"run.deterministic: batch-invariance self-test passed in {seconds:.1f} s "
             f"({machine(cfg.run.device)}; {cfg.train.dtype}; threads {sorted(threads)})"
         )
     save_config(cfg, run_dir / "config.yaml")  # as resolved: device and dtypes concrete
-    cluster = RayCluster.start(cfg)
+    cluster = LocalCluster.start(cfg) if local else RayCluster.start(cfg)
     loop = Loop(cfg, data, cluster)
     log = None
     try:
@@ -108,10 +159,13 @@ def _train(cfg: Config, run_dir: Path, on_step, signals: "Signals", stack: ExitS
             loop.on_step = lambda version: on_step(loop)
         signals.loop = loop
         summary = loop.run(log)
+        summary["timing_s/startup"] = first_call(loop.timeline.spans) - startup[0].start
         loop.save("final")
         log.log(cfg.run.steps, summary)
     finally:
         signals.closing = True  # a signal now would cut the clean-up short: it is ignored
+        loop.timeline.add(*startup, *cluster.startup())
+        loop.timeline.start = startup[0].start
         loop.timeline.write(run_dir / "timeline.json")
         if log is not None:
             log.close()

@@ -11,9 +11,12 @@ the next version has been sent and every borrower has dropped the handle. Pass t
 (the refs are nested in it, so Ray hands them over as refs and does not fetch them into the call);
 if the sender actor dies, its objects are lost and `receive` says so.
 
-Ray is imported inside `send` / `receive` only, so `import tandem.sync` does not import Ray.
+Ray is imported inside `send` / `receive` only, so `import tandem.sync` does not import Ray. In a
+run held in one process (`tandem.runtime.local.LocalCluster`, Ray not started) the "object" is the
+bucket's array itself, handed from the trainer to the engine in memory.
 """
 
+import sys
 import time
 import warnings
 from collections.abc import Iterable
@@ -29,6 +32,15 @@ from tandem.sync.bucket import collect, pack_bucket
 from tandem.sync.plan import MB, BucketPlan, TensorSpec
 from tandem.sync.protocol import TRANSPORTS
 from tandem.sync.staging import StagingBuffer
+
+
+def _put(array: np.ndarray) -> Any:
+    """`array` into Ray's object store -> its ObjectRef; a copy of it where Ray is not running (a
+    run in one process)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return ray.put(array)
+    return array.copy()
 
 
 @dataclass(frozen=True)
@@ -63,13 +75,11 @@ class ObjectStoreTransport:
 
     def send(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> ObjectStoreHandle:
         """Pack and put every bucket of `version` -> the handle for the receivers."""
-        import ray
-
         tensors = collect(self.plan, named_tensors)
         refs = []
         for i in range(self.plan.num_buckets):
             bucket = pack_bucket(self.plan, i, tensors, version, out=self._buffer(tensors))
-            refs.append(ray.put(bucket.cpu().numpy()))  # put copies, so one scratch buffer serves all
+            refs.append(_put(bucket.cpu().numpy()))  # put copies, so one scratch buffer serves all
         plan = self.plan
         self._sent = ObjectStoreHandle(
             version, plan.fingerprint, plan.produce_bytes, tuple(plan.specs), tuple(refs)
@@ -99,6 +109,8 @@ class ObjectStoreTransport:
                 dst.copy_(src)
 
     def _get(self, ref: Any, index: int, version: int, deadline: float, timeout_s: float) -> np.ndarray:
+        if isinstance(ref, np.ndarray):  # put in this process, Ray not running (`_put`)
+            return ref
         import ray
         from ray.exceptions import GetTimeoutError, RayError
 

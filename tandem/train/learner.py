@@ -18,9 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import Tensor
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from tandem.config import TrainConfig
 from tandem.errors import TandemError
@@ -29,10 +27,7 @@ from tandem.sample import Sample
 from tandem.train import parallel
 from tandem.train.batch import Rows, packed, padded, rank_micro_batches
 from tandem.train.optim import make_optimizer, make_scheduler
-from tandem.train.state import rng_states, set_rng_states
-
-# Loading leaves the frozen parameters out (`Learner.state`); dcp.load has required every trained one.
-INTO_TRAINED = StateDictOptions(strict=False)
+from tandem.train.state import dcp, rng_states, set_rng_states
 
 # One micro-batch's loss: `part` (indices into the mini-batch's samples; [] for a dummy forward) ->
 # (its share of the mini-batch's loss, its shares of the metrics, a detached per-token output
@@ -224,6 +219,8 @@ class Learner:
         """The model's and the optimizer's state dicts as checkpoints hold them: what trains. Frozen
         parameters (a LoRA run's base) come from model.path again, so they are left out (a tied
         one under both its names, which `ignore_frozen_params` would keep under one)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict  # ~1 s to import: see dcp()
+
         model_sd, optim_sd = get_state_dict(self.model, [self.optimizer])
         frozen = {n for n, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
         return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd
@@ -234,7 +231,7 @@ class Learner:
         model_sd, optim_sd = self.state()
         group = self.dp_group
         with _one_process_is_fine():
-            dcp.save(
+            dcp().save(
                 {"model": model_sd, "optim": optim_sd},
                 checkpoint_id=root,
                 process_group=group,
@@ -256,13 +253,15 @@ class Learner:
         state = {"model": model_sd, "optim": optim_sd}
         group = self.dp_group
         with _one_process_is_fine():
-            dcp.load(state, checkpoint_id=root, process_group=group, no_dist=group is None)
-        set_state_dict(
+            dcp().load(state, checkpoint_id=root, process_group=group, no_dist=group is None)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(  # strict=False: the frozen parameters are left out (`state`)
             self.model,
             [self.optimizer],
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
-            options=INTO_TRAINED,
+            options=StateDictOptions(strict=False),
         )
         if self.masters is not None:  # the compute copy takes the loaded masters, rounded once
             self.masters.refresh()

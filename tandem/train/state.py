@@ -18,7 +18,16 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
+
+
+def dcp():
+    """`torch.distributed.checkpoint`, imported when a checkpoint is first saved or loaded: it takes
+    ~1 s (2 cores; sympy and DTensor's ops with it), which every process that imports tandem.train
+    paid at start-up before."""
+    import torch.distributed.checkpoint
+
+    return torch.distributed.checkpoint
+
 
 SHARDS = "trainer"  # the policy's DCP directory inside a checkpoint
 CRITIC = "critic"  # the value model's (algo.adv_estimator=gae)
@@ -60,7 +69,7 @@ def damaged_state(path: Path, directory: str = SHARDS, ranks: int = 1) -> list[s
     if not root.is_dir():
         return [f"{root}/ is missing"]
     try:
-        metadata = dcp.FileSystemReader(str(root)).read_metadata()
+        metadata = dcp().FileSystemReader(str(root)).read_metadata()
     except Exception as e:  # a missing, truncated or foreign file: unpickling raises anything
         return [f"{root / '.metadata'} is unreadable ({type(e).__name__}: {e})"]
     needed: dict[str, int] = {}  # shard file -> the bytes it must hold

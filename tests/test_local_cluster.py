@@ -1,0 +1,90 @@
+"""run.cluster: a sync run held in the driver's process (`LocalCluster`) runs the same workers as
+the Ray actors and the same run, bit for bit; what cannot be held in one process is refused or
+goes to Ray."""
+
+import pytest
+from test_determinism import _run
+
+from tandem.config import load_config
+from tandem.controller.protocol import CallFailed
+from tandem.errors import TandemError
+from tandem.runtime.local import LocalCluster
+from tandem.runtime.run import in_one_process
+
+
+@pytest.mark.parametrize(
+    "overrides, local",
+    [
+        ([], True),  # the default run: sync, a worker per role
+        (["algo.adv_estimator=gae"], True),  # a critic of one rank
+        (["placement.groups=[[actor_train],ref_logp,generate]", "placement.ratios=[0.5,0.25,0.25]"], True),
+        (["run.mode=async"], False),
+        (["run.mode=one_step_off"], False),
+        (["rollout.num_workers=2"], False),
+        (["train.num_workers=2"], False),
+        (["sync.transport=broadcast"], False),
+        (["run.cluster=ray"], False),
+    ],
+)
+def test_auto_holds_a_sync_run_of_one_worker_per_role_in_one_process(overrides, local):
+    import ray
+
+    assert not ray.is_initialized() or pytest.skip("Ray runs in this session: auto would take it")
+    assert in_one_process(load_config(None, [*overrides, "algo.kl_coef=0.1"])) == local
+
+
+@pytest.mark.parametrize(
+    "overrides, reason",
+    [
+        (["run.mode=async"], "run.mode=async overlaps generation and training"),
+        (["train.num_workers=2", "train.strategy=ddp"], "train.num_workers=2"),
+        (["train.strategy=fsdp2"], "fsdp2 needs a torch.distributed world"),
+        (["sync.transport=broadcast"], "sync.transport=broadcast"),
+    ],
+)
+def test_run_cluster_local_refuses_what_one_process_cannot_hold_with_the_reason(overrides, reason):
+    with pytest.raises(TandemError, match=r"'run.cluster' is local .*not with .*" + reason):
+        load_config(None, ["run.cluster=local", *overrides])
+
+
+class Worker:
+    def __init__(self):
+        self.seen = []
+
+    def keep(self, values: list[int]) -> list[int]:
+        values.append(0)  # a worker's changes to its arguments stay its own
+        self.seen.append(values)
+        return values
+
+    def refuse(self) -> None:
+        raise TandemError("refused by name")
+
+    def crash(self) -> None:
+        raise ValueError("a bug")
+
+
+def test_calls_cross_as_copies_and_fail_as_on_ray():
+    cluster = LocalCluster({"reward/0": Worker()}, {"reward": ["reward/0"]})
+    given = [1, 2]
+    kept = cluster.submit("reward/0", "keep", given)
+    assert given == [1, 2] and cluster.get([kept], 1) == [[1, 2, 0]]
+    again = cluster.submit("reward/0", "keep", kept)  # a handle as an argument: its result
+    assert cluster.wait_next([again], 1).result == [1, 2, 0, 0]
+    refused, crashed = cluster.submit("reward/0", "refuse"), cluster.submit("reward/0", "crash")
+    assert str(cluster.wait_next([refused, crashed], 1).error) == "refused by name"
+    error = cluster.wait_next([crashed], 1).error
+    assert isinstance(error, CallFailed) and "ValueError: a bug" in str(error)
+    after = cluster.submit("reward/0", "keep", crashed)  # an argument that failed fails the call
+    with pytest.raises(CallFailed, match="a bug"):
+        cluster.get([after], 1)
+
+
+@pytest.mark.ray
+def test_a_deterministic_run_in_one_process_equals_the_same_run_on_ray_bit_for_bit(tmp_path):
+    """The same workers behind either cluster: every metric and the final weights."""
+    local = _run(tmp_path / "local", ["run.cluster=local"])
+    on_ray = _run(tmp_path / "ray", ["run.cluster=ray"])
+    assert len(local[0]) == len(on_ray[0]) and sum("actor/pg_loss" in r for r in local[0]) == 4
+    for a, b in zip(local[0], on_ray[0], strict=True):
+        assert a == b, {k: (a[k], b.get(k)) for k in a if a[k] != b.get(k)}
+    assert local[1] == on_ray[1]
