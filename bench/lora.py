@@ -332,8 +332,8 @@ def main() -> None:
     cpu = cpu_name()
     gpu = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else ""
     print(
-        f"{gpu or cpu}, {torch.get_num_threads()} threads; Qwen2-0.5B-shaped random model ({args.layers} layers), "
-        f"LoRA rank {args.rank} on attention + MLP, {dtype}"
+        f"{gpu or cpu}, {torch.get_num_threads()} threads; Qwen2-0.5B-shaped random model "
+        f"({args.layers} layers), LoRA rank {args.rank} on attention + MLP, {dtype}"
     )
     figures: dict = {
         "cpu": cpu,

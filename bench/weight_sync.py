@@ -1,6 +1,8 @@
-"""Weight sync throughput: every transport, one message per parameter vs bucketed, vs a memcpy.
+"""Weight sync throughput: every transport, one message per parameter vs bucketed, vs a memcpy;
+and delta pushes (sync.delta=true), full against delta.
 
     python bench/weight_sync.py [--hidden 1024 --layers 2] [--produce-mb 32] [--repeats 5] [--json PATH]
+                                [--delta-steps 5] [--qwen-layers N] [--bytes-only]
 
 One sender and one receiver actor on local Ray (a gloo world of two for `broadcast`). A push is
 what the driver waits for: the trainer packs and sends version v, the receiver stages all of it
@@ -8,6 +10,18 @@ what the driver waits for: the trainer packs and sends version v, the receiver s
 `dst.copy_(src)` of the same number of bytes in one process. Medians of --repeats pushes after one
 warm-up. The default model has the shape of tandem/assets/warmstart-addition (random weights);
 --hidden / --layers make a bigger one (--hidden 1024 --layers 2 is about 90 MB in fp32).
+
+Delta pushes, same actors: `delta_push_speedup_<transport>` is the median time of a full push over
+a delta push, both in bf16, each after an Adam-sized step of the sender's fp32 weights (every
+weight moves by 1e-6, up or down, as Adam's first step at lr 1e-6 moves it), the delta's chain
+still short of its next full push; `delta_push_speedup` is the default transport's
+(object_store). Then, without Ray, bench/delta_bytes.py's byte figures: `delta_bytes_ratio` (delta
+/ full bytes per push over the pushes of the default run's first --delta-steps steps, as resolved
+on this machine), `delta_bytes_ratio_bf16` (the same run pushing in bf16, as rollout.dtype=auto
+resolves on a GPU), `delta_bytes_ratio_qwen05b` (the Qwen2-0.5B-shaped random model after one
+optimizer step at lr 1e-6 in bf16; --qwen-layers fewer layers for a quick check) beside the
+encodings it was chosen over (`..._index32`, `..._xor_zlib`) and each one's encode speed
+(`delta_encode_bytes_per_s_<encoding>`). --bytes-only skips the pushes on Ray.
 """
 
 import argparse
@@ -18,13 +32,17 @@ import time
 
 import ray
 import torch
+from delta_bytes import default_run_ratio, qwen_ratios
+from engine import RANDOM_MODELS
 
+from tandem.config import Config
 from tandem.model.config import ModelConfig, resolve_model_path
 from tandem.model.decoder import CausalLM, init_weights
 from tandem.sync import TRANSPORTS, BucketPlan, StagingBuffer
 from tandem.sync import dist as sync_dist
 
 MB = 1 << 20
+DELTA_STEP = 1e-6  # how far each weight moves between two delta-timed pushes
 
 
 def model_config(hidden: int | None, layers: int | None) -> ModelConfig:
@@ -57,13 +75,27 @@ class Peer:
     def join(self, rank: int, addr: str, port: int) -> None:
         self.group = sync_dist.sync_group(rank, 2, addr, port, timeout_s=120)
 
-    def use(self, transport: str, produce_mb: float, consume_mb: float) -> int:
-        """A fresh plan, staging buffer and transport -> the number of buckets."""
-        self.plan = BucketPlan.from_named_tensors(self.model.named_parameters(), produce_mb, consume_mb)
+    def use(
+        self, transport: str, produce_mb: float, consume_mb: float, delta: bool = False, bf16: bool = False
+    ) -> int:
+        """A fresh plan (in bf16: the weights are cast on the way), staging buffer, live weights
+        and transport -> the number of buckets."""
+        dtype = torch.bfloat16 if bf16 else None
+        self.plan = BucketPlan.from_named_tensors(
+            self.model.named_parameters(), produce_mb, consume_mb, dtype
+        )
         self.staging = StagingBuffer(self.plan)
-        self.transport = TRANSPORTS.get(transport)(self.plan, self.name, group=self.group, timeout_s=120)
-        self.version = 0
+        self.live = {s.name: torch.empty(s.shape, dtype=s.dtype) for s in self.plan.specs}
+        factory = TRANSPORTS.get(transport)
+        self.transport = factory(self.plan, self.name, group=self.group, timeout_s=120, delta=delta)
         return self.plan.num_buckets
+
+    def step(self, seed: int) -> None:
+        """Every weight moves by DELTA_STEP, up or down."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.add_(torch.randn(p.shape, generator=g).sign(), alpha=DELTA_STEP)
 
     def send(self, version: int):
         return self.transport.send(((n, p.detach()) for n, p in self.model.named_parameters()), version)
@@ -72,9 +104,8 @@ class Peer:
         self.transport.receive(handle, version, self.staging, timeout_s=120)
 
     def swap_seconds(self) -> float:
-        params = dict(self.model.named_parameters())
         start = time.perf_counter()
-        self.staging.swap_into(params)
+        self.staging.swap_into(self.live)
         return time.perf_counter() - start
 
 
@@ -98,12 +129,25 @@ def memcpy_bytes_per_s(nbytes: int, repeats: int) -> float:
     return nbytes / statistics.median(times)
 
 
-def measure(sender, receiver, transport: str, produce_mb: float, consume_mb: float, repeats: int):
-    """-> (buckets, median push bytes/s, median swap bytes/s) for one transport and bucket size."""
-    buckets = ray.get([p.use.remote(transport, produce_mb, consume_mb) for p in (sender, receiver)])[0]
+def measure(
+    sender,
+    receiver,
+    transport: str,
+    produce_mb: float,
+    consume_mb: float,
+    repeats: int,
+    delta: bool | None = None,
+):
+    """-> (buckets, median push seconds, median swap seconds) for one transport and bucket size.
+    delta None: the same weights, in their own dtype, every push; False / True: full / delta pushes
+    in bf16, the sender stepping (`Peer.step`) before each."""
+    options = (transport, produce_mb, consume_mb, bool(delta), delta is not None)
+    buckets = ray.get([p.use.remote(*options) for p in (sender, receiver)])[0]
     collective = TRANSPORTS.get(transport).collective
     pushes, swaps = [], []
-    for version in range(repeats + 1):  # version 0 warms up
+    for version in range(repeats + 1):  # version 0 warms up (and is a full push)
+        if delta is not None:
+            ray.get(sender.step.remote(version))
         seconds = push_seconds(sender, receiver, version, collective)
         swap = ray.get(receiver.swap_seconds.remote())
         if version:
@@ -112,17 +156,24 @@ def measure(sender, receiver, transport: str, produce_mb: float, consume_mb: flo
     return buckets, statistics.median(pushes), statistics.median(swaps)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, help="hidden size of a bigger random model")
-    ap.add_argument("--layers", type=int, help="number of layers of a bigger random model")
-    ap.add_argument("--produce-mb", type=float, default=32.0, help="bucketed: sender bucket size")
-    ap.add_argument("--consume-mb", type=float, default=8.0, help="receiver copy chunk size")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--json", help="write the figures as one flat JSON object")
-    args = ap.parse_args()
-    cfg = model_config(args.hidden, args.layers)
-    torch.set_num_threads(1)  # the memcpy baseline gets one core, as each actor does
+def delta_speedups(sender, receiver, args) -> dict[str, float]:
+    """Per transport: median full push time / median delta push time, bf16, after a step each."""
+    figures = {}
+    for transport in TRANSPORTS.names():
+        push = {
+            delta: measure(
+                sender, receiver, transport, args.produce_mb, args.consume_mb, args.repeats, delta
+            )[1]
+            for delta in (False, True)
+        }
+        figures[f"delta_push_speedup_{transport}"] = push[False] / push[True]
+        print(f"{transport:<14}delta push {push[True] * 1e3:.1f} ms, full {push[False] * 1e3:.1f} ms (bf16)")
+    figures["delta_push_speedup"] = figures[f"delta_push_speedup_{Config().sync.transport}"]
+    return figures
+
+
+def push_figures(cfg: ModelConfig, args) -> dict[str, float]:
+    """The timed figures: every transport per parameter and bucketed, then delta against full."""
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     sender, receiver = Peer.remote("trainer-0", cfg, 0), Peer.remote("rollout-0", cfg, 1)
     addr, port = ray.get(sender.rendezvous.remote())
@@ -153,14 +204,48 @@ def main() -> None:
             )
         figures[f"{transport}_bucketed_vs_memcpy"] = rates["bucketed"] / memcpy
         figures[f"{transport}_bucketed_vs_per_tensor"] = rates["bucketed"] / rates["per_tensor"]
+    figures.update(delta_speedups(sender, receiver, args))
+    ray.shutdown()
+    return figures
+
+
+def byte_figures(args) -> dict[str, float]:
+    """What delta pushes send (bench/delta_bytes.py), no Ray, nothing timed but the encodings."""
+    qwen = qwen_ratios(RANDOM_MODELS["qwen2-0.5b-random"], args.qwen_layers, Config().sync.produce_bucket_mb)
+    return {
+        "delta_bytes_ratio": default_run_ratio([], args.delta_steps),
+        "delta_bytes_ratio_bf16": default_run_ratio(["rollout.dtype=bfloat16"], args.delta_steps),
+        "delta_bytes_ratio_qwen05b": qwen.pop("delta_bytes_ratio_qwen05b_block_sparse"),
+        **qwen,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, help="hidden size of a bigger random model")
+    ap.add_argument("--layers", type=int, help="number of layers of a bigger random model")
+    ap.add_argument("--produce-mb", type=float, default=32.0, help="bucketed: sender bucket size")
+    ap.add_argument("--consume-mb", type=float, default=8.0, help="receiver copy chunk size")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--delta-steps", type=int, default=5, help="default-run steps for delta_bytes_ratio")
+    ap.add_argument("--qwen-layers", type=int, help="fewer layers of the Qwen2-0.5B shape (a quick check)")
+    ap.add_argument("--bytes-only", action="store_true", help="only the delta byte figures, no pushes on Ray")
+    ap.add_argument("--json", help="write the figures as one flat JSON object")
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # the memcpy baseline gets one core, as each actor does
+    figures = {} if args.bytes_only else push_figures(model_config(args.hidden, args.layers), args)
+    figures.update(byte_figures(args))
     print(
         "ratios: "
-        + ", ".join(f"{k} {v:.3f}" for k, v in figures.items() if k.endswith(("_memcpy", "_tensor")))
+        + ", ".join(
+            f"{k} {v:.3f}"
+            for k, v in figures.items()
+            if k.endswith(("_memcpy", "_tensor")) or "ratio" in k or "speedup" in k
+        )
     )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)
-    ray.shutdown()
 
 
 if __name__ == "__main__":

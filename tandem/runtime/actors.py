@@ -47,7 +47,8 @@ def _transport(actor, plan: BucketPlan):
     """The run's weight transport, as seen from this actor (sender or receiver side)."""
     factory = TRANSPORTS.get(actor.cfg.sync.transport)
     group = getattr(actor, "sync_group", None)
-    return factory(plan, actor.name, group=group, src_rank=0, timeout_s=actor.cfg.sync.timeout_s)
+    s = actor.cfg.sync
+    return factory(plan, actor.name, group=group, src_rank=0, timeout_s=s.timeout_s, delta=s.delta)
 
 
 def _set_up_process(cfg: Config, threads: int) -> None:

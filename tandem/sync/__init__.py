@@ -6,6 +6,7 @@ docs/weight_sync.md tells the whole story. Importing this package does not impor
 from tandem.sync import broadcast, object_store  # noqa: F401  (register the transports)
 from tandem.sync.broadcast import BroadcastTransport
 from tandem.sync.bucket import BucketHeader, pack_bucket, read_header, unpack_bucket
+from tandem.sync.delta import DeltaEncoder
 from tandem.sync.dist import SyncGroup, destroy_world, free_port, init_world, new_group, node_ip, sync_group
 from tandem.sync.object_store import ObjectStoreHandle, ObjectStoreTransport
 from tandem.sync.plan import BucketPlan, TensorSpec
@@ -17,6 +18,7 @@ __all__ = [
     "BroadcastTransport",
     "BucketHeader",
     "BucketPlan",
+    "DeltaEncoder",
     "ObjectStoreHandle",
     "ObjectStoreTransport",
     "StagingBuffer",

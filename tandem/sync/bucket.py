@@ -67,8 +67,7 @@ def pack_bucket(
         device = tensors[plan.buckets[index][0].spec.name].device if plan.buckets[index] else "cpu"
         out = torch.empty(size, dtype=torch.uint8, device=device)
     out = out[:size]
-    header = [MAGIC, version, index, plan.num_buckets, plan.fingerprint, size, 0, 0]
-    out[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
+    write_header(plan, index, version, out)
     end = HEADER_BYTES
     for slot in plan.buckets[index]:
         spec = slot.spec
@@ -76,6 +75,12 @@ def pack_bucket(
         end = slot.offset + spec.nbytes
         out[slot.offset : end].view(spec.dtype).view(spec.shape).copy_(full_tensor(tensors[spec.name]))
     return out
+
+
+def write_header(plan: BucketPlan, index: int, version: int, bucket: Tensor) -> None:
+    """Write bucket `index`'s header for `version` into the first 64 bytes of `bucket` (uint8)."""
+    header = [MAGIC, version, index, plan.num_buckets, plan.fingerprint, plan.bucket_nbytes[index], 0, 0]
+    bucket[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
 
 
 def read_header(bucket: Tensor) -> BucketHeader:

@@ -11,6 +11,15 @@ the next version has been sent and every borrower has dropped the handle. Pass t
 (the refs are nested in it, so Ray hands them over as refs and does not fetch them into the call);
 if the sender actor dies, its objects are lost and `receive` says so.
 
+Delta pushes (`delta=True`, tandem/sync/delta.py): the sender cannot know which version each
+receiver holds (a restarted worker is re-synced with the last handle), so every handle carries the
+chain it needs: the refs of the last full push and of every delta push since, oldest first. A
+receiver holding the newest push's base applies that one delta; any other (restarted, or it missed
+a push) rebuilds the version from the chain, i.e. gets the full push. A push is full again once the
+deltas since the last full one add up to its bytes, so the object store holds at most about two
+versions' bytes for the chain (plus the previous chain until its receivers are done with it), and a
+receiver rebuilding from it reads at most about that much.
+
 Ray is imported inside `send` / `receive` only, so `import tandem.sync` does not import Ray. In a
 run held in one process (`tandem.runtime.local.LocalCluster`, Ray not started) the "object" is the
 bucket's array itself, handed from the trainer to the engine in memory.
@@ -29,6 +38,7 @@ from torch import Tensor
 
 from tandem.errors import TandemError
 from tandem.sync.bucket import collect, pack_bucket
+from tandem.sync.delta import DeltaEncoder, apply
 from tandem.sync.plan import MB, BucketPlan, TensorSpec
 from tandem.sync.protocol import TRANSPORTS
 from tandem.sync.staging import StagingBuffer
@@ -44,6 +54,14 @@ def _put(array: np.ndarray) -> Any:
 
 
 @dataclass(frozen=True)
+class Push:
+    """One earlier push of a delta chain: its version and its refs (a bucket or a delta each)."""
+
+    version: int
+    refs: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
 class ObjectStoreHandle:
     """What the driver passes from the sender to the receivers for one version."""
 
@@ -51,7 +69,10 @@ class ObjectStoreHandle:
     fingerprint: int
     produce_bytes: int
     specs: tuple[TensorSpec, ...]  # lets a receiver with another plan name the first difference
-    refs: tuple[Any, ...]  # one ray.ObjectRef per bucket, in bucket order
+    refs: tuple[Any, ...]  # one ray.ObjectRef per bucket, in bucket order: a bucket or its delta
+    # Delta pushes: the pushes since the last full one, oldest first (chain[0] is that full push);
+    # `refs` are deltas against chain[-1]. Empty for a full push.
+    chain: tuple[Push, ...] = ()
 
 
 @TRANSPORTS.register("object_store")
@@ -66,25 +87,48 @@ class ObjectStoreTransport:
         group: Any = None,
         src_rank: int = 0,
         timeout_s: float = 300.0,
+        delta: bool = False,
     ):
+        """delta: send each bucket as its delta against the last version sent where that is smaller
+        (sync.delta); receivers need no setting, what arrives says what it is."""
         self.plan = plan
         self.worker_name = worker_name
         self.timeout_s = timeout_s  # unused: a put does not wait for anyone
+        self.delta = DeltaEncoder(plan) if delta else None
+        self.sent_bytes = 0  # bytes the last push put, headers included
         self._sent: ObjectStoreHandle | None = None  # keeps the last version's objects alive
+        self._full_bytes = self._chain_bytes = 0  # the chain's full push, and its deltas since
         self._scratch: Tensor | None = None
 
     def send(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> ObjectStoreHandle:
-        """Pack and put every bucket of `version` -> the handle for the receivers."""
+        """Pack and put every bucket of `version` (or its delta) -> the handle for the receivers."""
         tensors = collect(self.plan, named_tensors)
-        refs = []
+        base = self._delta_base()
+        refs, self.sent_bytes = [], 0
         for i in range(self.plan.num_buckets):
-            bucket = pack_bucket(self.plan, i, tensors, version, out=self._buffer(tensors))
-            refs.append(_put(bucket.cpu().numpy()))  # put copies, so one scratch buffer serves all
+            bucket = pack_bucket(self.plan, i, tensors, version, out=self._buffer(tensors)).cpu()
+            message = bucket if self.delta is None else self.delta.encode(bucket, base)
+            refs.append(_put(message.numpy()))  # put copies, so one scratch buffer serves all
+            self.sent_bytes += message.numel()
+        chain = () if base is None else (*self._sent.chain, Push(self._sent.version, self._sent.refs))
         plan = self.plan
         self._sent = ObjectStoreHandle(
-            version, plan.fingerprint, plan.produce_bytes, tuple(plan.specs), tuple(refs)
+            version, plan.fingerprint, plan.produce_bytes, tuple(plan.specs), tuple(refs), chain
         )
+        if self.delta is not None:
+            self.delta.end(version)
+            self._chain_bytes = 0 if base is None else self._chain_bytes + self.sent_bytes
+            self._full_bytes = self.sent_bytes if base is None else self._full_bytes
         return self._sent
+
+    def _delta_base(self) -> int | None:
+        """The version this push's deltas are taken against: the last one sent, unless there is
+        none (first push, or the last failed half way) or the chain has grown to a full push's
+        bytes; None -> a full push, which starts a new chain."""
+        if self.delta is None:
+            return None
+        base = self.delta.begin()
+        return base if base is not None and self._chain_bytes < self._full_bytes else None
 
     def _buffer(self, tensors: dict[str, Tensor]) -> Tensor:
         device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
@@ -97,16 +141,19 @@ class ObjectStoreTransport:
     def receive(
         self, handle: ObjectStoreHandle, version: int, staging: StagingBuffer, timeout_s: float
     ) -> None:
-        """Get every bucket of the handle into `staging` within timeout_s (one deadline for all)."""
+        """Get every bucket of the handle into `staging` within timeout_s (one deadline for all).
+        A delta push is applied to the version this worker holds if that is its base; else the
+        version is rebuilt from the handle's chain (the last full push, then each delta since)."""
         self._check_handle(handle, version)
         deadline = time.monotonic() + timeout_s
-        for i, ref in enumerate(handle.refs):
-            array = self._get(ref, i, version, deadline, timeout_s)
-            with warnings.catch_warnings():  # the array is read-only shared memory; we only read it
-                warnings.simplefilter("ignore", UserWarning)
-                src = torch.from_numpy(array)
+        pushes, base = _route(handle, staging.held_version)
+        for i in range(self.plan.num_buckets):
+            arrays = [self._get(p.refs[i], i, p.version, deadline, timeout_s) for p in pushes]
+            start = None if base is None else staging.base(base, i)
             with staging.receiving(version, i, self.worker_name) as dst:
-                dst.copy_(src)
+                for array in arrays:
+                    apply(self.plan, _tensor(array), dst, start, self.worker_name)
+                    start = dst  # the next delta of the chain applies to what this one rebuilt
 
     def _get(self, ref: Any, index: int, version: int, deadline: float, timeout_s: float) -> np.ndarray:
         if isinstance(ref, np.ndarray):  # put in this process, Ray not running (`_put`)
@@ -139,3 +186,18 @@ class ObjectStoreTransport:
             sender = BucketPlan(handle.specs, handle.produce_bytes / MB, 0)
             self.plan.check_same_layout(sender, mine=self.worker_name, theirs="sender")
             raise TandemError(f"{self.worker_name}: the sender's sync plan differs from this worker's.")
+
+
+def _route(handle: ObjectStoreHandle, held: int | None) -> tuple[tuple[Push, ...], int | None]:
+    """(the pushes a receiver holding version `held` applies, oldest first; the version the first
+    applies to, None when it is a full push)."""
+    newest = Push(handle.version, handle.refs)
+    if handle.chain and handle.chain[-1].version == held:
+        return (newest,), held
+    return (*handle.chain, newest), None
+
+
+def _tensor(array: np.ndarray) -> Tensor:
+    with warnings.catch_warnings():  # the array is read-only shared memory; we only read it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)

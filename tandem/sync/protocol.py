@@ -3,10 +3,12 @@
 Every transport is registered in TRANSPORTS under the name `sync.transport` uses, is built by the
 same call on the sender and on each receiver,
 
-    transport = TRANSPORTS.get(name)(plan, worker_name, group=group, src_rank=0, timeout_s=60)
+    transport = TRANSPORTS.get(name)(plan, worker_name, group=group, src_rank=0, timeout_s=60, delta=False)
 
 and passes the one contract test (tests/test_weight_sync.py). `group` and `src_rank` matter to
-collective transports only; the others ignore them.
+collective transports only; the others ignore them. `delta` (sync.delta) sends each bucket as its
+delta against the version the receivers hold where that is smaller (tandem/sync/delta.py); what a
+receiver stages is the same full bucket either way.
 """
 
 from collections.abc import Callable, Iterable

@@ -15,6 +15,11 @@ one is ready and not yet swapped), so a ready version is never overwritten by th
 - `swap_into(params)` installs the newest ready version and drops everything older;
 - a bucket older than the newest version seen raises: buckets of two versions never mix.
 
+A swap leaves an area's bytes in place, and each area records which version every bucket of it
+holds (`held_version`, `base`): a delta push (tandem/sync/delta.py) is rebuilt from them, so the
+version last installed stays a base until a newer one is received over it, in place, each bucket's
+old bytes read just before they are written.
+
 Thread-safe: buckets are received on one thread (`receiving`, `write`) while another swaps; a lock
 guards the bookkeeping, and bytes are copied into an area only while that area is not ready, so a
 swap never reads bytes being written.
@@ -44,6 +49,7 @@ class _Area:
     version: int | None = None
     arrived: set[int] = field(default_factory=set)
     writers: int = 0  # receives in flight into this area
+    held: dict[int, int] = field(default_factory=dict)  # bucket -> the version whose bytes it holds
 
 
 class StagingBuffer:
@@ -75,6 +81,7 @@ class StagingBuffer:
         with self._cond:
             area = self._admit(version, worker)
             area.arrived.discard(index)
+            area.held.pop(index, None)
             area.writers += 1
             start = self.plan.bucket_offsets[index]
             view = area.data[start : start + self.plan.bucket_nbytes[index]]
@@ -85,6 +92,7 @@ class StagingBuffer:
                 area.writers -= 1
                 area.data, area.version = None, None
                 area.arrived.clear()
+                area.held.clear()
             raise
         with self._cond:
             area.writers -= 1
@@ -92,6 +100,7 @@ class StagingBuffer:
                 raise TandemError(f"{worker}: version {version} was dropped while bucket {index} arrived.")
             check_header(self.plan, read_header(view), index, version, worker)
             area.arrived.add(index)
+            area.held[index] = version
             if len(area.arrived) == self.plan.num_buckets:
                 log.debug("%s: version %d staged", worker, version)
                 self._cond.notify_all()
@@ -168,6 +177,31 @@ class StagingBuffer:
             if not self._cond.wait_for(lambda: self._ready() is not None, timeout=timeout_s):
                 raise TandemError(f"{worker}: no weight version was staged within {timeout_s:g} s.")
             return self._ready()
+
+    # ---- what is held, for deltas (tandem/sync/delta.py) ---------------------------------------
+
+    @property
+    def held_version(self) -> int | None:
+        """The newest version whose every bucket's bytes are still in some area (swapped or not):
+        what a delta push may be taken against; None when no whole version is held."""
+        with self._cond:
+            held = {v for a in self._areas for v in a.held.values()}
+            return max((v for v in held if self._holds(v)), default=None)
+
+    def base(self, version: int | None, index: int) -> Tensor | None:
+        """Bucket `index` of `version` (uint8 (nbytes,), a view into the area holding it) -> the
+        base a delta is applied to; None when no area holds it (or `version` is None). Take it
+        before `receiving` the same bucket: from then on its bytes are being written. Receives run
+        one at a time, and a swap only reads, so the view stays valid while the caller uses it."""
+        with self._cond:
+            for area in self._areas:
+                if version is not None and area.held.get(index) == version:
+                    start = self.plan.bucket_offsets[index]
+                    return area.data[start : start + self.plan.bucket_nbytes[index]]
+            return None
+
+    def _holds(self, version: int) -> bool:
+        return all(any(a.held.get(i) == version for a in self._areas) for i in range(self.plan.num_buckets))
 
     # ---- swapping --------------------------------------------------------------------------
 
