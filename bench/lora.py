@@ -2,7 +2,7 @@
 push, the optimizer and a train step cost, and what an adapter costs the engine's decode.
 
     python bench/lora.py [--rank 16] [--dtype auto] [--layers 24] [--train-layers 24] [--repeats 2]
-                         [--new-tokens 12] [--device cpu] [--json PATH]
+                         [--train-length 8] [--new-tokens 12] [--device cpu] [--json PATH]
 
 Side by side in one run, adapters of rank --rank (alpha 2 x rank) on attention + MLP (q, k, v, o,
 gate, up, down projections), everything in --dtype (auto: bf16 on a CPU with native bf16 matmuls,
@@ -17,8 +17,8 @@ else fp32, as train.dtype=auto chooses; the trainer keeps fp32 masters):
    --repeats after a warm-up -> push_time_ratio.
 3. Optimizer: AdamW's state of a LoRA train worker against a full one at full depth, 2 fp32 moments
    per trained parameter (checked against the real optimizers of 4) -> optimizer_bytes_ratio.
-4. Train step: `TrainWorker` on 8 sequences of 8 + 8 tokens, LoRA then all weights, each alone
-   in memory (a full worker holds ~8 GB in fp32: weights, gradients, AdamW state), on the first
+4. Train step: `TrainWorker` on 8 sequences of --train-length (8) prompt + as many response
+   tokens, LoRA then all weights, each alone in memory (a full worker holds ~8 GB in fp32: weights, gradients, AdamW state), on the first
    --train-layers layers -> train_step_ratio (medians of --repeats after a warm-up).
 5. Decode: the built-in engine's tokens/s over the decode steps of a batch of 8 (prompts of 8
    random tokens, --new-tokens sampled, EOS ignored; the prefill left out), taking turns: the base
@@ -180,12 +180,13 @@ def optimizer_figures(cfg: ModelConfig, lora: LoraConfig) -> dict:
 # ---------------------------------------------------------------- 4. train step
 
 
-def batch(vocab: int, seed: int = 0) -> list[Sample]:
-    """8 sequences (2 groups of 4) of 8 prompt and 8 response tokens, rewards mixed in each group."""
+def batch(vocab: int, length: int = 8, seed: int = 0) -> list[Sample]:
+    """8 sequences (2 groups of 4) of `length` prompt and `length` response tokens, rewards mixed in
+    each group."""
     rng = random.Random(seed)
     samples = []
     for g in range(2):
-        prompt = [rng.randrange(vocab) for _ in range(8)]
+        prompt = [rng.randrange(vocab) for _ in range(length)]
         for i in range(4):
             samples.append(
                 Sample(
@@ -193,10 +194,10 @@ def batch(vocab: int, seed: int = 0) -> list[Sample]:
                     prompt_ids=prompt,
                     group_id=g,
                     index=i,
-                    response_ids=[rng.randrange(vocab) for _ in range(8)],
-                    logprobs=[-1.0] * 8,
-                    versions=[0] * 8,
-                    loss_mask=[1] * 8,
+                    response_ids=[rng.randrange(vocab) for _ in range(length)],
+                    logprobs=[-1.0] * length,
+                    versions=[0] * length,
+                    loss_mask=[1] * length,
                     reward=float(i % 2),
                     status=Status.FINISHED,
                     finish_reason="length",
@@ -205,13 +206,15 @@ def batch(vocab: int, seed: int = 0) -> list[Sample]:
     return samples
 
 
-def step_seconds(kind: str, cfg: ModelConfig, lora: LoraConfig, dtype: torch.dtype, repeats: int):
+def step_seconds(
+    kind: str, cfg: ModelConfig, lora: LoraConfig, dtype: torch.dtype, repeats: int, length: int
+):
     """One train worker's median step -> (seconds, AdamW state bytes, trained parameters)."""
     model = random_model(cfg, torch.float32)
     if kind == "lora":
         apply_lora(model, lora)
     worker = TrainWorker(model, AlgoConfig(), TrainConfig(), pad_token_id=0, device=DEVICE, dtype=dtype)
-    samples, times = batch(cfg.vocab_size), []
+    samples, times = batch(cfg.vocab_size, length), []
     for _ in range(repeats + 1):  # the first warms up
         start = time.perf_counter()
         worker.train_step(copy.deepcopy(samples))
@@ -222,20 +225,24 @@ def step_seconds(kind: str, cfg: ModelConfig, lora: LoraConfig, dtype: torch.dty
     return statistics.median(times[1:]), nbytes, trained
 
 
-def train_figures(cfg: ModelConfig, lora: LoraConfig, dtype: torch.dtype, layers: int, repeats: int) -> dict:
+def train_figures(
+    cfg: ModelConfig, lora: LoraConfig, dtype: torch.dtype, layers: int, repeats: int, length: int
+) -> dict:
     """LoRA, then all weights (one at a time: a full worker of the 0.5B model holds ~8 GB)."""
     cfg = replace(cfg, num_hidden_layers=layers)
     t, state, trained = {}, {}, {}
     for kind in ("lora", "full"):
-        t[kind], state[kind], trained[kind] = step_seconds(kind, cfg, lora, dtype, repeats)
+        t[kind], state[kind], trained[kind] = step_seconds(kind, cfg, lora, dtype, repeats, length)
         gc.collect()
     assert all(state[k] == 8 * trained[k] for k in t), (state, trained)  # part 3's count
     print(
-        f"train step ({layers} layers, {str(dtype).removeprefix('torch.')} compute): LoRA {t['lora']:.2f} s, "
+        f"train step ({layers} layers, 8 x {2 * length} tokens, {str(dtype).removeprefix('torch.')}): "
+        f"LoRA {t['lora']:.2f} s, "
         f"full {t['full']:.2f} s: {t['lora'] / t['full']:.2f}x; AdamW state {state['lora'] / MB:.1f} vs "
         f"{state['full'] / MB:.0f} MB"
     )
-    return {"train_step_ratio": t["lora"] / t["full"], "lora_step_s": t["lora"], "full_step_s": t["full"]}
+    figures = {"train_step_ratio": t["lora"] / t["full"], "lora_step_s": t["lora"], "full_step_s": t["full"]}
+    return figures | {"train_tokens": 16 * length}
 
 
 # ---------------------------------------------------------------- 5. decode
@@ -315,6 +322,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--layers", type=int, default=24, help="the model's depth (24: Qwen2-0.5B's)")
     ap.add_argument("--train-layers", type=int, default=24, help="layers of the train-step model")
+    ap.add_argument("--train-length", type=int, default=8, help="prompt and response tokens of each sequence")
     ap.add_argument("--new-tokens", type=int, default=12, help="tokens each decode call samples")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
@@ -354,7 +362,7 @@ def main() -> None:
         print("push: left out, Ray is not installed here (part 2 puts the buckets in Ray's object store)")
     del engine
     gc.collect()
-    figures.update(train_figures(cfg, lora, dtype, args.train_layers, args.repeats))
+    figures.update(train_figures(cfg, lora, dtype, args.train_layers, args.repeats, args.train_length))
     addition = BuiltinEngine(load_model(resolve_model_path("builtin:addition"), dtype, DEVICE), [0], 0)
     small = decode_figures("builtin:addition", addition, lora, 4 * args.new_tokens, args.repeats)
     figures.update({f"addition_{k}": v for k, v in small.items()})
