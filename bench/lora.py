@@ -18,8 +18,9 @@ else fp32, as train.dtype=auto chooses; the trainer keeps fp32 masters):
 3. Optimizer: AdamW's state of a LoRA train worker against a full one at full depth, 2 fp32 moments
    per trained parameter (checked against the real optimizers of 4) -> optimizer_bytes_ratio.
 4. Train step: `TrainWorker` on 8 sequences of --train-length (8) prompt + as many response
-   tokens, LoRA then all weights, each alone in memory (a full worker holds ~8 GB in fp32: weights, gradients, AdamW state), on the first
-   --train-layers layers -> train_step_ratio (medians of --repeats after a warm-up).
+   tokens, LoRA then all weights, each alone in memory (a full worker holds ~8 GB in fp32:
+   weights, gradients, AdamW state), on the first --train-layers layers -> train_step_ratio
+   (medians of --repeats after a warm-up).
 5. Decode: the built-in engine's tokens/s over the decode steps of a batch of 8 (prompts of 8
    random tokens, --new-tokens sampled, EOS ignored; the prefill left out), taking turns: the base
    against the adapter merged (the engines' way) -> decode_with_adapter_ratio; then against the
