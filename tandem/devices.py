@@ -20,8 +20,9 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve(cfg: Config, gpus: float) -> Config:
-    """cfg with run.device, train.dtype and rollout.dtype concrete; `gpus`: what the cluster has.
+def resolve(cfg: Config, gpus: float, where: str = "the Ray cluster") -> Config:
+    """cfg with run.device, train.dtype and rollout.dtype concrete; `gpus`: what `where` (the Ray
+    cluster, or this machine for a run in one process) has.
 
     auto device: cuda when there are GPUs. auto train dtype: bfloat16 on cuda and on a CPU with
     native bf16 matmuls (it learns the default task as well as fp32: docs/training.md), else
@@ -34,7 +35,7 @@ def resolve(cfg: Config, gpus: float) -> Config:
         device = "cuda" if gpus > 0 else "cpu"
     if device == "cuda" and gpus <= 0:
         raise TandemError(
-            "Config 'run.device' is 'cuda', but the Ray cluster has no GPU (torch sees "
+            f"Config 'run.device' is 'cuda', but {where} has no GPU (torch sees "
             f"{torch.cuda.device_count()} here). Use run.device=cpu (or auto), or start Ray on a "
             "machine with GPUs (ray start --head, then ray.address=auto)."
         )

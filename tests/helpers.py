@@ -299,3 +299,14 @@ def train(out: Path, *overrides: str, on_step: Callable | None = None) -> tuple[
 def records(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
     """The records of one of a run's JSON-lines files."""
     return [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
+
+
+def nothing_may_start(monkeypatch, error: Exception) -> None:
+    """Starting Ray (a run on Ray) or the workers (a run in one process) raises `error`: for checks
+    that a run refuses its input before anything starts."""
+
+    def start(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr("tandem.runtime.cluster.start_ray", start)
+    monkeypatch.setattr("tandem.runtime.local.LocalCluster.start", start)

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import TINY
+from helpers import TINY, nothing_may_start
 from safetensors.torch import load_file, save_file
 
 from tandem.cli.main import main
@@ -27,12 +27,8 @@ class RayStarted(Exception):
 
 
 def no_ray(monkeypatch) -> None:
-    """Everything refused here is refused before Ray starts: starting it raises RayStarted."""
-
-    def start_ray(cfg):
-        raise RayStarted
-
-    monkeypatch.setattr("tandem.runtime.run.start_ray", start_ray)
+    """Everything refused here is refused before Ray or the workers start: starting raises RayStarted."""
+    nothing_may_start(monkeypatch, RayStarted())
 
 
 def poisoned(tmp_path: Path, value: float) -> Path:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from helpers import on_gloo_ranks, random_samples, records, tiny_model, train, train_worker
+from helpers import nothing_may_start, on_gloo_ranks, random_samples, records, tiny_model, train, train_worker
 
 from tandem.cli.main import main
 from tandem.config import load_config, save_config
@@ -160,7 +160,7 @@ def test_a_resume_that_changes_the_batch_is_refused_before_anything_starts(tmp_p
     step.mkdir(parents=True)
     save_config(with_absolute_paths(saved), step / "config.yaml")
     (step.parent / "latest").write_text("step_2\n")
-    monkeypatch.setattr("tandem.runtime.run.start_ray", lambda cfg: pytest.fail("Ray started"))
+    nothing_may_start(monkeypatch, AssertionError("something started"))
     cfg = load_config(
         None, [f"run.out_dir={tmp_path}", "run.resume=auto", "rollout.batch_size=8", "rollout.n=2"]
     )

@@ -125,21 +125,6 @@ def check_ray_address(address: str, timeout: float) -> None:
         )
 
 
-def check_resources(cfg: Config, have: dict[str, float]) -> None:
-    """placement.num_cpus / num_gpus within what the cluster has (0 = all of it), or a TandemError now:
-    Ray would wait run.timeout_s for a reservation it can never make."""
-    for key, asked, unit in (
-        ("placement.num_cpus", cfg.placement.num_cpus, "CPU"),
-        ("placement.num_gpus", cfg.placement.num_gpus, "GPU"),
-    ):
-        if asked > have.get(unit, 0.0) + 1e-6:
-            raise TandemError(
-                f"Config '{key}' asks for {asked:g} {unit}s, but the Ray cluster has "
-                f"{have.get('CPU', 0.0):g} CPUs and {have.get('GPU', 0.0):g} GPUs. Set it to what exists "
-                "(0 = all of it) or join a larger cluster (ray.address)."
-            )
-
-
 def plan_slots(cfg: Config, have: dict[str, float]) -> list[placement.Slot]:
     """The run's placement over what the cluster has (`have`: ray.cluster_resources()), or over
     placement.num_cpus / num_gpus where set."""
@@ -173,7 +158,7 @@ class RayCluster:
     def start(cls, cfg: Config) -> "RayCluster":
         start_ray(cfg)
         have = ray.cluster_resources()
-        check_resources(cfg, have)
+        placement.check_resources(cfg, have, "the Ray cluster")
         cfg = devices.resolve(cfg, have.get("GPU", 0))  # a no-op on a config run_training resolved
         slots = plan_slots(cfg, have)
         placement.check_fits(slots, have.get("CPU", 0), have.get("GPU", 0))  # fail now, not in 600 s

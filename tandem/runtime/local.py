@@ -9,16 +9,21 @@ then a Python process per actor that imports torch and tandem again before it bu
 `tandem.config.validate.one_process_refusal` finds nothing against it and Ray is not running in
 the process already (a caller that started Ray meant the run to use it).
 
-Each call runs at `submit`, on the worker objects `RayCluster` would have made actors of
-(`tandem.runtime.actors`); arguments and results cross by pickle, as they cross Ray, so no call
-shares a mutable object with the loop (numpy arrays travel out of band, not copied, as Ray's
-object store hands them to a reader on the same node). Weight pushes take the object-store
+The calls run one after another, in the order submitted, on one thread of their own, on the
+worker objects `RayCluster` would have made actors of (`tandem.runtime.actors`); the loop waits on
+them as it waits on Ray, so a stop signal is seen within `STOP_POLL_S` while a call hangs (a
+reward function that never returns), and `close` ends such a call by stopping what it waits on.
+Arguments and results cross by pickle, as they cross Ray, so no call shares a mutable object with
+the loop (numpy arrays travel out of band, not copied, as Ray's object store hands them to a
+reader on the same node). Weight pushes take the object-store
 transport, which hands its buckets over in memory when Ray is not running. Every role gets all of
 the process's CPU threads: in sync mode only one computes at a time.
 """
 
 import os
 import pickle
+import queue
+import threading
 import time
 import traceback
 from collections.abc import Collection
@@ -51,27 +56,36 @@ def _crossed(obj: Any) -> Any:
 
 @dataclass(eq=False)
 class LocalCall:
-    """A call's handle: its worker, its method and how it ended."""
+    """A call's handle: what to run, and once `ended` is set, how it ended (`done`)."""
 
     worker: str
     method: str
+    args: tuple
     done: Done | None = None
+    ended: threading.Event = field(default_factory=threading.Event)
 
 
-@dataclass
 class LocalCluster:
-    workers: dict[str, Any]  # "<role>/<rank>" -> the worker object
-    names: dict[str, list[str]] = field(default_factory=dict)
-    ended: list[LocalCall] = field(default_factory=list)  # ended, result not taken yet
-    spans: list[Span] = field(default_factory=list)  # each worker's start-up: building it here
+    def __init__(self, workers: dict[str, Any], names: dict[str, list[str]], threads: int = 0, spans=()):
+        """workers: "<role>/<rank>" -> the worker object; names: role -> its workers' names;
+        threads: torch threads of the calls' thread (0: as torch has them); spans: each worker's
+        start-up."""
+        self.workers, self.names, self.spans = workers, names, list(spans)
+        self.pending: list[LocalCall] = []  # submitted, result not taken yet, in submission order
+        self.calls: queue.SimpleQueue[LocalCall | None] = queue.SimpleQueue()
+        # A daemon thread: a call that never ends must not keep the process from exiting.
+        threading.Thread(target=self._serve, args=(threads,), name="tandem-calls", daemon=True).start()
 
     @classmethod
     def start(cls, cfg: Config) -> "LocalCluster":
         """Build the run's workers here, as `RayCluster.start` would place them: a rollout worker, a
         train worker, the reward pool, and a ref or critic worker where the run has one."""
-        cfg = devices.resolve(cfg, torch.cuda.device_count())
-        threads = cfg.run.threads or cpu_threads()
-        roles = {s.role for s in placement.plan(cfg, cpu_threads(), torch.cuda.device_count())}
+        have = {"CPU": cpu_threads(), "GPU": torch.cuda.device_count()}
+        placement.check_resources(cfg, have, "this machine")
+        cfg = devices.resolve(cfg, have["GPU"], "this machine")
+        cpus = int(cfg.placement.num_cpus) or have["CPU"]  # every role takes them all, in turn
+        threads = cfg.run.threads or cpus
+        roles = {s.role for s in placement.plan(cfg, cpus, have["GPU"])}
         build = {
             "reward/0": lambda: RewardActor(cfg),
             "rollout/0": lambda: RolloutActor(cfg, 0, threads),
@@ -87,40 +101,53 @@ class LocalCluster:
             workers[name] = make()
             spans.append(Span("startup", name, start, time.time()))
             names.setdefault(name.split("/")[0], []).append(name)
-        return cls(workers, names, spans=spans)
+        return cls(workers, names, threads, spans)
+
+    def _serve(self, threads: int) -> None:
+        if threads:
+            torch.set_num_threads(threads)  # a thread's OpenMP team size is its own
+        while (call := self.calls.get()) is not None:
+            call.done = self._run(call)
+            call.ended.set()
+
+    def _run(self, call: LocalCall) -> Done:
+        """`worker.method(*args)`; a handle among the args gives its call's result (it ran before:
+        calls run in order), or fails this call with its error, as Ray fails a call whose argument
+        failed."""
+        try:
+            args = [_result(a) if isinstance(a, LocalCall) else a for a in call.args]
+            return Done(call, _crossed(getattr(self.workers[call.worker], call.method)(*_crossed(args))))
+        except TandemError as e:
+            return Done(call, error=e)
+        except Exception:
+            return Done(call, error=CallFailed(f"{call.worker}.{call.method}: {traceback.format_exc()}"))
 
     def submit(self, worker: str, method: str, *args: Any, until_restarted: bool = False) -> LocalCall:
-        """Run `worker.method(*args)` now; a handle among `args` gives its call's result (or fails
-        this call with its error, as Ray fails a call whose argument failed)."""
-        call = LocalCall(worker, method)
-        try:
-            given = _crossed([a.done.result if isinstance(a, LocalCall) else a for a in _check(args)])
-            call.done = Done(call, _crossed(getattr(self.workers[worker], method)(*given)))
-        except TandemError as e:
-            call.done = Done(call, error=e)
-        except Exception:
-            call.done = Done(call, error=CallFailed(f"{worker}.{method}: {traceback.format_exc()}"))
-        self.ended.append(call)
+        call = LocalCall(worker, method, args)
+        self.pending.append(call)
+        self.calls.put(call)
         return call
 
     def share(self, obj: Any) -> Any:
         return obj
 
     def wait_next(self, handles: Collection[LocalCall], timeout_s: float) -> Done | None:
-        """The first of `handles` submitted (every call has ended by the time it is submitted)."""
-        call = next((c for c in self.ended if c in handles), None)
-        if call is None:  # none of them is ours to end: wait as a call that never ends would
-            time.sleep(timeout_s)
+        """The first of `handles` submitted, once it ends (calls end in the order submitted)."""
+        call = next((c for c in self.pending if c in handles), None)
+        if call is None or not call.ended.wait(timeout_s):
+            if call is None:  # none of them is ours to end: wait as for a call that never ends
+                time.sleep(timeout_s)
             return None
-        self.ended.remove(call)
+        self.pending.remove(call)
         return call.done
 
     def get(self, handles: list[LocalCall], timeout_s: float) -> list[Any]:
-        self.ended = [c for c in self.ended if c not in handles]
+        deadline = time.monotonic() + timeout_s
         for call in handles:
-            if call.done.error is not None:
-                raise call.done.error
-        return [call.done.result for call in handles]
+            if not call.ended.wait(max(deadline - time.monotonic(), 0.0)):
+                raise TimeoutError(f"{call.worker}.{call.method} did not end within {timeout_s:g} s")
+        self.pending = [c for c in self.pending if c not in handles]
+        return [_result(call) for call in handles]
 
     def now(self) -> float:
         return time.time()
@@ -129,17 +156,17 @@ class LocalCluster:
         return self.spans
 
     def close(self) -> None:
-        """Stop the reward pool's processes and an agent's endpoint (what Ray's end of an actor's
-        process would stop)."""
+        """No more calls; stop the reward pool's processes and an agent's endpoint (what the end of
+        an actor's process stops on Ray), which ends a call still waiting on them."""
+        self.calls.put(None)
         self.workers["reward/0"].close()
         close_agent = getattr(self.workers["rollout/0"].worker.agent, "close", None)
         if close_agent is not None:
             close_agent()
 
 
-def _check(args: tuple) -> tuple:
-    """A handle whose call failed fails the call it is passed to, with its error."""
-    for a in args:
-        if isinstance(a, LocalCall) and a.done.error is not None:
-            raise a.done.error
-    return args
+def _result(call: LocalCall) -> Any:
+    """An ended call's result, or its error raised."""
+    if call.done.error is not None:
+        raise call.done.error
+    return call.done.result

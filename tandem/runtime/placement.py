@@ -69,6 +69,22 @@ def _task_groups(cfg: Config) -> tuple[list[list[str]], list[float]]:
     return groups, list(p.ratios)
 
 
+def check_resources(cfg: Config, have: dict[str, float], where: str) -> None:
+    """placement.num_cpus / num_gpus within what `where` (the Ray cluster, this machine) has (0 = all
+    of it), or a TandemError now: Ray would wait run.timeout_s for a reservation it can never make,
+    and a run in one process would divide CPUs it does not have."""
+    for key, asked, unit in (
+        ("placement.num_cpus", cfg.placement.num_cpus, "CPU"),
+        ("placement.num_gpus", cfg.placement.num_gpus, "GPU"),
+    ):
+        if asked > have.get(unit, 0.0) + 1e-6:
+            raise TandemError(
+                f"Config '{key}' asks for {asked:g} {unit}s, but {where} has "
+                f"{have.get('CPU', 0.0):g} CPUs and {have.get('GPU', 0.0):g} GPUs. Set it to what exists "
+                "(0 = all of it) or join a larger cluster (ray.address)."
+            )
+
+
 def plan(cfg: Config, total_cpus: float, total_gpus: float = 0) -> list[Slot]:
     """One Slot per actor, each role's in rank order; raises when a share is too small to use.
 

@@ -135,7 +135,7 @@ def _train(cfg: Config, run_dir: Path, on_step, signals: "Signals", stack: ExitS
             startup.append(Span("ray", DRIVER, begun, time.time()))
         gpus = ray.cluster_resources().get("GPU", 0)
     signals.install()  # again: ray.init puts its own SIGTERM handler in (it aborts the process)
-    cfg = devices.resolve(cfg, gpus)
+    cfg = devices.resolve(cfg, gpus, "this machine" if local else "the Ray cluster")
     if cfg.run.deterministic:  # refused here, in seconds, if this machine's kernels cannot keep it
         threads = {cfg.run.threads or cpu_threads()} if local else role_threads(cfg)
         seconds = check_batch_invariance(cfg, threads)
