@@ -43,6 +43,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == self.weight.dtype == torch.float32 and not torch.is_grad_enabled():
+            # The same product in one call (torch multiplies by the weight last): a third less time
+            # for a decode step's rows. Not under autograd, whose backward would differ.
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalise in fp32 whatever the weights' dtype, as Hugging Face does, so logits match.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
@@ -72,25 +76,11 @@ class Attention(nn.Module):
         layer: int,
         cache: KVCache | BatchCache | None,
     ) -> Tensor:
-        """x (B, T, E), mask (B, 1, T, S) additive float (0 or -inf), or the packed row's Segments
+        """x (B, T, E), mask (B, 1, T, S) additive float (0 or -inf) (one token, T = 1: already in
+        `decode_bias`'s layout, outside the batch-invariant mode), or the packed row's Segments
         -> (B, T, E)."""
         b, t, _ = x.shape
-        h, kv, d = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
-        if self.batch_invariant:  # one fixed-shape matmul whether fused (engine) or not (trainer)
-            qkv = bi.linear(x, *(self.fused or _stacked([self.q_proj, self.k_proj, self.v_proj])))
-            q, k, v = qkv.view(b, t, -1, d).split([h, kv, kv], dim=2)
-        elif self.fused is not None:
-            qkv = F.linear(x, *self.fused).view(b, t, -1, d)  # (B, T, H + 2 Hkv, D)
-            q, k, v = qkv.split([h, kv, kv], dim=2)
-        else:
-            q = self.q_proj(x).view(b, t, -1, d)  # (B, T, H, D)
-            k = self.k_proj(x).view(b, t, -1, d)
-            v = self.v_proj(x).view(b, t, -1, d)
-        if self.cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
-        v = v.transpose(1, 2)
+        q, k, v = self._rotated_qkv(x, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, k, v)
         if self.batch_invariant:
@@ -108,9 +98,45 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
+    def _rotated_qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, E) -> q (B, H, T, D), k, v (B, Hkv, T, D); q and k rotated by RoPE (and normed
+        first, with qk_norm). Out of one matmul (fused or batch-invariant), q and k sit side by side:
+        one rotation covers both, element-wise the same values as two, in half the operations."""
+        b, t, _ = x.shape
+        h, kv, d = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
+        qkv = None
+        if self.batch_invariant:  # one fixed-shape matmul whether fused (engine) or not (trainer)
+            qkv = bi.linear(x, *(self.fused or _stacked([self.q_proj, self.k_proj, self.v_proj])))
+        elif self.fused is not None:
+            qkv = F.linear(x, *self.fused)
+        if qkv is not None and not self.cfg.qk_norm:
+            qkv = qkv.view(b, t, -1, d).transpose(1, 2)  # (B, H + 2 Hkv, T, D)
+            q, k = apply_rope(qkv[:, : h + kv], cos, sin).split([h, kv], dim=1)
+            return q, k, qkv[:, h + kv :]
+        if qkv is not None:
+            q, k, v = qkv.view(b, t, -1, d).split([h, kv, kv], dim=2)
+        else:
+            q = self.q_proj(x).view(b, t, -1, d)  # (B, T, H, D)
+            k = self.k_proj(x).view(b, t, -1, d)
+            v = self.v_proj(x).view(b, t, -1, d)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        return q, apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """One new token per row: q (B, H, 1, D), k, v (B, Hkv, S, D), mask (B, 1, 1, S) additive -> (B, H, 1, D).
+
+def decode_bias(mask: Tensor, cfg: ModelConfig) -> Tensor:
+    """mask (B, 1, 1, S) additive -> (Hkv·B, G, S), G = H / Hkv: the layout `decode_attention` adds
+    it in, built once per forward rather than once per layer."""
+    b, s = mask.shape[0], mask.shape[-1]
+    hkv = cfg.num_key_value_heads
+    g = cfg.num_attention_heads // hkv
+    return mask.view(1, b, 1, s).expand(hkv, b, g, s).reshape(hkv * b, g, s)
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+    """One new token per row: q (B, H, 1, D), k, v (B, Hkv, S, D), bias (Hkv·B, G, S) additive
+    (`decode_bias`; G = H / Hkv) -> (B, H, 1, D).
 
     The same result as `scaled_dot_product_attention`, as two batched matmuls over the Hkv·B key
     heads, each serving its H/Hkv query heads; SDPA's CPU kernel is built for long queries. Both
@@ -123,7 +149,6 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     queries = q.view(b, hkv, g, d).transpose(0, 1).reshape(hkv * b, g, d)
     keys = k.transpose(0, 1).reshape(hkv * b, s, d).transpose(1, 2)
     values = v.transpose(0, 1).reshape(hkv * b, s, d)
-    bias = mask.to(q.dtype).view(1, b, 1, s).expand(hkv, b, g, s).reshape(hkv * b, g, s)
     scores = torch.baddbmm(bias, queries, keys, alpha=d**-0.5)
     out = torch.bmm(scores.softmax(-1), values)  # (Hkv·B, G, D)
     return out.view(hkv, b, h // hkv, d).transpose(0, 1).reshape(b, h, 1, d)
@@ -279,13 +304,8 @@ class CausalLM(nn.Module):
             key_mask = cache.key_mask[:, : cache.length + input_ids.shape[1]]
         else:
             key_mask = token_mask
-        t, s = input_ids.shape[1], key_mask.shape[1]
-        slots = torch.arange(s, device=input_ids.device)
-        query_slots = (s - t) + torch.arange(t, device=input_ids.device)
-        causal = slots[None, :] <= query_slots[:, None]  # (T, S)
-        own = slots[None, :] == query_slots[:, None]
-        mask = ((causal & key_mask[:, None, :]) | own)[:, None]  # (B, 1, T, S)
-        out = self._run(input_ids, positions, mask, cache, targets)
+        t = input_ids.shape[1]
+        out = self._run(input_ids, positions, causal_mask(key_mask, t), cache, targets)
         if cache is not None:
             cache.advance(t)
         return out
@@ -302,9 +322,12 @@ class CausalLM(nn.Module):
         (B, T, V) in fp32, or (logp, entropy) of `targets`."""
         cos, sin = self.rope(positions)  # outside the compiled part: it reads positions.max()
         if isinstance(mask, Tensor):
-            # One additive mask for every layer: SDPA would turn a bool mask into it once per layer.
+            # One additive mask for every layer (SDPA would turn a bool mask into it once per layer),
+            # for one token in decode_attention's layout.
             dtype = self.lm_head.weight.dtype
             mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            if input_ids.shape[1] == 1 and not self.batch_invariant:
+                mask = decode_bias(mask, self.cfg)
         if targets is not None:
             hidden = self._backbone(input_ids, cos, sin, mask, cache).flatten(0, 1)[targets.index]  # (N, E)
             return score_tokens(
@@ -334,6 +357,21 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, mask, i, cache)
         return self.model.norm(x)
+
+
+def causal_mask(key_mask: Tensor, t: int) -> Tensor:
+    """key_mask (B, S): the slots holding real keys, the new T tokens' last -> (B, 1, T, S) bool: a
+    token sees the real keys at or before its own slot, and always itself."""
+    s = key_mask.shape[1]
+    if t == 1:  # a decode step: every slot is at or before the query's, the last
+        mask = key_mask.clone()
+        mask[:, -1] = True
+        return mask[:, None, None]
+    slots = torch.arange(s, device=key_mask.device)
+    query_slots = (s - t) + torch.arange(t, device=key_mask.device)
+    causal = slots[None, :] <= query_slots[:, None]  # (T, S)
+    own = slots[None, :] == query_slots[:, None]
+    return ((causal & key_mask[:, None, :]) | own)[:, None]  # (B, 1, T, S)
 
 
 def meta_model(cfg: ModelConfig) -> CausalLM:

@@ -45,10 +45,13 @@ class PagedKVCache:
             flat = pool.view(pool.shape[0], -1, pool.shape[3])  # (Hkv, num_blocks * block_size, D)
             flat.index_copy_(1, slots, new.transpose(0, 1).to(pool.dtype))
 
-    def gather(self, layer: int, block_tables: Tensor) -> tuple[Tensor, Tensor]:
+    def gather(self, layer: int, block_tables: Tensor, index: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """block_tables (B, M) -> k, v (B, Hkv, S, D), S = M·bs: slot s of row b holds position s of
-        sequence b (`key_mask` marks which slots a row fills)."""
-        return gather_blocks(self.k[layer], block_tables), gather_blocks(self.v[layer], block_tables)
+        sequence b (`key_mask` marks which slots a row fills). index: its `block_index`, when the
+        caller has it."""
+        index = block_index(block_tables) if index is None else index
+        b = block_tables.shape[0]
+        return gather_blocks(self.k[layer], index, b), gather_blocks(self.v[layer], index, b)
 
     def copy_blocks(self, pairs: Iterable[tuple[int, int]]) -> None:
         """Copy-on-write: for each (src, dst), block dst of every pool takes block src's contents."""
@@ -73,17 +76,19 @@ def real_tokens(slot_mapping: Tensor) -> tuple[Tensor, Tensor | None]:
     return slots[index], index
 
 
-def gather_blocks(pool: Tensor, block_tables: Tensor) -> Tensor:
-    """pool (Hkv, N, bs, D), block_tables (B, M) -> (B, Hkv, M·bs, D), each row's blocks in order:
-    a view of a contiguous (Hkv, B, M·bs, D) gather.
+def block_index(block_tables: Tensor) -> Tensor:
+    """block_tables (B, M) -> (B·M,) the blocks `gather_blocks` reads, row by row. Entries below 0
+    pad short rows; they read block 0, which the key mask hides."""
+    return block_tables.clamp(min=0).flatten()
 
-    Table entries below 0 pad short rows; they read block 0, which the key mask hides.
-    """
+
+def gather_blocks(pool: Tensor, index: Tensor, b: int) -> Tensor:
+    """pool (Hkv, N, bs, D), index (B·M,) `block_index` of B rows' tables -> (B, Hkv, M·bs, D),
+    each row's blocks in order: a view of a contiguous (Hkv, B, M·bs, D) gather."""
     hkv, _, bs, d = pool.shape
-    b, m = block_tables.shape
     # index_select copies whole blocks (bs·D values each): several times faster than pool[:, tables].
-    blocks = pool.view(hkv, -1, bs * d).index_select(1, block_tables.clamp(min=0).flatten())
-    return blocks.view(hkv, b, m * bs, d).transpose(0, 1)
+    blocks = pool.view(hkv, -1, bs * d).index_select(1, index)
+    return blocks.view(hkv, b, -1, d).transpose(0, 1)
 
 
 def key_mask(context_lens: Tensor, width: int) -> Tensor:
@@ -112,7 +117,8 @@ def paged_attention(
     queries see the whole context, so they stay finite; their outputs mean nothing. GQA: H is a
     multiple of Hkv.
     """
-    k, v = gather_blocks(k_cache, block_tables), gather_blocks(v_cache, block_tables)
+    index, b = block_index(block_tables), block_tables.shape[0]
+    k, v = gather_blocks(k_cache, index, b), gather_blocks(v_cache, index, b)
     if query_lens is None:
         query_lens = torch.full_like(context_lens, q.shape[2])
     mask = causal_key_mask(context_lens, query_lens, q.shape[2], k.shape[2])
@@ -129,6 +135,8 @@ def query_positions(context_lens: Tensor, query_lens: Tensor, t: int) -> Tensor:
 def causal_key_mask(context_lens: Tensor, query_lens: Tensor, t: int, s: int) -> Tensor:
     """-> (B, 1, T, S) bool: the query at position p sees its row's keys 0..p of S slots. Padding
     queries see the whole context (finite, ignored)."""
+    if t == 1:  # a query sits at or past its row's last key (position context_lens - query_lens)
+        return key_mask(context_lens, s)[:, None, None]
     slots = torch.arange(s, device=context_lens.device)
     causal = slots[None, None, :] <= query_positions(context_lens, query_lens, t)[:, :, None]  # (B, T, S)
     return (causal & key_mask(context_lens, s)[:, None, :])[:, None]
@@ -145,10 +153,11 @@ class PagedBatch:
     query_lens: Tensor  # (B,) new tokens of each row
     all_real: bool = False  # no padding token in slot_mapping: skip looking (a CUDA graph cannot)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # what every layer reads: once, not per layer
+        self.block_index = block_index(self.block_tables)
         if self.all_real:
             self.write_slots, self.write_index = self.slot_mapping.reshape(-1), None
-        else:  # once, not per layer
+        else:
             self.write_slots, self.write_index = real_tokens(self.slot_mapping)
 
     def positions(self) -> Tensor:
@@ -167,5 +176,5 @@ class PagedBatch:
         if self.write_index is not None:
             k, v = k.index_select(0, self.write_index), v.index_select(0, self.write_index)
         self.cache.write(layer, self.write_slots, k, v)
-        keys, values = self.cache.gather(layer, self.block_tables)
+        keys, values = self.cache.gather(layer, self.block_tables, self.block_index)
         return keys.to(k.dtype), values.to(v.dtype)

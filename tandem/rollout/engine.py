@@ -107,20 +107,21 @@ class _Batches(Generation):
             s.end("abort")
 
     def _write_back_ended(self) -> None:
-        if self.batch.done.all():
+        if all(self.batch.done):
             self.batch.write_back()
             self.batch = None
 
 
 class _Batch:
     """One batch of samples, as `Sequence`s: its cache and the logits of its next token. `rows`
-    and `done` cover the L rows left in the cache."""
+    and `done` cover the L rows left in the cache. They are Python lists: every step reads them in
+    Python, and an operation on a small tensor costs more than a row's share of the forward."""
 
     def __init__(self, engine: BuiltinEngine, samples: list[Sample], call: GenerateCall):
         self.engine, self.call = engine, call
         self.seqs = engine.sequences(samples, call)
-        self.rows = torch.arange(len(samples))  # (L,) index in `seqs` of each cache row
-        self.done = torch.zeros(len(samples), dtype=torch.bool)  # (L,) the row's sequence has ended
+        self.rows = list(range(len(samples)))  # (L,) index in `seqs` of each cache row
+        self.done = [False] * len(samples)  # (L,) the row's sequence has ended
         self.version = engine.version  # of the weights behind `logits`: the prefill's, then each step's
         room = max(seq.max_tokens - len(seq) for seq in self.seqs)
         self.logits, self.next_pos, self.cache = engine._prefill(self.seqs, room)
@@ -129,38 +130,38 @@ class _Batch:
     @torch.inference_mode()
     def sample(self) -> None:
         """Sample each row's next token from `logits`; live rows' sequences take theirs."""
-        rows = [self.seqs[i] for i in self.rows.tolist()]
-        live = (~self.done).tolist()
+        rows = [self.seqs[i] for i in self.rows]
+        live = [not done for done in self.done]
         tokens, logprobs = sample_tokens(self.logits, rows, self.call.params, self.engine.generator, live)
-        self.last = torch.tensor(tokens)
+        self.last = torch.tensor(tokens, device=self.engine.device)
         take_tokens(rows, tokens, logprobs, self.version, self.call, live)
-        self.done |= torch.tensor([seq.ended for seq in rows])  # or stopped by stop()
+        self.done = [done or seq.ended for done, seq in zip(self.done, rows, strict=True)]  # or stop()
 
     @torch.inference_mode()
     def decode(self) -> None:
         """Drop ended rows (when enough have), then one forward of the last tokens -> `logits`."""
         tokens = self.last
-        if self.done.float().mean() >= COMPACT_FRACTION:
-            keep = (~self.done).nonzero().squeeze(-1)
-            self.cache.keep(keep.to(self.next_pos.device))
-            self.rows, self.done, tokens = self.rows[keep], self.done[keep], tokens[keep]
-            self.next_pos = self.next_pos[keep.to(self.next_pos.device)]
+        if sum(self.done) >= COMPACT_FRACTION * len(self.done):
+            live = [r for r, done in enumerate(self.done) if not done]
+            self.rows, self.done = [self.rows[r] for r in live], [False] * len(live)
+            keep = torch.tensor(live, device=self.engine.device)
+            self.cache.keep(keep)
+            tokens, self.next_pos = tokens[keep], self.next_pos[keep]
         self.version = self.engine.version
-        device = self.engine.device
-        step_mask = torch.ones(len(tokens), 1, dtype=torch.bool, device=device)
-        logits, routes = self.engine.forward(
-            tokens[:, None].to(device), self.next_pos[:, None], step_mask, self.cache
-        )
+        step_mask = torch.ones(len(tokens), 1, dtype=torch.bool, device=self.engine.device)
+        logits, routes = self.engine.forward(tokens[:, None], self.next_pos[:, None], step_mask, self.cache)
         self.logits = logits[:, -1]
         if routes is not None:  # each live row fed its sequence's last token
-            for r, (i, done) in enumerate(zip(self.rows.tolist(), self.done.tolist(), strict=True)):
+            for r, (i, done) in enumerate(zip(self.rows, self.done, strict=True)):
                 if not done:
                     self.seqs[i].routes[len(self.seqs[i]) - 1] = routes[r, 0]
         self.next_pos = self.next_pos + 1
 
     @torch.inference_mode()
     def stop(self, keys: set[tuple[int, int]]) -> None:
-        self.done |= torch.tensor([self.seqs[i].sample.key in keys for i in self.rows.tolist()])
+        self.done = [
+            done or self.seqs[i].sample.key in keys for i, done in zip(self.rows, self.done, strict=True)
+        ]
 
     def write_back(self) -> None:
         for seq in self.seqs:

@@ -65,9 +65,9 @@ class ModelRunner:
         logits, self.routes = self.forward(
             ids, batch.positions(), batch.slot_mapping >= 0, batch
         )  # (B, T, V)
+        if step.decode:  # one token per row
+            return logits[:, 0]
         last = logits[torch.arange(len(new), device=self.device), batch.query_lens - 1]  # (B, V)
-        if step.decode:
-            return last
         # A group's members share its head's logits; a chunk short of the prompt's end gives none.
         done = zip(step.prefill, step.completes, strict=True)
         owner = [i for i, (g, completes) in enumerate(done) if completes for _ in g]

@@ -70,7 +70,13 @@ def tempered_logprobs(logits: Tensor, params: SamplingParams, seen: Tensor | Non
     logits = logits.float()
     if seen is not None and params.repetition_penalty != 1.0:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
-    return torch.log_softmax(logits / (params.temperature or 1.0), dim=-1)
+    return torch.log_softmax(tempered(logits, params.temperature), dim=-1)
+
+
+def tempered(logits: Tensor, temperature: float) -> Tensor:
+    """logits / T, T = 1 when greedy (0). At T = 1 no division runs: x / 1 is x exactly, and a decode
+    step saves a (B, V) pass."""
+    return logits if temperature in (0, 1) else logits / temperature
 
 
 def processed_logprobs(logits: Tensor, params: SamplingParams, seen: Tensor | None = None) -> Tensor:
@@ -128,7 +134,7 @@ def sample_next(
     """logits (B, V), noise (B, V) Exp(1) (unused when greedy), seen (B, V) bool tokens already in
     each row's prompt + response (repetition penalty) -> tokens (B,), logprobs (B,) per
     `params.logprobs_mode`: "raw" log softmax(logits / T) (greedy: T = 1), or "processed"."""
-    raw = torch.log_softmax(logits.float() / (params.temperature or 1.0), dim=-1)
+    raw = torch.log_softmax(tempered(logits.float(), params.temperature), dim=-1)
     penalize = seen is not None and params.repetition_penalty != 1.0
     scores = sampling_scores(tempered_logprobs(logits, params, seen) if penalize else raw, params)
     if params.temperature == 0:
