@@ -43,7 +43,7 @@ def test_auto_holds_a_sync_run_of_one_worker_per_role_in_one_process(overrides, 
     ],
 )
 def test_run_cluster_local_refuses_what_one_process_cannot_hold_with_the_reason(overrides, reason):
-    with pytest.raises(TandemError, match=r"'run.cluster' is local .*not with .*" + reason):
+    with pytest.raises(TandemError, match=r"'run.cluster' is local .*which this run cannot be: .*" + reason):
         load_config(None, ["run.cluster=local", *overrides])
 
 

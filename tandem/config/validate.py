@@ -61,7 +61,11 @@ def validate(cfg: Config) -> None:
         _check_deterministic(cfg)
     if cfg.run.cluster == "local":
         why = one_process_refusal(cfg)
-        _check(not why, "run.cluster", f"is local (one sync run's workers in one process), not with {why}.")
+        _check(
+            not why,
+            "run.cluster",
+            f"is local (a sync run's workers in one process), which this run cannot be: {why}.",
+        )
 
 
 def one_of(value: object, valid: Sequence[str], key: str, what: str) -> None:
