@@ -34,11 +34,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def ray_local():
-    """One local Ray for the tests that need it (4 logical CPUs, so split placements fit on 2 cores)."""
-    import ray
+    """One local Ray for the tests that need it (`helpers.local_ray`)."""
+    from helpers import local_ray
 
-    if not ray.is_initialized():
-        env = {"PYTHONPATH": os.pathsep.join([_TESTS_DIR, os.getcwd()])}
-        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", runtime_env={"env_vars": env})
+    ray = local_ray()
     yield ray
     ray.shutdown()

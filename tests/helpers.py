@@ -310,3 +310,19 @@ def nothing_may_start(monkeypatch, error: Exception) -> None:
 
     monkeypatch.setattr("tandem.runtime.cluster.start_ray", start)
     monkeypatch.setattr("tandem.runtime.local.LocalCluster.start", start)
+
+
+def local_ray():
+    """Ray for the tests on it, started here if it is not running (4 logical CPUs, so split
+    placements fit on 2 cores; the tests' directory on the workers' path, for actor classes defined
+    in a test module). A module may have stopped the session's Ray (test_cluster.py's two-node
+    cluster does): the next test to ask starts it again. -> the ray module."""
+    import os
+
+    import ray
+
+    if not ray.is_initialized():
+        tests = os.path.dirname(os.path.abspath(__file__))
+        env = {"PYTHONPATH": os.pathsep.join([tests, os.getcwd()])}
+        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", runtime_env={"env_vars": env})
+    return ray

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import TINY, random_samples, tiny_model, train_worker
+from helpers import TINY, local_ray, random_samples, tiny_model, train_worker
 
 from tandem.config import Config, load_config
 from tandem.errors import TandemError
@@ -302,7 +302,7 @@ class Member:
 
 @pytest.mark.ray
 def test_object_store_deltas_reach_a_restarted_worker_through_ray(ray_local):
-    ray = ray_local
+    ray = local_ray()  # started again if a module before stopped the session's
     actor = ray.remote(Member)
     sender, worker = actor.remote("trainer-0"), actor.remote("rollout-0")
     for version in range(3):
@@ -322,7 +322,7 @@ def test_object_store_deltas_reach_a_restarted_worker_through_ray(ray_local):
 def test_a_run_s_actors_push_deltas_that_land_bit_for_bit(ray_local, transport):
     from tandem.runtime.cluster import RayCluster
 
-    ray = ray_local
+    ray = local_ray()  # started again if a module before stopped the session's
     options = [f"sync.transport={transport}", "sync.delta=true", "rollout.dtype=bfloat16", "train.lr=1e-6"]
     cluster = RayCluster.start(load_config(None, [*TINY, *options]))
     try:
