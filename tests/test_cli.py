@@ -127,12 +127,12 @@ def bad_input_cases(ckpt, tmp_path):
         ),
         "unknown reward": (["train", m, "reward.fn=no_such_module:score"], "no_such_module"),
         "missing model": (["train", f"model.path={tmp_path}/nomodel"], "nomodel"),
-        "cuda without a GPU": (
-            ["train", m, "run.device=cuda"],
+        "cuda without a GPU": (  # run.cluster=local: the same whether this session runs Ray or not
+            ["train", m, "run.device=cuda", "run.cluster=local"],
             "'run.device' is 'cuda', but this machine has no GPU",  # a run in one process
         ),
         "more CPUs than exist": (
-            ["train", m, "placement.num_cpus=64"],
+            ["train", m, "placement.num_cpus=64", "run.cluster=local"],
             "asks for 64 CPUs.*but this machine has",  # a run in one process (run.cluster=auto)
         ),
     }
