@@ -326,3 +326,21 @@ def local_ray():
         env = {"PYTHONPATH": os.pathsep.join([tests, os.getcwd()])}
         ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", runtime_env={"env_vars": env})
     return ray
+
+
+def vllm_checkpoint(path: Path) -> Path:
+    """A tiny checkpoint vLLM's CPU build can serve, with the built-in tokenizer beside it (vLLM
+    loads it from the checkpoint): head_dim 32, the smallest head its CPU attention kernels take
+    (8 is refused); std 0.3 for decisive logits (greedy ties would make comparisons flaky)."""
+    from dataclasses import replace
+
+    from tandem.data.tokenizer import build_char_tokenizer
+    from tandem.model.checkpoint import save_model
+
+    tokenizer = build_char_tokenizer()
+    cfg = tiny_config(len(tokenizer), 64, eos_token_id=3, pad_token_id=0)  # <|im_end|>, <|pad|>
+    model = CausalLM(replace(cfg, hidden_size=128, head_dim=32))
+    init_weights(model, 0, std=0.3)
+    save_model(model, path)
+    tokenizer.save_pretrained(str(path))
+    return path

@@ -13,7 +13,7 @@ loop, logprobs against the trainer's recompute (`sequence_logprobs`).
 
 import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +26,12 @@ from helpers import (
     partial,
     run,
     stepwise_logprobs,
-    tiny_config,
+    vllm_checkpoint,
 )
 from helpers import prompts as draw_prompts
 
 from tandem.data.tokenizer import build_char_tokenizer
-from tandem.model.checkpoint import load_model, save_model
+from tandem.model.checkpoint import load_model
 from tandem.model.decoder import CausalLM, init_weights
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups
@@ -61,17 +61,7 @@ class Backend:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("contract") / "tiny"
-    tokenizer = build_char_tokenizer()
-    # head_dim 32 = hidden / heads: the smallest head vLLM's CPU attention kernels take (8 is refused)
-    config = replace(
-        tiny_config(len(tokenizer), 64, eos_token_id=EOS, pad_token_id=PAD), hidden_size=128, head_dim=32
-    )
-    model = CausalLM(config)
-    init_weights(model, 0, std=0.3)  # decisive logits: greedy ties would make comparisons flaky
-    save_model(model, path)
-    tokenizer.save_pretrained(str(path))  # vLLM loads a tokenizer from the checkpoint
-    return path
+    return vllm_checkpoint(tmp_path_factory.mktemp("contract") / "tiny")
 
 
 def new_weights(checkpoint: Path) -> CausalLM:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import at_step, run, tiny_config
+from helpers import at_step, run, vllm_checkpoint
 from helpers import prompts as draw_prompts
 
 from tandem.cli.main import main
@@ -26,7 +26,7 @@ from tandem.config.schema import LoraConfig
 from tandem.data.tokenizer import build_char_tokenizer
 from tandem.errors import TandemError
 from tandem.model.checkpoint import load_model, save_model
-from tandem.model.decoder import CausalLM, init_weights
+from tandem.model.decoder import CausalLM
 from tandem.model.lora import adapter_names, apply_lora, base_weights, merge_lora
 from tandem.model.peft_format import save_adapter
 from tandem.rollout.engines import ENGINES
@@ -84,17 +84,7 @@ def test_the_engine_asks_vllm_for_the_smallest_rank_that_holds_the_adapter():
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("vllm-lora") / "tiny"
-    tokenizer = build_char_tokenizer()
-    # head_dim 32: the smallest head vLLM's CPU attention kernels take
-    config = replace(
-        tiny_config(len(tokenizer), 64, eos_token_id=EOS, pad_token_id=PAD), hidden_size=128, head_dim=32
-    )
-    model = CausalLM(config)
-    init_weights(model, 0, std=0.3)  # decisive logits: greedy ties would make comparisons flaky
-    save_model(model, path)
-    tokenizer.save_pretrained(str(path))
-    return path
+    return vllm_checkpoint(tmp_path_factory.mktemp("vllm-lora") / "tiny")
 
 
 @pytest.fixture(scope="module")
