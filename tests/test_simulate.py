@@ -1,9 +1,11 @@
 """`tandem simulate`: the virtual-clock cluster, the closed-form engine, the cost model, and the
 simulator's predictions moving the right way when the cluster or the workload changes. No Ray."""
 
+import importlib
 import itertools
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -11,14 +13,16 @@ import pytest
 from tandem.cli.main import main
 from tandem.config import load_config
 from tandem.errors import TandemError
-from tandem.sample import Prompt, Sample
+from tandem.model.config import ModelConfig
+from tandem.sample import Prompt, Sample, Status
 from tandem.sim import compare
 from tandem.sim.cluster import Job, SimCluster
 from tandem.sim.costs import Calibration, Costs, Shape
 from tandem.sim.engine import Engine, Seq
+from tandem.sim.lengths import ResponseLengths
 from tandem.sim.models import model_config
 from tandem.sim.run import summarize
-from tandem.sim.workers import TimedWorker
+from tandem.sim.workers import SimRollout, TimedWorker
 
 ROOT = Path(__file__).resolve().parent.parent
 H100 = str(ROOT / "recipes" / "sim-calibration-h100.yaml")
@@ -46,6 +50,33 @@ def simulate(*overrides):
 
 def costs() -> Costs:
     return Costs(Shape.of(model_config("qwen2.5-7b")), Calibration.load(H100))
+
+
+def drawn(kind: str, cap: int = 4096) -> list[int]:
+    """The lengths `sim.lengths=kind` gives 500 groups of 4."""
+    lengths = ResponseLengths(kind, 512.0, 1.0, 2.0, cap, seed=0, batch=64)
+    return [lengths.of(Sample(Prompt(), [], group_id=g, index=i)) for g in range(500) for i in range(4)]
+
+
+def decoded(monkeypatch, *overrides) -> dict[str, dict[tuple[int, int], int]]:
+    """Each simulated run's finished responses: (group id, index) -> tokens decoded."""
+    runs: dict[str, dict[tuple[int, int], int]] = {}
+    module = importlib.import_module("tandem.sim.compare")  # `tandem.sim.compare` is the function
+    simulate_run, finish = module.simulate_run, SimRollout._finish
+
+    def one_run(cfg, label, gpus, cal):
+        runs[label] = {}
+        return simulate_run(cfg, label, gpus, cal)
+
+    def record(worker, s, tokens, status, job):
+        if status == Status.FINISHED:
+            runs[next(reversed(runs))][(s.group_id, s.index)] = tokens
+        finish(worker, s, tokens, status, job)
+
+    monkeypatch.setattr(module, "simulate_run", one_run)
+    monkeypatch.setattr(SimRollout, "_finish", record)
+    simulate(*overrides)
+    return runs
 
 
 # -- the pieces -------------------------------------------------------------------------------------
@@ -148,6 +179,77 @@ def test_a_colocated_engines_sleep_and_wake_move_its_weights():
         assert c.sleep_s() == pytest.approx(cal.sleep_s + c.weight_bytes / cal.offload_bytes_per_s)
         assert c.wake_s() == pytest.approx(cal.wake_s + c.weight_bytes / cal.offload_bytes_per_s)
     assert big.sleep_s() > 1.5 and small.sleep_s() < 0.3
+
+
+def test_a_mixture_of_experts_computes_with_its_active_parameters_and_pushes_all_of_them():
+    cal = Calibration.load(H100)
+    moe = Costs(Shape.of(model_config("qwen3-30b-a3b")), cal)
+    s = moe.shape
+    assert s.params == pytest.approx(30.5e9, rel=0.01) and s.active_params == pytest.approx(3.35e9, rel=0.01)
+    as_dense = Costs(Shape(s.active_params, s.layers, s.q_dim, s.kv_dim), cal)  # P = the MoE's P_a
+    batch = [1000] * 64
+    assert moe.train_s(batch, 32, 1) == pytest.approx(as_dense.train_s(batch, 32, 1))
+    assert moe.forward_s(batch, 32) == pytest.approx(as_dense.forward_s(batch, 32))
+    assert moe.prefill_s(1000, 1) == pytest.approx(as_dense.prefill_s(1000, 1))
+    weights = s.params * cal.bytes_per_param  # all 30.5B move, not the 3.35B a token uses
+    assert moe.push_s(colocated=False) == pytest.approx(cal.sync_latency_s + weights / cal.link_bytes_per_s)
+    assert moe.sleep_s() == pytest.approx(cal.sleep_s + weights / cal.offload_bytes_per_s)
+    # decode reads the dense part and min(E, n·k) experts: 8 of 128 at batch 1, all from batch 16
+    assert s.params_read(1) == pytest.approx(s.active_params)
+    assert s.params_read(16) == s.params_read(512) == s.params
+    assert moe.decode_step_fixed(1, 1) < moe.decode_step_fixed(8, 1) < moe.decode_step_fixed(16, 1)
+    assert moe.decode_step_fixed(1, 1) == pytest.approx(as_dense.decode_step_fixed(1, 1))
+    for dense in (Shape.of(model_config("qwen2.5-7b")), Shape.of(model_config("qwen3-8b"))):
+        assert dense.active_params == dense.params_read(1) == dense.params
+    tiny = Shape.of(ModelConfig.load(ROOT / "tandem" / "assets" / "warmstart-addition-moe"))  # model.path
+    assert tiny.experts == 8 and tiny.active_params < tiny.params
+
+
+def test_a_file_of_measured_lengths_is_drawn_as_given(tmp_path):
+    same = tmp_path / "same.txt"
+    same.write_text("# measured\n37\n\n37  # again\n")
+    assert set(drawn(f"file:{same}")) == {37}
+    two = tmp_path / "two.json"
+    two.write_text(json.dumps([100, 100, 100, 900]))
+    got = drawn(f"file:{two}")
+    assert set(got) == {100, 900} and got.count(900) / len(got) == pytest.approx(0.25, abs=0.03)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"response_length": 5000, "reward": 1.0}\n{"length": 7}\n')
+    assert set(drawn(f"file:{rows}", cap=4096)) == {4096, 7}  # capped at rollout.max_new_tokens
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"response_length/mean": 500, "response_length/max": 2000}) + "\n")
+    assert sum(drawn(f"metrics:{metrics}")) / 2000 == pytest.approx(500, rel=0.05)
+
+
+def test_every_mode_decodes_the_same_measured_lengths(tmp_path, monkeypatch):
+    file = tmp_path / "lengths.txt"
+    file.write_text("100\n900\n")
+    runs = decoded(monkeypatch, *SPLIT, f"sim.lengths=file:{file}", "rollout.on_update=abort")
+    sync = runs["sync"]
+    assert set(runs) == {"sync", "one_step_off", "async"} and set(sync.values()) == {100, 900}
+    for run in runs.values():
+        both = run.keys() & sync.keys()
+        assert len(both) >= 300 and all(run[k] == sync[k] for k in both)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (None, "does not exist"),
+        ("# none\n\n", "holds no response lengths"),
+        ("12\n0\n", "line 2 is 0, not a response length"),
+        ("12\n3.5\n", "line 2 is '3.5', not a response length"),
+        ("[12, -4]", "item 2 is -4, not a response length"),
+        ('{"response_length": 3}\n{"tokens": 4}\n', "line 2 has no response_length or length key"),
+        ('{"response_length": 3\n', "line 1 is not valid JSON"),
+    ],
+)
+def test_a_bad_file_of_lengths_is_named_with_its_line(tmp_path, text, message):
+    path = tmp_path / "lengths.txt"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(TandemError, match=re.escape(f"'sim.lengths': {path} {message}")):
+        compare(None, [*SMALL, f"sim.lengths=file:{path}"])
 
 
 def test_a_call_before_its_worker_is_up_waits_for_it():

@@ -356,7 +356,9 @@ class SimConfig:
     prompt_tokens: int = 64
     # Response lengths (tokens, capped at rollout.max_new_tokens): lognormal (length_mean,
     # length_sigma of its log) | pareto (length_mean, shape length_alpha) | metrics:PATH (a
-    # lognormal fitted to a run's metrics.jsonl). rollout.length_tail_alpha > 0 overrides them.
+    # lognormal fitted to a run's metrics.jsonl) | file:PATH (measured lengths, each equally
+    # likely: one integer a line, a JSON list, or JSON lines with a response_length or length).
+    # rollout.length_tail_alpha > 0 overrides them.
     lengths: str = "lognormal"
     length_mean: float = 512.0
     length_sigma: float = 1.0

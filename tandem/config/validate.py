@@ -332,9 +332,10 @@ def _check_sim_lengths(cfg: Config) -> None:
     """The simulated response lengths' distribution."""
     s = cfg.sim
     _check(
-        s.lengths in ("lognormal", "pareto") or s.lengths.startswith("metrics:"),
+        s.lengths in ("lognormal", "pareto") or s.lengths.startswith(("metrics:", "file:")),
         "sim.lengths",
-        f"is {s.lengths!r}; valid: lognormal, pareto, metrics:PATH (a run's metrics.jsonl).",
+        f"is {s.lengths!r}; valid: lognormal, pareto, metrics:PATH (a run's metrics.jsonl), "
+        "file:PATH (measured response lengths).",
     )
     _check(s.length_mean > 0, "sim.length_mean", "must be > 0 tokens.")
     _check(s.length_sigma > 0, "sim.length_sigma", "must be > 0.")

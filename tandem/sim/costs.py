@@ -3,15 +3,18 @@
 All times are full-speed seconds (a worker sharing its devices beyond their capacity runs slower:
 `tandem.sim.cluster`). One formula per kind of work, the same for every configuration:
 
-    decode step   max(W / (d·BW·e), 2·P·n / (d^γ·F·m_dec)) + C·kv / (d·BW·e) + o + 2·L·a·[d > 1]
-    prefill       t tokens: 2·P·t / (d^γ·F·m_pre)
-    train step    tokens·(6·P + attn)·r / R(G, m_train) + updates·u, and a π_old forward
-                  tokens·(2·P + attn) / R(G, m_fwd) where the trainer recomputes it
+    decode step   max(W_n / (d·BW·e), 2·P_a·n / (d^γ·F·m_dec)) + C·kv / (d·BW·e) + o + 2·L·a·[d > 1]
+    prefill       t tokens: 2·P_a·t / (d^γ·F·m_pre)
+    train step    tokens·(6·P_a + attn)·r / R(G, m_train) + updates·u, and a π_old forward
+                  tokens·(2·P_a + attn) / R(G, m_fwd) where the trainer recomputes it
     trainer rate  R(G, m) = G·F·m·s(G)·η_c,  s(G) = (G / G_ref)^(β - 1)
-    weight push   o_sync + bytes / link (a trainer on other devices), bytes / local (colocated)
+    weight push   o_sync + W / link (a trainer on other devices), W / local (colocated)
     sleep, wake   s_sleep + W / offload, s_wake + W / offload (a colocated engine, each train step)
 
-W weight bytes, P parameters, n running sequences, C their summed context (tokens), kv bytes of
+W the weights' bytes (every parameter: they also bound the KV cache), P_a the parameters a token
+computes with, W_n the bytes a decode step of n sequences reads (a dense model: P_a = all of them,
+W_n = W; a mixture of experts: its dense part and k of its E experts, and the dense part and
+min(E, n·k) experts: `Shape`), n running sequences, C their summed context (tokens), kv bytes of
 keys and values per context token, d devices of an engine (tensor parallel), G of the trainer, BW
 memory bandwidth, F peak FLOP/s, e and m the fractions of them achieved, o a decode step's fixed
 cost (launches, sampling, scheduling), a one all-reduce's latency (2 per layer under tensor
@@ -36,6 +39,7 @@ import yaml
 
 from tandem.errors import TandemError
 from tandem.model.config import ModelConfig
+from tandem.model.experts import moe_layers
 
 
 @dataclass
@@ -121,21 +125,45 @@ class Calibration:
 
 @dataclass
 class Shape:
-    """What the cost model needs of a decoder."""
+    """What the cost model needs of a decoder. A mixture of experts' routed experts are
+    `expert_params` each (one expert's weights over every MoE layer), `experts_per_token` of its
+    `experts` used per token; the rest (attention, embeddings, dense MLPs, routers, shared experts)
+    every token uses. A dense model has no experts: active_params == params."""
 
-    params: float  # P
+    params: float  # P: every parameter (weight bytes, KV capacity, pushes, offload)
     layers: int
-    hidden: int
+    q_dim: int  # query heads x head dim (Qwen3's head dim is not hidden / heads)
     kv_dim: int  # key/value heads x head dim
+    experts: int = 0  # E
+    experts_per_token: int = 0  # k
+    expert_params: float = 0.0
+
+    @property
+    def active_params(self) -> float:
+        """P_a: the parameters one token computes with (every FLOP formula)."""
+        return self.params - (self.experts - self.experts_per_token) * self.expert_params
+
+    def params_read(self, n: int) -> float:
+        """The parameters a decode step of n sequences reads: the dense part and min(E, n·k) experts
+        (n·k routed tokens touch at most that many; past E, every expert once)."""
+        unread = max(self.experts - n * self.experts_per_token, 0)
+        return self.params - unread * self.expert_params
 
     @classmethod
     def of(cls, c: ModelConfig) -> "Shape":
-        q = c.num_attention_heads * c.head_dim
-        kv = c.num_key_value_heads * c.head_dim
-        attn = c.hidden_size * (q + 2 * kv) + q * c.hidden_size
-        mlp = 3 * c.hidden_size * c.intermediate_size
-        embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-        return cls(float(c.num_hidden_layers * (attn + mlp) + embed), c.num_hidden_layers, c.hidden_size, kv)
+        """From a model's config: weight matrices only (norms and biases are noise)."""
+        h, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        sparse = len(moe_layers(c))
+        attn = c.num_hidden_layers * (h * (q + 2 * kv) + q * h)
+        mlp = (c.num_hidden_layers - sparse) * 3 * h * c.intermediate_size
+        # per MoE layer: the router, and a shared expert with its one-row gate (Qwen2-MoE)
+        shared = 3 * h * c.shared_expert_intermediate_size + (h if c.shared_expert_intermediate_size else 0)
+        routers = sparse * (h * c.num_experts + shared)
+        expert = sparse * 3 * h * c.moe_intermediate_size
+        embed = c.vocab_size * h * (1 if c.tie_word_embeddings else 2)
+        dense = attn + mlp + routers + embed
+        e, k = (c.num_experts, c.num_experts_per_tok) if sparse else (0, 0)
+        return cls(float(dense + e * expert), c.num_hidden_layers, q, kv, e, k, float(expert))
 
 
 class Costs:
@@ -150,8 +178,9 @@ class Costs:
     def decode_step_fixed(self, n: int, d: float) -> float:
         """The part of a decode step of n sequences that does not grow with their context."""
         c = self.cal
-        weights = self.weight_bytes / (d * c.memory_bytes_per_s * c.bandwidth_efficiency)
-        flops = 2 * self.shape.params * n / (d**c.engine_scaling_exponent * c.peak_flops * c.decode_mfu)
+        read = self.shape.params_read(n) * c.bytes_per_param
+        weights = read / (d * c.memory_bytes_per_s * c.bandwidth_efficiency)
+        flops = 2 * self.shape.active_params * n / self._engine_rate(d, c.decode_mfu)
         tp = 2 * self.shape.layers * c.allreduce_latency_s if d > 1 else 0.0
         return max(weights, flops) + c.decode_step_overhead_s + tp
 
@@ -160,8 +189,11 @@ class Costs:
         return self.kv_bytes_per_token / (d * self.cal.memory_bytes_per_s * self.cal.bandwidth_efficiency)
 
     def prefill_s(self, tokens: float, d: float) -> float:
-        c = self.cal
-        return 2 * self.shape.params * tokens / (d**c.engine_scaling_exponent * c.peak_flops * c.prefill_mfu)
+        return 2 * self.shape.active_params * tokens / self._engine_rate(d, self.cal.prefill_mfu)
+
+    def _engine_rate(self, d: float, mfu: float) -> float:
+        """d^γ·F·m: the FLOP/s an engine on d devices achieves at `mfu` of one device's peak."""
+        return d**self.cal.engine_scaling_exponent * self.cal.peak_flops * mfu
 
     def kv_capacity_tokens(self, d: float, memory_fraction: float) -> float:
         """Tokens of context an engine holds: its share of the devices' memory less the weights."""
@@ -170,8 +202,9 @@ class Costs:
 
     # -- a trainer on G devices ----------------------------------------------------------------------
     def _attention_flops(self, lengths: list[int]) -> float:
-        """Causal self-attention's forward matmuls over whole sequences: 2·L·hidden·len² each."""
-        return sum(2.0 * self.shape.layers * self.shape.hidden * n * n for n in lengths)
+        """Causal self-attention's forward matmuls over whole sequences: 2·L·q·len² each (q the query
+        heads' width)."""
+        return sum(2.0 * self.shape.layers * self.shape.q_dim * n * n for n in lengths)
 
     def train_rate(self, g: float, mfu: float, colocated: bool = False) -> float:
         """R(G, m): FLOP/s a trainer on g devices achieves, `mfu` being its fraction of peak on
@@ -182,13 +215,13 @@ class Costs:
 
     def forward_s(self, lengths: list[int], g: float, colocated: bool = False) -> float:
         """A forward pass (π_old, reference logprobs, values) over sequences of these lengths."""
-        flops = 2 * self.shape.params * sum(lengths) + self._attention_flops(lengths)
+        flops = 2 * self.shape.active_params * sum(lengths) + self._attention_flops(lengths)
         return flops / self.train_rate(g, self.cal.forward_mfu, colocated)
 
     def train_s(self, lengths: list[int], g: float, updates: int, colocated: bool = False) -> float:
         """Forward and backward over every sequence, and `updates` optimizer updates."""
         redo = 4 / 3 if self.cal.activation_checkpointing else 1.0
-        flops = 3 * (2 * self.shape.params * sum(lengths) + self._attention_flops(lengths)) * redo
+        flops = 3 * (2 * self.shape.active_params * sum(lengths) + self._attention_flops(lengths)) * redo
         rate = self.train_rate(g, self.cal.train_mfu, colocated)
         return flops / rate + updates * self.cal.optimizer_update_s
 
