@@ -157,9 +157,13 @@ def cmd_simulate(ns: argparse.Namespace) -> None:
         print(line, file=sys.stderr, flush=True)
 
     recipe, overrides = split_args(ns.args)
+    figures = {}
+    if ns.calibrate:  # then the recipe's runs on what was measured
+        figures = calibrate_here(recipe, overrides, ns, say)
+        overrides = [*overrides, f"sim.calibration={os.path.abspath(ns.out)}"]
     result = compare(recipe, overrides, progress=say)
     print(result.table())
-    figures = result.figures()
+    figures |= result.figures()
     if ns.search:
         print("\nbest split and staleness bound for async (--search):")
         for best in search(recipe, overrides, progress=say):
@@ -168,6 +172,19 @@ def cmd_simulate(ns: argparse.Namespace) -> None:
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(figures, f, indent=2)
+
+
+def calibrate_here(recipe: str | None, overrides: list[str], ns: argparse.Namespace, say) -> dict[str, float]:
+    """`tandem simulate --calibrate`: measure this machine's parts into a calibration file (--out)
+    -> the figures measured, under calibration_*."""
+    from tandem.config import load_config
+    from tandem.sim.calibrate import calibrate, write
+
+    cal, figures = calibrate(load_config(recipe, overrides), with_ray=not ns.no_ray, say=say)
+    command = " ".join(["tandem simulate --calibrate", *ns.args])
+    write(cal, figures, ns.out, command)
+    print(f"wrote {ns.out} (use it with sim.calibration={ns.out}); the recipe's runs on it:")
+    return {f"calibration_{k}": v for k, v in figures.items()}
 
 
 def cmd_report(ns: argparse.Namespace) -> None:
@@ -189,6 +206,9 @@ def add_simulate(sub) -> None:
     s.add_argument("args", nargs="*", help="[recipe.yaml] [section.key=value ...] (sim.* among them)")
     s.add_argument("--search", action="store_true", help="also find the split and staleness bound for async")
     s.add_argument("--json", help="write the figures as one flat JSON object")
+    s.add_argument("--calibrate", action="store_true", help="measure this machine's parts into --out")
+    s.add_argument("--out", default="sim-calibration.yaml", help="--calibrate: the calibration file to write")
+    s.add_argument("--no-ray", action="store_true", help="--calibrate: leave out the actors' parts (Ray)")
     s.set_defaults(fn=cmd_simulate)
 
 

@@ -3,7 +3,7 @@
 All times are full-speed seconds (a worker sharing its devices beyond their capacity runs slower:
 `tandem.sim.cluster`). One formula per kind of work, the same for every configuration:
 
-    decode step   max(W_n / (d·BW·e), 2·P_a·n / (d^γ·F·m_dec)) + C·kv / (d·BW·e) + o + 2·L·a·[d > 1]
+    decode step   max(W_n / (d·BW·e), 2·P_a·n / (d^γ·F·m_dec)) + C·kv / (d·BW·e_kv) + o + 2·L·a·[d > 1]
     prefill       t tokens: 2·P_a·t / (d^γ·F·m_pre)
     train step    tokens·(6·P_a + attn)·r / R(G, m_train) + updates·u, and a π_old forward
                   tokens·(2·P_a + attn) / R(G, m_fwd) where the trainer recomputes it
@@ -16,7 +16,8 @@ computes with, W_n the bytes a decode step of n sequences reads (a dense model: 
 W_n = W; a mixture of experts: its dense part and k of its E experts, and the dense part and
 min(E, n·k) experts: `Shape`), n running sequences, C their summed context (tokens), kv bytes of
 keys and values per context token, d devices of an engine (tensor parallel), G of the trainer, BW
-memory bandwidth, F peak FLOP/s, e and m the fractions of them achieved, o a decode step's fixed
+memory bandwidth, F peak FLOP/s, e and m the fractions of them achieved (e_kv reading the KV cache,
+e unless set), o a decode step's fixed
 cost (launches, sampling, scheduling), a one all-reduce's latency (2 per layer under tensor
 parallelism), r 4/3 with activation checkpointing (else 1), u an optimizer update's own cost,
 γ how an engine's compute grows with its devices (1 for tensor parallelism on GPUs; CPU threads
@@ -53,6 +54,9 @@ class Calibration:
     bytes_per_param: float = 2.0  # the engines' weights (2 = bf16, 4 = fp32)
     kv_bytes_per_value: float = 2.0  # the engines' KV cache
     bandwidth_efficiency: float = 0.8  # e: of memory bandwidth, reading weights and KV in decode
+    # e_kv: the same for the KV cache alone where it differs (a CPU's attention is not bandwidth-bound);
+    # 0 = bandwidth_efficiency
+    kv_bandwidth_efficiency: float = 0.0
     decode_mfu: float = 0.5  # m_dec: of peak FLOP/s in a compute-bound decode step
     prefill_mfu: float = 0.5  # m_pre
     decode_step_overhead_s: float = 0.0  # o
@@ -186,7 +190,10 @@ class Costs:
 
     def kv_s_per_token(self, d: float) -> float:
         """A decode step's time per token of context it reads (keys and values, every layer)."""
-        return self.kv_bytes_per_token / (d * self.cal.memory_bytes_per_s * self.cal.bandwidth_efficiency)
+        c = self.cal
+        return self.kv_bytes_per_token / (
+            d * c.memory_bytes_per_s * (c.kv_bandwidth_efficiency or c.bandwidth_efficiency)
+        )
 
     def prefill_s(self, tokens: float, d: float) -> float:
         return 2 * self.shape.active_params * tokens / self._engine_rate(d, self.cal.prefill_mfu)
