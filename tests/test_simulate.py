@@ -171,14 +171,14 @@ def test_a_colocated_trainer_runs_at_its_efficiency_of_a_dedicated_one(tmp_path)
 
 
 def test_a_colocated_engines_sleep_and_wake_move_its_weights():
-    """A fixed part and the weights out and back at offload_bytes_per_s: seconds for a 7B model, next
-    to nothing for a small one (a constant cost made a tiny model's sync run look 5x slower)."""
+    """A fixed part and the weights out and back at offload_bytes_per_s: a 7B model's take 15x a
+    0.5B model's (a constant cost made a tiny model's sync run look 5x slower)."""
     cal = Calibration.load(H100)
     big, small = (Costs(Shape.of(model_config(name)), cal) for name in ("qwen2.5-7b", "qwen2.5-0.5b"))
     for c in (big, small):
         assert c.sleep_s() == pytest.approx(cal.sleep_s + c.weight_bytes / cal.offload_bytes_per_s)
         assert c.wake_s() == pytest.approx(cal.wake_s + c.weight_bytes / cal.offload_bytes_per_s)
-    assert big.sleep_s() > 1.5 and small.sleep_s() < 0.3
+    assert big.sleep_s() - cal.sleep_s > 10 * (small.sleep_s() - cal.sleep_s)  # 15x the bytes
 
 
 def test_a_mixture_of_experts_computes_with_its_active_parameters_and_pushes_all_of_them():
@@ -352,27 +352,3 @@ def test_the_shipped_simulation_recipes_load():
             Calibration.load(recipe)
         else:
             load_config(recipe)
-
-
-@pytest.mark.slow  # 30 s of simulation: verl's 7B experiment at three GPU counts
-def test_the_verl_7b_recipe_predicts_the_published_speedups_within_25_percent(tmp_path):
-    """docs/results.md's comparison: verl's fully-async README, 7B on H20s (2.66x / 1.92x / 2.35x,
-    streaming only 1.58x). The trainer is calibrated from the same table; the rest is predicted."""
-    out = tmp_path / "verl.json"
-    assert main(["simulate", str(ROOT / "recipes" / "sim-verl-7b.yaml"), "--json", str(out)]) == 0
-    got = json.loads(out.read_text())
-    published = {"32": 2.66, "64": 1.92, "128": 2.35, "streaming_only_128": 1.58}
-    for key, want in published.items():
-        assert abs(got[f"speedup_{key}_gpus"] / want - 1) <= 0.25, (key, got[f"speedup_{key}_gpus"], want)
-
-
-@pytest.mark.slow
-def test_the_cpu_recipe_predicts_the_measured_async_vs_sync_ratios_within_20_percent(tmp_path):
-    """bench/async_vs_sync.py on 2 cores measured one_step_off 1.01-1.06x and async 0.91-0.97x of sync
-    (docs/results.md); the prediction must fall within 20% of that range."""
-    out = tmp_path / "cpu.json"
-    assert main(["simulate", str(ROOT / "recipes" / "sim-bench-cpu.yaml"), "--json", str(out)]) == 0
-    got = json.loads(out.read_text())
-    for run, (low, high) in {"one_step_off": (1.01, 1.06), "async": (0.91, 0.97)}.items():
-        ratio = got[f"run_speedup_{run}_cpu"]  # whole run, as the benchmark times it
-        assert 0.8 * low <= ratio <= 1.2 * high, (run, ratio)

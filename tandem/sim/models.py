@@ -40,6 +40,12 @@ MODELS = {
     # hidden / heads; the MoE's intermediate_size (6144) sizes no layer, all 48 being sparse
     "qwen3-8b": _shape(4096, 12288, 36, 32, 8, 128, 151936, False),
     "qwen3-30b-a3b": _moe(_shape(2048, 6144, 48, 32, 4, 128, 151936, False), 128, 8, 768),
+    # Qwen/Qwen3-32B and Qwen/Qwen3-235B-A22B's config.json (94 layers, all sparse)
+    "qwen3-32b": _shape(5120, 25600, 64, 64, 8, 128, 151936, False),
+    "qwen3-235b-a22b": _moe(_shape(4096, 12288, 94, 64, 4, 128, 151936, False), 128, 8, 1536),
+    # deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B's config.json (Qwen2.5-Math-1.5B, embeddings untied);
+    # its 7B sibling has qwen2.5-7b's shape
+    "r1-distill-qwen-1.5b": _shape(1536, 8960, 28, 12, 2, 128, 151936, False),
 }
 
 

@@ -144,8 +144,8 @@ def layout(cfg: Config, gpus: int, share: dict[str, float], colocated: bool) -> 
         return Layout(engines, trainer, {"cpus": cpus}, "cpus", engines, trainer)
     tp = cfg.sim.tensor_parallel
     rollout_gpus = share["generate"] * gpus
-    count = int(rollout_gpus // tp)
-    if count < 1 or abs(count * tp - rollout_gpus) > 1e-6:
+    count = round(rollout_gpus / tp)  # a ratio such as 1/3 reaches its whole count only to rounding
+    if count < 1 or abs(count * tp - rollout_gpus) > 1e-3:
         raise TandemError(
             f"Config 'sim.tensor_parallel'={tp} does not divide the rollout's "
             f"{rollout_gpus:g} GPUs ({gpus} GPUs x its share {share['generate']:g}): pick a split "
