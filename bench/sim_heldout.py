@@ -10,6 +10,7 @@ lognormal of mean max/8 and sigma 1.0. No figure here was changed after the resu
 (docs/results.md, "Held-out published figures"; `git log` of this file and the calibrations).
 
     python bench/sim_heldout.py [--rows ID,...] [--json PATH] [--published bench/sim_heldout_published.yaml]
+                                [--predicted PATH (an earlier --json: no simulation)]
 
 Prints each row's predicted throughput ratio (the second arm's samples/s over the first's; per GPU
 where the arms use different GPU counts) and, with --published, the published ratio, the error and
@@ -243,18 +244,25 @@ def predict(row: Row) -> dict[str, float]:
     }
 
 
+def of_row(figures: dict[str, float], row: Row) -> dict[str, float]:
+    """An earlier run's figures of this row (predicted_<id>, step_s_first_<id>, ...)."""
+    return {k: v for k, v in figures.items() if k.endswith(f"_{row.id}")}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", help="comma-separated row ids (default: every row)")
     p.add_argument("--published", help="a YAML of row id -> published ratio: adds the errors")
+    p.add_argument("--predicted", help="take the predictions from an earlier --json instead of simulating")
     p.add_argument("--json", help="write the figures as one flat JSON object")
     args = p.parse_args()
+    earlier = json.loads(Path(args.predicted).read_text()) if args.predicted else None
     wanted = set(args.rows.split(",")) if args.rows else {r.id for r in ROWS}
     published = yaml.safe_load(Path(args.published).read_text()) if args.published else {}
     figures, errors = {}, []
     print(f"{'row':<28} {'predicted':>9} {'published':>9} {'error':>7}")
     for row in [r for r in ROWS if r.id in wanted]:
-        figures |= predict(row)
+        figures |= predict(row) if earlier is None else of_row(earlier, row)
         got, line = figures[f"predicted_{row.id}"], f"{row.id:<28} {figures[f'predicted_{row.id}']:>8.2f}x"
         if row.id in published:
             want = float(published[row.id])
