@@ -34,7 +34,7 @@ class ModelConfig:
     qwen2: bias on q/k/v only. qwen3: q/k RMSNorm over the head dim, `attention_bias` on all four
     projections. llama: `attention_bias` on all four, optional `mlp_bias`. The MoE variants
     (qwen2_moe, qwen3_moe, mixtral: attention as qwen2, qwen3, llama) replace the MLP of the layers
-    `tandem.model.experts.moe_layers` names with `num_experts` routed experts (`num_experts_per_tok`
+    `moe_layers` names with `num_experts` routed experts (`num_experts_per_tok`
     per token, `moe_intermediate_size` wide), Qwen2-MoE's with a gated shared expert beside them.
     """
 
@@ -279,3 +279,12 @@ def model_dir(spec: str) -> Path:
     if not path.is_dir():
         raise TandemError(f"Model path {path} (model.path) does not exist or is not a directory.")
     return path
+
+
+def moe_layers(cfg: ModelConfig) -> list[int]:
+    """The indices of the layers whose feed-forward is a `SparseMoE` (`tandem.model.experts`); the
+    rest are dense."""
+    if not cfg.num_experts:
+        return []
+    sparse = [(i + 1) % cfg.decoder_sparse_step == 0 for i in range(cfg.num_hidden_layers)]
+    return [i for i, s in enumerate(sparse) if s and i not in cfg.mlp_only_layers]

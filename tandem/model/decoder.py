@@ -14,8 +14,8 @@ from torch import Tensor, nn
 
 from tandem.errors import TandemError
 from tandem.model import batch_invariant as bi
-from tandem.model.config import ModelConfig
-from tandem.model.experts import SparseMoE, moe_layers
+from tandem.model.config import ModelConfig, moe_layers
+from tandem.model.experts import SparseMoE
 from tandem.model.kv_cache import KVCache
 from tandem.model.logprobs import Targets, score_tokens
 from tandem.model.rope import apply_rope, check_positions, rope_table

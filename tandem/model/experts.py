@@ -192,11 +192,3 @@ def agreement(engine: Tensor, trainer: Tensor) -> float:
     known = (engine >= 0).all(-1)  # (N, L)
     same = (engine.sort(-1).values == trainer.to(engine.dtype).sort(-1).values).all(-1)
     return float(same[known].float().mean()) if known.any() else 1.0
-
-
-def moe_layers(cfg: ModelConfig) -> list[int]:
-    """The indices of the layers whose feed-forward is a `SparseMoE` (the rest are dense)."""
-    if not cfg.num_experts:
-        return []
-    sparse = [(i + 1) % cfg.decoder_sparse_step == 0 for i in range(cfg.num_hidden_layers)]
-    return [i for i, s in enumerate(sparse) if s and i not in cfg.mlp_only_layers]

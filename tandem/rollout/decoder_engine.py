@@ -12,8 +12,9 @@ from torch import Tensor
 
 from tandem.config.schema import LoraConfig
 from tandem.errors import TandemError
+from tandem.model.config import moe_layers
 from tandem.model.decoder import CausalLM, fuse_projections
-from tandem.model.experts import Routing, moe_layers, routing
+from tandem.model.experts import Routing, routing
 from tandem.model.fp8 import quantize_model, requantize
 from tandem.rollout.adapters import MergedAdapters
 from tandem.rollout.base import RolloutEngine, Storages

@@ -39,8 +39,7 @@ from pathlib import Path
 import yaml
 
 from tandem.errors import TandemError
-from tandem.model.config import ModelConfig
-from tandem.model.experts import moe_layers
+from tandem.model.config import ModelConfig, moe_layers
 
 
 @dataclass
