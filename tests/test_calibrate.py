@@ -74,7 +74,7 @@ def test_a_decode_step_grows_with_the_batch_and_the_context(measured):
 
 
 @pytest.mark.ray
-def test_the_actors_part_measures_start_up_calls_a_push_and_rewards():
+def test_the_actors_part_measures_start_up_calls_a_push_and_rewards(ray_local):
     cfg = load_config(RECIPE, SMALL)
     got = ray_figures(cfg, Costs(shape_of(cfg), Calibration()))
     assert got["startup_s"] > 0 and got["call_s"] > 0 and got["link_bytes_per_s"] > 0
