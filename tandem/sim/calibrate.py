@@ -152,7 +152,8 @@ def engine_figures(cfg: Config, costs: Costs, flops: float) -> dict[str, float]:
     long = max(model.max_position_embeddings - 48, 16)  # room for the longer call's 40 tokens
     steps = {n: decode_step_s(engine, n, short, vocab) for n in DECODE_BATCHES}
     wide = decode_step_s(engine, 32, long, vocab)
-    # the KV cache's cost per token of context: the long context's extra time over the short's
+    # the KV cache's cost per token of context: the long context's extra time over the short's (a
+    # cost under the timing noise reads as the copy's full bandwidth)
     mid = 24  # the mean new-token position of the two calls (8 and 40)
     per_token = max(wide - steps[32], 1e-12) / (32 * (long - short))
     kv_efficiency = costs.kv_bytes_per_token / (per_token * costs.cal.memory_bytes_per_s)
