@@ -24,12 +24,11 @@ parallelism), r 4/3 with activation checkpointing (else 1), u an optimizer updat
 less). s(G) is data-parallel training's per-device efficiency: one power law over every trainer
 size, 1 at G_ref devices, above 1 on fewer (less communication per FLOP), below 1 on more; the
 trainer's throughput grows as G^β. η_c is 1 for a trainer on devices of its own and
-`colocated_train_efficiency` for one that time-shares them with sleeping rollout engines: verl's
-published 7B tables (H20) show its colocated trainer on G GPUs as fast as its dedicated one on G/2,
-η_c = 2^-β = 0.64 (recipes/sim-calibration-h20.yaml: offload between phases and the engine's
-resident CUDA graphs are part of it; the table does not say what the rest is). Every call a worker
+`colocated_train_efficiency` for one that time-shares them with sleeping rollout engines (no
+part-level figure exists: the shipped calibrations leave it at 1, docs/simulate.md). Every call a worker
 starts before `startup_s` into the run waits until then (`tandem.sim.workers.TimedWorker`). The
-figures come from a calibration file (recipes/sim-calibration-*.yaml), each with its source.
+figures come from a calibration file (recipes/sim-calibration-*.yaml, or `tandem simulate
+--calibrate`: tandem.sim.calibrate), each with its source.
 """
 
 import dataclasses
