@@ -12,7 +12,7 @@ dtypes, never from a run the simulator is then compared with (docs/simulate.md, 
                                the workload's lengths (sim.prompt_tokens, sim.length_mean)
     optimizer_update_s         one optimizer step over the policy's parameters
     *_scaling_exponent         the matmuls and the train step on every core against one
-    oversubscription_exponent  the matmuls on every core while the engine decodes on one more thread
+    oversubscription_exponent  the matmuls on every core while one more thread computes beside them
     startup_s, call_s          the recipe's actors on Ray: their start-up spans, an empty call
     link_bytes_per_s           a weight push through the run's transport (trainer -> rollout actor)
     reward_s_per_sample        a reward call on the task's held-out prompts
@@ -26,7 +26,6 @@ with a note where it is not installed, keeping the defaults).
 import dataclasses
 import math
 import os
-import pickle
 import random
 import shutil
 import statistics
@@ -36,7 +35,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -102,39 +100,32 @@ def copy_bytes_per_s(mb: int = 256) -> float:
     return 2 * src.numel() * 4 / best_s(lambda: dst.copy_(src))
 
 
-def contended_speed(cfg: Config, shapes: list[tuple[int, int]], dtype: torch.dtype) -> float:
-    """The matmuls on every core while the recipe's rollout engine decodes on one more thread in
-    another process (as a rollout worker does beside the trainer), as a fraction of their speed
-    alone: what one thread beyond the cores leaves the others."""
+def contended_speed(shapes: list[tuple[int, int]], dtype: torch.dtype, cores: int) -> float:
+    """The matmuls on `cores` threads while one more thread runs matmuls in another process, as a
+    fraction of their speed alone: what `cores + 1` threads on `cores` cores leave each."""
     alone = matmul_flops(shapes, dtype)
-    with tempfile.NamedTemporaryFile(suffix=".pkl", delete=False) as f:
-        pickle.dump(cfg, f)
     rival = subprocess.Popen(
-        [sys.executable, "-m", "tandem.sim.calibrate", f.name], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _RIVAL],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
     )
     try:
-        for line in rival.stdout:  # its imports and engine first: it says when it is decoding
-            if line.strip() == "decoding":
-                break
+        rival.stdout.readline()  # it is computing
         shared = matmul_flops(shapes, dtype)
     finally:
         rival.kill()
         rival.wait()
-        os.unlink(f.name)
     return shared / alone
 
 
-def decode_forever(path: str) -> None:
-    """The rival of `contended_speed`: the recipe's engine on one thread, generate call after
-    generate call of a rollout call's rows (rollout.chunk_groups x n), Python work included."""
-    cfg = pickle.loads(Path(path).read_bytes())
-    torch.set_num_threads(1)
-    engine = ENGINE_BUILDERS.get(cfg.rollout.engine)(cfg, load_checked_tokenizer(cfg), cfg.run.seed)
-    vocab, rows = _model_cfg(cfg).vocab_size, min(cfg.rollout.chunk_groups * cfg.rollout.n, 128)
-    _generate(engine, rows, cfg.sim.prompt_tokens, 8, vocab)
-    print("decoding", flush=True)
-    while True:
-        _generate(engine, rows, cfg.sim.prompt_tokens, 64, vocab)
+_RIVAL = (
+    "import torch, sys\n"
+    "torch.set_num_threads(1)\n"
+    "a = torch.randn(512, 512)\n"
+    "print('go', flush=True)\n"
+    "while True:\n"
+    "    a @ a\n"
+)
 
 
 # -- the rollout engine ------------------------------------------------------------------------------
@@ -365,7 +356,7 @@ def calibrate(cfg: Config, with_ray: bool = True, say=print) -> tuple[Calibratio
         figures |= train_figures(cfg, costs, flops, cores)
         if not gpu and cores > 1:
             say("calibrating: every core, and one thread more than cores")
-            figures |= core_figures(cfg, shapes, dtype, cores, flops)
+            figures |= core_figures(shapes, dtype, cores, flops)
     finally:
         torch.set_num_threads(threads)
     if with_ray:
@@ -378,15 +369,13 @@ def calibrate(cfg: Config, with_ray: bool = True, say=print) -> tuple[Calibratio
     return cal, figures
 
 
-def core_figures(
-    cfg: Config, shapes: list[tuple[int, int]], dtype: torch.dtype, cores: int, flops: float
-) -> dict:
+def core_figures(shapes: list[tuple[int, int]], dtype: torch.dtype, cores: int, flops: float) -> dict:
     """engine_scaling_exponent (the matmuls on every core against one) and
     oversubscription_exponent (x in: cores + 1 threads on `cores` cores run at (cores / (cores + 1))^x)."""
     torch.set_num_threads(cores)
     try:
         scaling = _exponent(matmul_flops(shapes, dtype) / flops, cores)
-        speed = contended_speed(cfg, shapes, dtype)
+        speed = contended_speed(shapes, dtype, cores)
     finally:
         torch.set_num_threads(1)
     oversubscription = math.log(speed) / math.log(cores / (cores + 1))
@@ -457,7 +446,7 @@ SOURCES = {
     "optimizer_update_s": "one optimizer step over the policy's parameters",
     "train_scaling_exponent": "the train step on every core against one",
     "engine_scaling_exponent": "the matmuls on every core against one",
-    "oversubscription_exponent": "the matmuls on every core beside the engine decoding on one more thread",
+    "oversubscription_exponent": "the matmuls on every core beside one more thread",
     "startup_s": "the recipe's actors' start-up spans on Ray (the slowest)",
     "call_s": "an empty actor call's round trip",
     "link_bytes_per_s": "a weight push through the run's transport, trainer to rollout actor",
@@ -471,7 +460,3 @@ def _source(key: str, figures: dict[str, float]) -> str:
     if key == "local_copy_bytes_per_s":
         measured = "link_bytes_per_s" in figures
     return f"  # {SOURCES[key]}" if measured else "  # not measured here: the default"
-
-
-if __name__ == "__main__":  # the decoding rival of contended_speed, in a process of its own
-    decode_forever(sys.argv[1])
