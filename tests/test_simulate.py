@@ -352,3 +352,16 @@ def test_the_shipped_simulation_recipes_load():
             Calibration.load(recipe)
         else:
             load_config(recipe)
+
+
+def test_every_number_of_a_shipped_calibration_names_its_source():
+    """A key's line carries a comment, or the comment block right above its run of keys covers it."""
+    for path in sorted((ROOT / "recipes").glob("sim-calibration-*.yaml")):
+        covered = False
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if line.startswith("#"):
+                covered = True
+            elif not line.strip():
+                covered = False
+            else:
+                assert covered or "#" in line, f"{path.name}:{n} {line!r} names no source"
