@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -51,7 +52,7 @@ from tandem.rollout.protocol import SamplingParams
 from tandem.runtime.roles import ENGINE_BUILDERS, build_trainer, load_checked_tokenizer
 from tandem.sample import Prompt, Sample, Status
 from tandem.sim.costs import Calibration, Costs
-from tandem.sim.lengths import ResponseLengths
+from tandem.sim.lengths import response_lengths
 from tandem.sim.run import shape_of
 
 PEAK_ROWS = 2048
@@ -79,18 +80,11 @@ def projection_shapes(model: CausalLM) -> list[tuple[int, int]]:
 def matmul_flops(shapes: list[tuple[int, int]], dtype: torch.dtype, rows: int = PEAK_ROWS) -> float:
     """FLOP/s of x (rows, in) @ W.T over the model's distinct projection shapes, weighted by count."""
     flops = seconds = 0.0
-    for (fan_in, fan_out), count in _counts(shapes).items():
+    for (fan_in, fan_out), count in Counter(shapes).items():
         x, w = torch.randn(rows, fan_in, dtype=dtype), torch.randn(fan_out, fan_in, dtype=dtype)
         flops += 2 * rows * fan_in * fan_out * count
         seconds += best_s(lambda x=x, w=w: F.linear(x, w)) * count
     return flops / seconds
-
-
-def _counts(shapes: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
-    out: dict[tuple[int, int], int] = {}
-    for s in shapes:
-        out[s] = out.get(s, 0) + 1
-    return out
 
 
 def copy_bytes_per_s(mb: int = 256) -> float:
@@ -100,10 +94,10 @@ def copy_bytes_per_s(mb: int = 256) -> float:
     return 2 * src.numel() * 4 / best_s(lambda: dst.copy_(src))
 
 
-def contended_speed(shapes: list[tuple[int, int]], dtype: torch.dtype, cores: int) -> float:
-    """The matmuls on `cores` threads while one more thread runs matmuls in another process, as a
-    fraction of their speed alone: what `cores + 1` threads on `cores` cores leave each."""
-    alone = matmul_flops(shapes, dtype)
+def contended_speed(shapes: list[tuple[int, int]], dtype: torch.dtype, alone: float) -> float:
+    """The matmuls on every core (torch's threads) while one more thread runs matmuls in another
+    process, as a fraction of `alone`, their FLOP/s without it: what one thread beyond the cores
+    leaves each."""
     rival = subprocess.Popen(
         [sys.executable, "-c", _RIVAL],
         stdout=subprocess.PIPE,
@@ -210,15 +204,11 @@ def workload(cfg: Config, vocab: int) -> list[Sample]:
 
 
 def _lengths(cfg: Config) -> Callable[[Sample], int]:
-    r, s = cfg.rollout, cfg.sim
+    r = cfg.rollout
     if r.length_tail_alpha > 0:
         tail = TailLengths(r.length_tail_alpha, r.max_new_tokens, cfg.run.seed)
         return lambda sample: tail.draw()
-    model = ResponseLengths(
-        s.lengths, s.length_mean, s.length_sigma, s.length_alpha, r.max_new_tokens, cfg.run.seed,
-        r.batch_size * r.n,
-    )  # fmt: skip
-    return model.of
+    return response_lengths(cfg).of
 
 
 def train_figures(cfg: Config, costs: Costs, flops: float, cores: int) -> dict[str, float]:
@@ -227,7 +217,7 @@ def train_figures(cfg: Config, costs: Costs, flops: float, cores: int) -> dict[s
     worker = build_trainer(cfg, load_checked_tokenizer(cfg), keep_ref=False)
     samples = workload(cfg, _model_cfg(cfg).vocab_size)
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-    fwd_flops = 2 * costs.shape.active_params * sum(lengths) + costs._attention_flops(lengths)
+    fwd_flops = costs.forward_flops(lengths)
     updates = len(worker.learner.mini_batches(len(samples))) * cfg.train.epochs
     optimizer = worker.learner.optimizer
     for group in optimizer.param_groups:
@@ -374,13 +364,13 @@ def core_figures(shapes: list[tuple[int, int]], dtype: torch.dtype, cores: int, 
     oversubscription_exponent (x in: cores + 1 threads on `cores` cores run at (cores / (cores + 1))^x)."""
     torch.set_num_threads(cores)
     try:
-        scaling = _exponent(matmul_flops(shapes, dtype) / flops, cores)
-        speed = contended_speed(shapes, dtype, cores)
+        every = matmul_flops(shapes, dtype)
+        speed = contended_speed(shapes, dtype, every)
     finally:
         torch.set_num_threads(1)
     oversubscription = math.log(speed) / math.log(cores / (cores + 1))
     return {
-        "engine_scaling_exponent": scaling,
+        "engine_scaling_exponent": _exponent(every / flops, cores),
         "oversubscription_exponent": min(max(oversubscription, 0.0), 4.0),
         "measured_contended_speed": speed,
     }

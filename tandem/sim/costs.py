@@ -206,10 +206,11 @@ class Costs:
         return max(free, 0.0) / self.kv_bytes_per_token
 
     # -- a trainer on G devices ----------------------------------------------------------------------
-    def _attention_flops(self, lengths: list[int]) -> float:
-        """Causal self-attention's forward matmuls over whole sequences: 2·L·q·len² each (q the query
-        heads' width)."""
-        return sum(2.0 * self.shape.layers * self.shape.q_dim * n * n for n in lengths)
+    def forward_flops(self, lengths: list[int]) -> float:
+        """A forward pass over whole sequences of these lengths: 2·P_a per token, and causal
+        self-attention's matmuls, 2·L·q·len² each (q the query heads' width)."""
+        attention = sum(2.0 * self.shape.layers * self.shape.q_dim * n * n for n in lengths)
+        return 2 * self.shape.active_params * sum(lengths) + attention
 
     def train_rate(self, g: float, mfu: float, colocated: bool = False) -> float:
         """R(G, m): FLOP/s a trainer on g devices achieves, `mfu` being its fraction of peak on
@@ -220,13 +221,12 @@ class Costs:
 
     def forward_s(self, lengths: list[int], g: float, colocated: bool = False) -> float:
         """A forward pass (π_old, reference logprobs, values) over sequences of these lengths."""
-        flops = 2 * self.shape.active_params * sum(lengths) + self._attention_flops(lengths)
-        return flops / self.train_rate(g, self.cal.forward_mfu, colocated)
+        return self.forward_flops(lengths) / self.train_rate(g, self.cal.forward_mfu, colocated)
 
     def train_s(self, lengths: list[int], g: float, updates: int, colocated: bool = False) -> float:
         """Forward and backward over every sequence, and `updates` optimizer updates."""
         redo = 4 / 3 if self.cal.activation_checkpointing else 1.0
-        flops = 3 * (2 * self.shape.active_params * sum(lengths) + self._attention_flops(lengths)) * redo
+        flops = 3 * self.forward_flops(lengths) * redo
         rate = self.train_rate(g, self.cal.train_mfu, colocated)
         return flops / rate + updates * self.cal.optimizer_update_s
 

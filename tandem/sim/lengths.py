@@ -11,6 +11,7 @@ import math
 import random
 from pathlib import Path
 
+from tandem.config import Config
 from tandem.errors import TandemError
 from tandem.sample import Sample
 
@@ -54,6 +55,15 @@ class ResponseLengths:
         else:
             draw = self.scale * (1.0 - rng.random()) ** (-1 / self.alpha)
         return max(1, min(self.cap, round(draw)))
+
+
+def response_lengths(cfg: Config) -> ResponseLengths:
+    """The run's sim.lengths, capped at rollout.max_new_tokens (a metrics fit over a step's samples)."""
+    s, r = cfg.sim, cfg.rollout
+    batch = r.batch_size * r.n
+    return ResponseLengths(
+        s.lengths, s.length_mean, s.length_sigma, s.length_alpha, r.max_new_tokens, cfg.run.seed, batch
+    )
 
 
 def fit_metrics(path: Path, batch: int) -> tuple[float, float]:

@@ -24,7 +24,7 @@ from tandem.sample import Prompt
 from tandem.sim.cluster import SimCluster
 from tandem.sim.costs import Calibration, Costs, Shape
 from tandem.sim.engine import Engine
-from tandem.sim.lengths import ResponseLengths
+from tandem.sim.lengths import response_lengths
 from tandem.sim.models import model_config
 from tandem.sim.workers import SimForward, SimReward, SimRollout, SimTrainer, TimedWorker
 
@@ -160,10 +160,7 @@ def build_cluster(cfg: Config, gpus: int, calibration: Calibration) -> tuple[Sim
     a description of the split)."""
     costs = Costs(shape_of(cfg), calibration)
     s = cfg.sim
-    lengths = ResponseLengths(
-        s.lengths, s.length_mean, s.length_sigma, s.length_alpha, cfg.rollout.max_new_tokens, cfg.run.seed,
-        cfg.rollout.batch_size * cfg.rollout.n,
-    )  # fmt: skip
+    lengths = response_lengths(cfg)
     share = _shares(cfg)
     colocated = devices.shares_gpus(cfg)
     at = layout(cfg, gpus, share, colocated)
