@@ -12,6 +12,37 @@ if _TESTS_DIR not in sys.path:
 import pytest  # noqa: E402
 
 
+def machine_line() -> str:
+    """The machine the suite ran on (CI runs on whichever CPU the submitting session had): the CPU,
+    its bf16 support, and what train.dtype=auto resolves to, so a failure that depends on the CPU is
+    read beside the CPU."""
+    import torch
+
+    from tandem.determinism import machine
+    from tandem.devices import cpu_has_native_bf16
+
+    native = cpu_has_native_bf16()
+    try:
+        flags = set(open("/proc/cpuinfo").read().split())
+    except OSError:
+        flags = set()
+    isa = "+".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "unknown ISA"
+    auto = "bfloat16" if torch.cuda.is_available() or native else "float32"
+    return (
+        f"tandem: CPU {machine('cpu')} ({isa}), {os.cpu_count()} cores, native bf16 {'yes' if native else 'no'}, "
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads); train.dtype=auto -> {auto}"
+    )
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return machine_line()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The machine again beside the results (the header is not printed under -q, the suite's default)."""
+    terminalreporter.write_line(machine_line())
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip the tests marked gpu where torch sees no CUDA device; refuse a test that uses the local
     Ray without the ray marker (it would slip into the unit tier, -m "not slow and not ray")."""

@@ -151,15 +151,38 @@ def test_an_engine_and_a_trainer_at_different_thread_counts_agree():
     assert first_difference(probe_model(SHIPPED, torch.float32, "cpu"), [16]) is None
 
 
-def test_a_deterministic_run_refuses_kernels_that_are_not_batch_invariant(monkeypatch):
-    """The start-up self-test, on a forward whose weight columns are not padded (the kernels' split
-    at 16 threads then gives the last logit columns another result): one paragraph naming the
-    path, not a run with a silent mismatch."""
-    overrides = ["run.deterministic=true", "run.device=cpu", "train.dtype=float32", "rollout.dtype=float32"]
+def nudged_last_column(out: torch.Tensor) -> torch.Tensor:
+    """`out` with its last column moved one float step up: a result no reduction order explains."""
+    out = out.clone()
+    out[:, -1] = torch.nextafter(out[:, -1], torch.full_like(out[:, -1], float("inf")))
+    return out
+
+
+# Kernels that break the mode's promise on purpose, whatever this machine's BLAS does: the refusal
+# must not hope for a CPU whose kernels misbehave (the landed test relied on MKL splitting 261 logit
+# columns between 16 threads on an AMD EPYC, which an Intel Xeon with AMX does not do).
+FAULTS = {
+    # another result when the call holds more than one row: depends on the batch
+    "batch": (lambda mm: lambda x, w: nudged_last_column(mm(x, w)) if x.shape[0] > 1 else mm(x, w), "batch of"),
+    # another result on more than one thread: depends on the thread count
+    "threads": (
+        lambda mm: lambda x, w: nudged_last_column(mm(x, w)) if torch.get_num_threads() > 1 else mm(x, w),
+        "16 thread",
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_deterministic_run_refuses_kernels_that_are_not_batch_invariant(monkeypatch, fault, dtype):
+    """The start-up self-test, on a matmul that depends on the batch or on the thread count (injected:
+    `tiled_mm` wrapped): one paragraph naming the path, not a run with a silent mismatch."""
+    overrides = ["run.deterministic=true", "run.device=cpu", f"train.dtype={dtype}", f"rollout.dtype={dtype}"]
     cfg = load_config(None, overrides)
     assert check_batch_invariance(cfg, [1, 16]) >= 0  # passes as built
-    monkeypatch.setattr(bi, "COL_TILE", 1)
-    with pytest.raises(TandemError, match="not batch-invariant.*16 thread"):
+    wrap, where = FAULTS[fault]
+    monkeypatch.setattr(bi, "tiled_mm", wrap(bi.tiled_mm))
+    with pytest.raises(TandemError, match=f"not batch-invariant.*{where}"):
         check_batch_invariance(cfg, [1, 16])
 
 

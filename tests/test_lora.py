@@ -99,19 +99,33 @@ def test_only_the_adapters_train_and_only_they_are_in_the_optimizer():
     assert stepped == {id(p) for n, p in w.model.named_parameters() if n in names}
 
 
-def test_bf16_compute_keeps_one_bf16_base_and_fp32_adapter_masters():
-    """The frozen base is one copy in the compute dtype, shared by masters and compute copy; the
-    adapters have fp32 masters whose steps are not rounded away."""
-    w = lora_worker(dtype=torch.bfloat16)
+@pytest.mark.parametrize("checkpoint", ["bf16", "fp32"])
+def test_bf16_compute_keeps_the_checkpoint_s_base_and_fp32_adapter_masters(checkpoint):
+    """The frozen base stays the checkpoint's bit for bit (what the engines serve and the run saves):
+    a base that bf16 holds exactly (a bf16 checkpoint, as real models ship) is one bf16 copy shared by
+    masters and compute copy; an fp32 one keeps its fp32 master beside the bf16 compute copy (on the
+    landed code it was rounded in place under ddp and kept under fsdp2). The adapters have fp32
+    masters whose steps are not rounded away."""
+    base = tiny_model()
+    if checkpoint == "bf16":
+        base = base.bfloat16().float()  # an fp32 model holding a bf16 checkpoint's values
+    expected = {n: t.detach().clone() for n, t in base.named_parameters()}
+    w = lora_worker(lora_model(model=base), dtype=torch.bfloat16)
     masters, compute = w.model, w.learner.masters.compute
-    assert compute.model.layers[0].self_attn.q_proj.weight is masters.model.layers[0].self_attn.q_proj.weight
-    assert masters.model.embed_tokens.weight.dtype == torch.bfloat16
+    shared = compute.model.layers[0].self_attn.q_proj.weight is masters.model.layers[0].self_attn.q_proj.weight
+    assert shared == (checkpoint == "bf16")
+    embed = masters.model.embed_tokens.weight
+    assert embed.dtype == (torch.bfloat16 if checkpoint == "bf16" else torch.float32)
+    assert compute.model.embed_tokens.weight.dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for n, p in masters.named_parameters() if n in adapter_names(masters))
     w.train_step(random_samples(4, 4))
     b = compute.model.layers[0].self_attn.q_proj.lora_B.weight
     assert b.dtype == torch.bfloat16 and torch.equal(
         b, masters.model.layers[0].self_attn.q_proj.lora_B.weight.bfloat16()
     )
+    got = w.full_weights()
+    for name, t in expected.items():
+        assert torch.equal(got[name].float(), t), name  # the base as the checkpoint holds it
 
 
 def test_gradient_checkpointing_steps_the_adapters_as_without():

@@ -165,19 +165,39 @@ def test_a_head_trained_whole_arrives_as_it_is_and_all_linear_adapters_merge():
     assert all(torch.equal(got[n], t) for n, t in expected.items())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_merge_rounds_once_to_the_engine_s_dtype(dtype):
-    """In the engine's dtype the pushed adapters are the trainer's rounded once; the merged weight is
-    W0 + s B A from them in fp32, rounded once (`merged`)."""
-    trainer = trained(2)
-    engine = engine_for("builtin", model=tiny_model().to(dtype))
-    push(trainer, engine, 1, dtype)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.mark.parametrize("train", ["fp32", "bf16"])
+@pytest.mark.parametrize("rollout", list(DTYPES))
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_the_engine_serves_the_checkpoint_s_base_in_rollout_dtype_with_the_adapters_merged_once(
+    name, rollout, train
+):
+    """What a LoRA engine serves, in every rollout.dtype x train.dtype the config accepts: the
+    checkpoint's weights cast once to rollout.dtype, each adapted one W0 + s · B @ A from the pushed
+    (rollout.dtype) adapters in fp32, rounded once (`merged`). Never the trainer's compute copy: a bf16
+    trainer's base is the checkpoint's too (on the landed code a ddp bf16 trainer rounded it, and
+    its checkpoints and exports carried the rounded base)."""
+    r, t = DTYPES[rollout], DTYPES[train]
+    checkpoint = {n: w.detach().clone() for n, w in tiny_model().named_parameters()}
+    trainer = trained(2, dtype=t)
+    engine = engine_for(name, model=tiny_model().to(r))
+    push(trainer, engine, 1, r)
     engine.apply_pending()
     got, params = served(engine), dict(trainer.model.named_parameters())
-    for t in trainer.model.adapters.targets:
-        a, b = (params[f"{t}.lora_{x}.weight"].to(dtype) for x in "AB")
-        w0 = params[f"{t}.weight"].to(dtype)
-        assert torch.equal(got[f"{t}.weight"], merged(w0, a, b, LORA.alpha / LORA.rank).to(dtype)), t
+    targets = trainer.model.adapters.targets
+    assert got.keys() == checkpoint.keys()
+    for n, w0 in checkpoint.items():
+        module = n.removesuffix(".weight")
+        if module in targets:
+            a, b = (params[f"{module}.lora_{x}.weight"].to(r) for x in "AB")
+            expected = merged(w0.to(r), a, b, LORA.alpha / LORA.rank).to(r)
+        else:
+            expected = w0.to(r)
+        assert got[n].dtype == r and torch.equal(got[n], expected), n
+    base = trainer.full_weights()
+    assert all(torch.equal(base[n].float(), w0) for n, w0 in checkpoint.items())
 
 
 def test_an_fp8_engine_quantises_the_merged_weights():

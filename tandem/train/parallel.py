@@ -72,16 +72,19 @@ class MasterWeights:
 
     `masters` is the fp32 model (the optimizer steps its parameters; weight pushes and checkpoints
     read them); `compute` a copy of it in `dtype` that runs forward and backward. Frozen parameters
-    (a LoRA run's base) never step, so no master is kept of them: they become `dtype` in place and
-    the two models share them, one copy.
+    (a LoRA run's base) never step: one that `dtype` holds exactly (a bf16 checkpoint's weight) is
+    kept in `dtype` alone, shared by the two models; one that `dtype` would round (an fp32
+    checkpoint's) keeps its fp32 master beside the compute copy. So the masters are always the
+    checkpoint's base bit for bit: the policy a LoRA run saves, exports and that its engines serve
+    (docs/lora.md, "Which base"), whatever train.dtype and train.strategy are.
     """
 
     def __init__(self, masters: CausalLM, dtype: torch.dtype):
         self.masters = masters
-        frozen = [p for p in masters.parameters() if not p.requires_grad]
-        for p in frozen:
+        shared = [p for p in masters.parameters() if not p.requires_grad and _holds_exactly(p, dtype)]
+        for p in shared:
             p.data = p.data.to(dtype)
-        self.compute = copy.deepcopy(masters, {id(p): p for p in frozen}).to(dtype)
+        self.compute = copy.deepcopy(masters, {id(p): p for p in shared}).to(dtype)
         pairs = zip(masters.parameters(), self.compute.parameters(), strict=True)
         self.pairs = [(master, p) for master, p in pairs if master.requires_grad]
 
@@ -101,6 +104,12 @@ class MasterWeights:
         """After an optimizer step: the compute copy takes the masters' values, rounded once."""
         for master, p in self.pairs:
             p.copy_(master)
+
+
+def _holds_exactly(p: Tensor, dtype: torch.dtype) -> bool:
+    """Whether casting `p` to `dtype` and back gives `p` bit for bit (no value rounds)."""
+    with torch.no_grad():
+        return torch.equal(p.to(dtype).to(p.dtype), p)
 
 
 def fp32_all_reduce(group, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
