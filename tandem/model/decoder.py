@@ -278,10 +278,14 @@ class CausalLM(nn.Module):
         token_mask: Tensor | Segments,
         cache: KVCache | BatchCache | None = None,
         targets: Targets | None = None,
+        logits_at: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """input_ids, positions, token_mask (B, T) -> logits (B, T, V) in fp32; with `targets`,
         (logp, entropy) (N,) of the target tokens instead (the trainer's forward: the full logits
-        never exist, `score_tokens` works in chunks).
+        never exist, `score_tokens` works in chunks); with `logits_at` (B,), the column of each row
+        whose logits are wanted, (B, 1, V) of those alone (an engine's prefill samples from one
+        position a row: the rest would be B·T·V floats, 1.2 GB for 64 prompts of 100 tokens with a
+        49k vocabulary).
 
         token_mask marks real tokens (False = padding). With a cache the T tokens are appended after
         the cached ones. A token attends to real keys at or before its own slot, and always to
@@ -290,13 +294,13 @@ class CausalLM(nn.Module):
         mask: one (1, T) row of sequences packed back to back, each attending only to itself.
         """
         if isinstance(token_mask, Segments):
-            return self._run(input_ids, positions, token_mask, None, targets)
+            return self._run(input_ids, positions, token_mask, None, targets, logits_at)
         if cache is not None and not isinstance(cache, KVCache):
-            return self._run(input_ids, positions, cache.attention_mask(token_mask), cache, targets)
+            return self._run(input_ids, positions, cache.attention_mask(token_mask), cache, targets, logits_at)
         if cache is not None and self.batch_invariant:  # keys at their positions, not left-padded
             cache.append_mask(token_mask)
             view = cache.at_positions(positions, token_mask)
-            out = self._run(input_ids, positions, view.attention_mask(token_mask), view, targets)
+            out = self._run(input_ids, positions, view.attention_mask(token_mask), view, targets, logits_at)
             cache.advance(input_ids.shape[1])
             return out
         if cache is not None:
@@ -305,7 +309,7 @@ class CausalLM(nn.Module):
         else:
             key_mask = token_mask
         t = input_ids.shape[1]
-        out = self._run(input_ids, positions, causal_mask(key_mask, t), cache, targets)
+        out = self._run(input_ids, positions, causal_mask(key_mask, t), cache, targets, logits_at)
         if cache is not None:
             cache.advance(t)
         return out
@@ -317,9 +321,10 @@ class CausalLM(nn.Module):
         mask: Tensor | Segments,
         cache: KVCache | BatchCache | None,
         targets: Targets | None = None,
+        logits_at: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """The layers under a given attention mask (B, 1, T, S) bool (or Segments) -> logits
-        (B, T, V) in fp32, or (logp, entropy) of `targets`."""
+        (B, T, V) in fp32 ((B, 1, V) at `logits_at`), or (logp, entropy) of `targets`."""
         cos, sin = self.rope(positions)  # outside the compiled part: it reads positions.max()
         if isinstance(mask, Tensor):
             # One additive mask for every layer (SDPA would turn a bool mask into it once per layer),
@@ -334,12 +339,22 @@ class CausalLM(nn.Module):
                 hidden, self.lm_head.weight, targets.tokens, targets.temperature, self.batch_invariant
             )
         compiled = self._decode_layers is not None and input_ids.shape[1] == 1 and not self.batch_invariant
-        return (self._decode_layers if compiled else self._layers)(input_ids, cos, sin, mask, cache)
+        if compiled:
+            return self._decode_layers(input_ids, cos, sin, mask, cache)
+        return self._layers(input_ids, cos, sin, mask, cache, logits_at)
 
     def _layers(
-        self, input_ids: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: KVCache | BatchCache | None
+        self,
+        input_ids: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor,
+        cache: KVCache | BatchCache | None,
+        logits_at: Tensor | None = None,
     ) -> Tensor:
         hidden = self._backbone(input_ids, cos, sin, mask, cache)
+        if logits_at is not None:
+            hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), logits_at][:, None]  # (B, 1, E)
         if self.batch_invariant:
             return bi.linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
         return self.lm_head(hidden).float()

@@ -90,13 +90,13 @@ class DecoderEngine(RolloutEngine):
         return list(model_tensors(self.model))
 
     def forward(self, *args) -> tuple[Tensor, Tensor | None]:
-        """The model's forward -> (logits, the experts each of its (B, T) tokens used, (B, T, L, k)
-        int16, or None when the engine does not record routing)."""
+        """The model's forward (its arguments: input_ids (B, T), ...) -> (logits, the experts each of
+        its (B, T) tokens used, (B, T, L, k) int16, or None when the engine does not record routing)."""
         if not self.moe_layers:
             return self.model(*args), None
         with routing(self.model, Routing(record=True)) as trace:
             logits = self.model(*args)
-        return logits, trace.table().view(*logits.shape[:2], len(self.moe_layers), -1)
+        return logits, trace.table().view(*args[0].shape[:2], len(self.moe_layers), -1)  # input_ids' (B, T)
 
     def sequences(self, samples: list[Sample], call: GenerateCall) -> list[Sequence]:
         """The call's samples as `Sequence`s (ids unique over the engine's life); recording routing,

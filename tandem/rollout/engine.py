@@ -59,13 +59,14 @@ class BuiltinEngine(DecoderEngine):
         dtype = self.model.lm_head.weight.dtype
         length = round_up(width + room, KEY_TILE)  # whole tiles for the batch-invariant attention
         cache = KVCache(self.model.cfg, u, length, dtype, self.device)
-        logits, routes = self.forward(ids, positions, mask, cache)
+        last = torch.full((u,), width - 1, dtype=torch.long, device=self.device)  # left-padded: the last column
+        logits, routes = self.forward(ids, positions, mask, cache, None, last)  # (U, 1, V)
         expand = torch.tensor(owner, device=self.device)
         cache.keep(expand)
         if routes is not None:  # recording routing: the prefilled tokens' experts
             for seq, o in zip(seqs, owner, strict=True):
                 seq.routes[: len(seq)] = routes[o, width - len(seq) :]
-        return logits[:, -1][expand], mask.sum(-1)[expand], cache
+        return logits[:, 0][expand], mask.sum(-1)[expand], cache
 
 
 class _Batches(Generation):

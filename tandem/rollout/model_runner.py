@@ -62,12 +62,12 @@ class ModelRunner:
             new = [(g[0], start, end) for g, (start, end) in zip(step.prefill, step.spans, strict=True)]
             self.num_prefill_tokens += sum(end - start for _, start, end in new)
         batch, ids = self._batch(new)
-        logits, self.routes = self.forward(
-            ids, batch.positions(), batch.slot_mapping >= 0, batch
-        )  # (B, T, V)
+        # Only each row's last computed token samples: its logits alone, (B, 1, V).
+        at = None if step.decode else batch.query_lens - 1
+        logits, self.routes = self.forward(ids, batch.positions(), batch.slot_mapping >= 0, batch, None, at)
         if step.decode:  # one token per row
             return logits[:, 0]
-        last = logits[torch.arange(len(new), device=self.device), batch.query_lens - 1]  # (B, V)
+        last = logits[:, 0]  # (B, V)
         # A group's members share its head's logits; a chunk short of the prompt's end gives none.
         done = zip(step.prefill, step.completes, strict=True)
         owner = [i for i, (g, completes) in enumerate(done) if completes for _ in g]
