@@ -29,6 +29,7 @@ from tandem.runtime.roles import (
     load_policy,
     save_hf_model,
 )
+from tandem.runtime.memory import process_peak
 from tandem.sample import Sample
 from tandem.sync import TRANSPORTS, BucketPlan, StagingBuffer, init_world, new_group, sync_group
 from tandem.train.ref import RefWorker
@@ -80,6 +81,10 @@ class _Timed:
 
     def _span(self, kind: str, start: float) -> Span:
         return Span(kind, self.name, start, time.time())
+
+    def peak_memory(self) -> tuple[int, float]:
+        """(this worker's process id, its peak memory in GB) (`memory.process_peak`)."""
+        return process_peak()
 
 
 class _DistMember:

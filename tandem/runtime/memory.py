@@ -6,7 +6,10 @@ driver, the rollout worker and the trainer each hold one), and one engine's KV c
 """
 
 import os
+import resource
+import sys
 from collections.abc import Callable
+from typing import Any
 
 from tandem.config import Config
 from tandem.config.schema import RolloutConfig
@@ -92,3 +95,30 @@ def _cuda_here() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def process_peak() -> tuple[int, float]:
+    """(this process's id, the most memory it has held so far, in GB: its peak resident set, or on
+    a GPU the most the device's allocator has held, whichever is more)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    peak = rss if sys.platform == "darwin" else rss * 1024
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        peak = max(peak, torch.cuda.max_memory_allocated())
+    return os.getpid(), peak / 1e9
+
+
+def peak_memory(cluster: Any, timeout_s: float) -> dict[str, float]:
+    """memory/peak_gb/<role>: the largest peak of the processes that ran the role's workers (in a
+    run in one process, every role's is the process's); memory/peak_gb: the sum over the distinct
+    processes, this driver's included (an upper bound: their peaks need not coincide)."""
+    names = [(role, name) for role, workers in cluster.names.items() for name in workers]
+    results = cluster.get([cluster.submit(name, "peak_memory") for _, name in names], timeout_s)
+    out: dict[str, float] = {}
+    by_pid = dict([process_peak()])
+    for (role, _), (pid, gb) in zip(names, results, strict=True):
+        out[f"memory/peak_gb/{role}"] = max(out.get(f"memory/peak_gb/{role}", 0.0), gb)
+        by_pid[pid] = max(by_pid.get(pid, 0.0), gb)
+    out["memory/peak_gb"] = sum(by_pid.values())
+    return out

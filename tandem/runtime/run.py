@@ -21,6 +21,7 @@ from tandem.determinism import check_batch_invariance, machine
 from tandem.paths import check_writable, run_lock
 from tandem.reward.user_fn import canonical_spec, load_within
 from tandem.runtime.local import LocalCluster, cpu_threads
+from tandem.runtime.memory import peak_memory
 from tandem.runtime.resume import find_resume
 from tandem.runtime.roles import build_data
 
@@ -159,6 +160,7 @@ def _train(cfg: Config, run_dir: Path, on_step, signals: "Signals", stack: ExitS
             loop.on_step = lambda version: on_step(loop)
         signals.loop = loop
         summary = loop.run(log)
+        summary |= peak_memory(cluster, cfg.run.timeout_s)
         summary["timing_s/startup"] = first_call(loop.timeline.spans) - startup[0].start
         loop.save("final")
         log.log(cfg.run.steps, summary)
