@@ -91,6 +91,12 @@ class DataConfig:
     val_size: int = 256  # synthetic held-out rows (disjoint from training by construction)
     prompt_key: str = "prompt"
     max_prompt_length: int = 64
+    # A system turn for every chat prompt that has none (a real instruct model's template otherwise
+    # writes its own default one, SmolLM2's 19 tokens), and an instruction appended to every chat
+    # prompt's last user turn (e.g. "Answer with the number only."): how a built-in task, a
+    # reasoning-gym dataset or a file asks a real model for the answer's format. "" = none.
+    system_prompt: str = ""
+    instruction: str = ""
     shuffle: bool = True
 
 

@@ -28,6 +28,7 @@ for. The cluster is Ray's actors (`tandem.runtime.cluster.RayCluster`) or simula
 virtual clock (`tandem.sim`). A dead rollout worker is restarted and re-synced (RESYNC).
 """
 
+import sys
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ from tandem.controller.inputs import Data
 from tandem.controller.lengths import TailLengths
 from tandem.controller.protocol import Cluster, Done, Handle, WorkerDied
 from tandem.controller.slots import RolloutSlots
-from tandem.controller.stats import StepMetrics
+from tandem.controller.stats import StepMetrics, clipped_warning
 from tandem.controller.timeline import Timeline
 from tandem.controller.validation import Validation
 from tandem.errors import TandemError
@@ -434,6 +435,8 @@ class Loop:
         metrics = self.stats.step(batch, train, self.version, self.buffer, self.timeline, self.cluster.now())
         self.logger.log(self.version, metrics)
         self.logger.log_batch(self.version, sorted({s.group_id for s in batch}))
+        if (warning := clipped_warning(metrics, self.cfg.rollout.max_new_tokens)) is not None:
+            print(warning, file=sys.stderr)
         self.stats.check_learning(self.version, self.cfg.run.steps, self.first_version)
         if (
             self.cfg.run.deterministic

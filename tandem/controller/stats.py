@@ -78,6 +78,47 @@ STEP_COUNTERS = (
 FILTER_COUNTERS = ("filter/dropped_groups", "filter/extra_prompts")
 
 
+CLIPPED_WARNING = 0.25  # the share of a step's responses cut at max_new_tokens that gets a warning
+
+
+def zero_signal_advice(m: dict[str, float]) -> str:
+    """Why a step whose every advantage is 0 learned nothing, and what to change, by its rewards:
+    all right, all wrong, or each group uniform."""
+    score, clipped = m.get("critic/score/mean", math.nan), m.get("response_length/clip_ratio", 0.0)
+    low, high = m.get("critic/score/min", score), m.get("critic/score/max", score)
+    head = f"within each group every response got the same reward (mean {score:.3g}), so the policy gradient is 0. "
+    if low == high and high >= CORRECT:
+        return head + "Every response was right: the task is solved for this policy (lower run.steps, or a harder task)"
+    if low == high:
+        cut = (
+            f"{100 * clipped:.0f}% of the responses were cut at rollout.max_new_tokens (raise it first); "
+            if clipped > 0
+            else ""
+        )
+        return head + (
+            f"No response was right: {cut}a small model's samples are rarely right at a high "
+            "rollout.temperature (0.5-0.7 suits a 100M-parameter instruct model), or the task is too hard "
+            "for it (an easier task, a warm start, an instruction in data.system_prompt that asks for the "
+            "answer's format, or a larger rollout.n)"
+        )
+    return head + (
+        "Groups differ but each is uniform: raise rollout.n (more samples a prompt) or rollout.temperature "
+        "(more varied samples)"
+    )
+
+
+def clipped_warning(m: dict[str, float], max_new_tokens: int) -> str | None:
+    """A warning line when at least CLIPPED_WARNING of a step's responses hit the length limit."""
+    clipped = m.get("response_length/clip_ratio", 0.0)
+    if clipped < CLIPPED_WARNING:
+        return None
+    return (
+        f"warning: {100 * clipped:.0f}% of step {int(m.get('version', 0))}'s responses were cut at "
+        f"rollout.max_new_tokens={max_new_tokens} (response_length/clip_ratio): a cut answer usually "
+        "scores 0. Raise rollout.max_new_tokens, or ask for shorter answers."
+    )
+
+
 class StepMetrics:
     def __init__(self, filtering: bool):
         self.filtering = filtering  # DAPO's dynamic sampling: its counters too
@@ -173,12 +214,7 @@ class StepMetrics:
                 "check the rewards' scale and the weights (e.g. a checkpoint that was trained into NaN)"
             )
         elif m.get("critic/advantages/max", 1.0) == 0.0 == m.get("critic/advantages/min", 1.0):
-            why = (
-                f"every advantage was 0: within each group every response got the same reward (mean "
-                f"{m['critic/score/mean']:.3g}), so the policy gradient is 0. With the task solved, the "
-                "run is done (lower run.steps); otherwise raise rollout.n or rollout.temperature, or use "
-                "an easier task or a warm start"
-            )
+            why = f"every advantage was 0: {zero_signal_advice(m)}"
             broken = DEAD_STEPS
         else:
             self.dead = 0

@@ -53,11 +53,32 @@ from tandem.train.worker import TrainWorker
 def load_sources(
     cfg: Config, files: list[str], split: str, size: int, seed: int
 ) -> list[tuple[str, list[Prompt]]]:
-    """(file, its prompts) for each file, or one (synthetic task, its rows) when no file is given."""
+    """(file, its prompts) for each file, or one (synthetic task, its rows) when no file is given;
+    data.system_prompt and data.instruction applied to every chat prompt (`instructed`)."""
     if files:
-        return [(f, load_prompts(f, cfg.data.prompt_key)) for f in files]
-    rows = build_task(cfg.data.task, cfg.data.task_config).make_rows(size, seed=seed, split=split)
-    return [(f"synthetic task {cfg.data.task!r} ({split})", prompts_from_rows(rows))]
+        sources = [(f, load_prompts(f, cfg.data.prompt_key)) for f in files]
+    else:
+        rows = build_task(cfg.data.task, cfg.data.task_config).make_rows(size, seed=seed, split=split)
+        sources = [(f"synthetic task {cfg.data.task!r} ({split})", prompts_from_rows(rows))]
+    d = cfg.data
+    return [(name, [instructed(p, d.system_prompt, d.instruction) for p in ps]) for name, ps in sources]
+
+
+def instructed(prompt: Prompt, system: str, instruction: str) -> Prompt:
+    """A chat prompt with `system` as its system turn where it has none (a row's own wins), and
+    `instruction` appended to its last user turn on a line of its own; a plain-text prompt, or empty
+    settings, as it is. How a task asks a real model for its answer's format (a small instruct model
+    rambles, and a verifier wants a bare answer)."""
+    if prompt.messages is None or not (system or instruction):
+        return prompt
+    messages = [dict(m) for m in prompt.messages]
+    if instruction:
+        last = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+        if last is not None:
+            messages[last]["content"] = f"{messages[last]['content']}\n{instruction}"
+    if system and (not messages or messages[0]["role"] != "system"):
+        messages.insert(0, {"role": "system", "content": system})
+    return dataclasses.replace(prompt, messages=messages)
 
 
 def load_split(cfg: Config, files: list[str], split: str, size: int, seed: int) -> tuple[list[Prompt], str]:

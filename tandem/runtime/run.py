@@ -159,8 +159,7 @@ def _train(cfg: Config, run_dir: Path, on_step, signals: "Signals", stack: ExitS
         if on_step is not None:
             loop.on_step = lambda version: on_step(loop)
         signals.loop = loop
-        summary = loop.run(log)
-        summary |= peak_memory(cluster, cfg.run.timeout_s)
+        summary = loop.run(log) | peak_memory(cluster, cfg.run.timeout_s)
         summary["timing_s/startup"] = first_call(loop.timeline.spans) - startup[0].start
         loop.save("final")
         log.log(cfg.run.steps, summary)
