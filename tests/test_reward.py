@@ -27,12 +27,12 @@ def sample(response: str, ground_truth: object = "7", data_source: str = "additi
 # --- verifiers -------------------------------------------------------------------------------
 
 
-def test_addition_takes_the_last_integer():
-    assert verify("addition", "3 + 4 = 7", "7") == 1.0
-    assert verify("addition", "I think 8, no: 7", 7) == 1.0
-    assert verify("addition", "7 is wrong, it is 8", "7") == 0.0
-    assert verify("addition", "-12", "-12") == 1.0
-    assert verify("addition", "no number at all", "7") == 0.0
+def test_addition_takes_the_last_integer_and_its_strict_part_the_bare_answer():
+    assert verify("addition", "3 + 4 = 7", "7") == (1.0, {"strict": 0.0})
+    assert verify("addition", "I think 8, no: 7", 7) == (1.0, {"strict": 0.0})
+    assert verify("addition", "7 is wrong, it is 8", "7") == (0.0, {"strict": 0.0})
+    assert verify("addition", " -12\n", "-12") == (1.0, {"strict": 1.0})
+    assert verify("addition", "no number at all", "7") == (0.0, {"strict": 0.0})
 
 
 COUNTDOWN = {"target": 24, "numbers": [2, 3, 4]}
@@ -120,7 +120,7 @@ def test_unknown_verifier_lists_valid_names():
 
 
 def test_verifier_and_auto_specs():
-    assert load_reward_fn("addition")(sample("7").prompt, "7") == (1.0, {})
+    assert load_reward_fn("addition")(sample("7").prompt, "7") == (1.0, {"strict": 1.0})
     auto = load_reward_fn("auto")
     assert auto(sample("x", "olleh", data_source="reverse").prompt, "olleh") == (1.0, {})
     with pytest.raises(TandemError, match="'gsm8k'.*addition, code, countdown"):

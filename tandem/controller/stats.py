@@ -56,6 +56,7 @@ def val_stats(samples: list[Sample], reward: dict[str, float], version: float) -
     val/accuracy is the fraction of samples scored at least CORRECT, so a fraction in [0, 1]
     whatever the reward's scale; val/score/mean is the mean reward. A failed reward scores 0.
     """
+    parts = sorted({k for s in samples for k in s.reward_parts})
     return {
         "val/accuracy": mean(float(s.reward >= CORRECT) for s in samples),
         "val/score/mean": mean(s.reward for s in samples),
@@ -63,6 +64,8 @@ def val_stats(samples: list[Sample], reward: dict[str, float], version: float) -
         "val/reward_errors": reward.get("reward/errors", 0.0) + reward.get("reward/timeouts", 0.0),
         "val/version": version,
         **agent_stats(samples, "val/agent"),  # e.g. val/agent/tool_use/mean: held-out tool use
+        # a verifier's parts, e.g. the addition verifier's strict accuracy (the bare answer alone)
+        **{f"val/{k}/mean": mean(float(s.reward_parts.get(k, 0.0)) for s in samples) for k in parts},
     }
 
 

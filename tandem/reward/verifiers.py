@@ -31,10 +31,14 @@ _OPS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.USub)
 
 
 @VERIFIERS.register("addition")
-def addition(solution_str: str, ground_truth: Any, extra_info: dict) -> float:
-    """1.0 when the last integer in the response equals the sum `ground_truth` (str or int)."""
+def addition(solution_str: str, ground_truth: Any, extra_info: dict) -> tuple[float, dict[str, float]]:
+    """1.0 when the last integer in the response equals the sum `ground_truth` (str or int): the
+    lenient score, which a real model's "23 + 58 = 81." earns too; its part `strict` is 1.0 only for
+    the bare answer ("81"), the format the built-in warm start writes (val/strict/mean)."""
     found = _INT.findall(solution_str)
-    return float(bool(found) and int(found[-1]) == int(str(ground_truth).strip()))
+    truth = str(ground_truth).strip()
+    lenient = float(bool(found) and int(found[-1]) == int(truth))
+    return lenient, {"strict": float(solution_str.strip() == truth)}
 
 
 @VERIFIERS.register("multiply")
