@@ -8,6 +8,7 @@ about; those run on the shared local Ray with the placement-group reservation fo
 can start either.
 """
 
+import dataclasses
 import importlib.metadata
 import json
 import re
@@ -671,6 +672,20 @@ def test_the_recipes_fit_in_a_gibibyte():
         if not recipe.name.startswith("sim-"):
             cfg = load_config(recipe, ["run.device=cpu"])
             check_memory(cfg, model, [[0] * cfg.data.max_prompt_length], machine=2**30)
+
+
+def test_a_model_too_large_for_the_machine_is_refused_before_start():
+    """A 7B-shaped model's fp32 masters, gradients and AdamW moments (16 bytes a parameter, ~108 GB)
+    on a machine of 24 GiB: one paragraph naming the weights, before any worker loads them."""
+    shipped = ModelConfig.load(resolve_model_path("builtin:addition"))
+    big = dataclasses.replace(
+        shipped, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        intermediate_size=11008, num_hidden_layers=32, vocab_size=32000,
+    )
+    cfg = load_config(None, ["run.device=cpu"])
+    with pytest.raises(TandemError, match=r"weights of 6\d{3}M parameters: 1 train worker\(s\)' fp32 masters"):
+        check_memory(cfg, big, [[0] * 8], machine=24 * 2**30)
+    check_memory(cfg, shipped, [[0] * 8], machine=24 * 2**30)  # the toy fits
 
 
 def test_a_recipe_may_merge_a_mapping_and_override_its_keys():

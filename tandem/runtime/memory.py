@@ -40,16 +40,42 @@ def check_memory(cfg: Config, model: ModelConfig, prompt_ids: list[list[int]], m
     mean_prompt = sum(map(len, prompt_ids)) / len(prompt_ids)
     per_sample = SAMPLE_BYTES + PROMPT_TOKEN_BYTES * mean_prompt + RESPONSE_TOKEN_BYTES * r.max_new_tokens
     engine, what = engine_memory(cfg, model, max(map(len, prompt_ids)))
-    need = count * per_sample + engine
+    weights, held = weights_memory(cfg, model)
+    need = count * per_sample + engine + weights
     if need <= machine:
         return
     engine_part = f"; {what}: {engine / GIB:.1f} GiB" if what else ""
+    weights_part = f"; {held}: {weights / GIB:.1f} GiB" if held else ""
     raise TandemError(
         f"A training step needs at least {need / GIB:.1f} GiB of memory, and this machine has "
         f"{machine / GIB:.1f} GiB: rollout.batch_size={r.batch_size} prompts x rollout.n={r.n} samples "
         f"= {count} samples, whose records (tokens, logprobs, versions: {per_sample / 1024:.1f} KiB "
-        f"each) take {count * per_sample / GIB:.1f} GiB{engine_part}. Lower whichever is too large."
+        f"each) take {count * per_sample / GIB:.1f} GiB{engine_part}{weights_part}. Lower whichever is "
+        "too large (a smaller model, train.lora.rank > 0, fewer workers)."
     )
+
+
+def weights_memory(cfg: Config, model: ModelConfig) -> tuple[int, str]:
+    """(bytes, what they are) the weights take in host memory at the least: each train worker's fp32
+    masters, its gradients and AdamW's two moments of what trains (all of it, or with LoRA about
+    none), and each built-in engine's copy in rollout.dtype. (0, "") on a GPU."""
+    on_host = cfg.run.device == "cpu" or (cfg.run.device == "auto" and not cfg.ray.address and not _cuda_here())
+    if not on_host:
+        return 0, ""
+    from tandem.model.decoder import meta_model
+
+    params = sum(p.numel() for p in meta_model(model).parameters())
+    trains = 0 if cfg.train.lora.rank else params
+    trainer = 4 * params + 12 * trains  # masters; gradients and two moments of what trains
+    engines = 0
+    if cfg.rollout.engine in ENGINE_MEMORY:
+        engines = cfg.rollout.num_workers * params * (4 if cfg.rollout.dtype == "float32" else 2)
+    workers = cfg.train.num_workers
+    what = (
+        f"the weights of {params / 1e6:.0f}M parameters: {workers} train worker(s)' fp32 masters"
+        f"{', gradients and AdamW moments' if trains else ''} and the engines' copies"
+    )
+    return workers * trainer + engines, what
 
 
 def engine_memory(cfg: Config, model: ModelConfig, prompt_tokens: int) -> tuple[int, str]:
@@ -65,7 +91,7 @@ def engine_memory(cfg: Config, model: ModelConfig, prompt_tokens: int) -> tuple[
 def _builtin(r: RolloutConfig, model: ModelConfig, prompt_tokens: int) -> tuple[int, str]:
     """At most rollout.max_batch_size sequences decode at once, each with a KV cache of 2 x layers x
     kv heads x head_dim values per token over the longest prompt plus rollout.max_new_tokens (whole
-    key tiles), after a prefill of fp32 logits (distinct prompts, T, V)."""
+    key tiles), after a prefill of fp32 logits at each distinct prompt's last position (prompts, V)."""
     rows = min(r.max_batch_size, r.batch_size * r.n)
     length = round_up(prompt_tokens + r.max_new_tokens, KEY_TILE)
     itemsize = 4 if r.dtype == "float32" else 2  # auto: bfloat16 at the least
@@ -75,7 +101,7 @@ def _builtin(r: RolloutConfig, model: ModelConfig, prompt_tokens: int) -> tuple[
         f"the builtin engine's KV cache and prefill logits, {rows} sequences of {length} tokens "
         f"(rollout.max_batch_size={r.max_batch_size})"
     )
-    return rows * length * per_token + prompts * prompt_tokens * model.vocab_size * 4, what
+    return rows * length * per_token + prompts * model.vocab_size * 4, what
 
 
 def _paged(r: RolloutConfig, model: ModelConfig, prompt_tokens: int) -> tuple[int, str]:
