@@ -1,4 +1,5 @@
-"""`tandem train | sft | eval | generate | export | data make | simulate | report` — the command line.
+"""`tandem train | sft | eval | generate | export | convert | data make | simulate | report` — the
+command line.
 
 A TandemError (bad config, bad data, unknown name, a bad flag) prints as one paragraph and exits
 with 2, as does a file-system error about a path; anything else is a bug and keeps its traceback.
@@ -144,6 +145,13 @@ def cmd_export(ns: argparse.Namespace) -> None:
     print(f"saved {out} ({what})")
 
 
+def cmd_convert(ns: argparse.Namespace) -> None:
+    from tandem.model.config import ModelConfig
+    from tandem.model.convert import convert_checkpoint
+
+    print(convert_checkpoint(ns.src, ns.out, ModelConfig.from_hf).line())
+
+
 def cmd_data_make(ns: argparse.Namespace) -> None:
     from tandem.data.tasks import make_dataset
 
@@ -256,6 +264,10 @@ def parser() -> argparse.ArgumentParser:
     x.add_argument("--merge", action="store_true", help="fold the adapter into the base's weights")
     x.add_argument("--dtype", default="", help="--merge: float32, bfloat16 or float16 (default: the base's)")
     x.set_defaults(fn=cmd_export)
+    c = sub.add_parser("convert", help="a GGUF file or Hugging Face checkpoint as a directory tandem loads")
+    c.add_argument("src", help="a .gguf file (dequantised), or a Hugging Face checkpoint directory")
+    c.add_argument("out", help="a new directory: float32 config.json + model.safetensors + tokenizer")
+    c.set_defaults(fn=cmd_convert)
     d = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
     m = d.add_parser("make", help="write a synthetic task dataset (JSONL or parquet by extension)")
     tasks = "addition, countdown, multiply, reverse, or reasoning_gym:<dataset> (default config)"

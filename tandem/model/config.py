@@ -254,23 +254,15 @@ def _refuse_what_changes_the_computation(hf: dict[str, Any], source: str) -> Non
         )
 
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
-
-
 def resolve_model_path(spec: str) -> Path:
-    """A checkpoint directory, or "builtin:<task>" for the warm start shipped in tandem/assets."""
+    """A checkpoint directory, or "builtin:<name>": a warm start shipped in tandem/assets, or a
+    published model converted once into the cache (`tandem.model.builtins` lists them)."""
     if not spec.startswith("builtin:"):
         return Path(spec)
-    name = spec.split(":", 1)[1]
-    path = ASSETS / f"warmstart-{name}"
-    if not path.is_dir():
-        names = sorted(p.name.removeprefix("warmstart-") for p in ASSETS.glob("warmstart-*"))
-        shipped = ", ".join(f"builtin:{n}" for n in names)
-        raise TandemError(
-            f"No built-in model {spec!r}. Built-in models: {shipped or 'none'}; make one with "
-            f"`tandem sft recipes/sft-{name}.yaml` or point model.path at a checkpoint directory."
-        )
-    return path
+    # Here, not at the top: the simulator reads this module for shapes and loads no converter.
+    from tandem.model.builtins import builtin_path
+
+    return builtin_path(spec.split(":", 1)[1], ModelConfig.from_hf)
 
 
 def model_dir(spec: str) -> Path:
