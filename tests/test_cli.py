@@ -95,6 +95,12 @@ def test_eval_generate_and_data_make(ckpt, tmp_path, capsys):
     )
     assert code == 0, err
     assert out.startswith("[0] ") and "[1] " in out
+    # the overrides `tandem eval` takes, after the flags too; a bad one is named
+    args = ["generate", "12+30=", "--model", str(ckpt), "rollout.dtype=float32", "--max-new-tokens", "3"]
+    code, out, err = run_cli(args, capsys)
+    assert code == 0 and out.startswith("[0] "), err
+    code, _, err = run_cli(["generate", "12+30=", "rollout.dtype=float8"], capsys)
+    assert code == 2 and "rollout.dtype" in err
 
 
 def bad_input_cases(ckpt, tmp_path):

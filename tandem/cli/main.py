@@ -128,11 +128,12 @@ def cmd_generate(ns: argparse.Namespace) -> None:
             "tandem generate: the prompt is empty. Give the text to answer or continue, e.g. "
             "tandem generate '12+30='."
         )
+    recipe, overrides = split_args(ns.args)  # as `tandem eval` takes them; the flags win
     flags = {"rollout.n": "--n", "rollout.temperature": "--temperature"}
     flags |= {"rollout.max_new_tokens": "--max-new-tokens", **({"model.path": "--model"} if ns.model else {})}
-    overrides = [f"{key}={getattr(ns, flag[2:].replace('-', '_'))}" for key, flag in flags.items()]
+    overrides += [f"{key}={getattr(ns, flag[2:].replace('-', '_'))}" for key, flag in flags.items()]
     with flags_named(flags):
-        texts = generate_text(load_config(None, overrides), ns.prompt, chat=not ns.raw)
+        texts = generate_text(load_config(recipe, overrides), ns.prompt, chat=not ns.raw)
     for i, text in enumerate(texts):
         print(f"[{i}] {text}")
 
@@ -233,6 +234,18 @@ def version() -> str:
         return __version__
 
 
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; a command's recipe and overrides may also come after its flags
+    (`tandem generate "2+2=" --model DIR rollout.dtype=float32`), where argparse alone stops at them."""
+    p = parser()
+    ns, rest = p.parse_known_args(argv)
+    if rest and hasattr(ns, "args") and not any(r.startswith("-") for r in rest):
+        ns.args = [*ns.args, *rest]
+    elif rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    return ns
+
+
 def parser() -> argparse.ArgumentParser:
     p = Parser(prog="tandem", description="Asynchronous RL post-training for language models.")
     p.add_argument("--version", action="version", version=f"tandem {version()}")
@@ -252,6 +265,7 @@ def parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=cmd_eval)
     g = sub.add_parser("generate", help="sample responses to a prompt")
     g.add_argument("prompt")
+    g.add_argument("args", nargs="*", help="[recipe.yaml] [section.key=value ...], e.g. rollout.dtype=float32")
     g.add_argument("--model", help="checkpoint or LoRA adapter directory (default: the built-in warm start)")
     g.add_argument("--n", type=int, default=1)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -287,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        ns = parser().parse_args(argv)
+        ns = parse(argv)
         return ns.fn(ns) or 0
     except TandemError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)  # one paragraph, whatever it quotes
