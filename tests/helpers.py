@@ -53,10 +53,12 @@ class Scripted(CausalLM):
         for start, scripted in script.items():
             self.forced[start : start + len(scripted)] = torch.tensor(scripted)
 
-    def forward(self, input_ids, positions, token_mask, cache=None, targets=None):
-        out = super().forward(input_ids, positions, token_mask, cache, targets)
+    def forward(self, input_ids, positions, token_mask, cache=None, targets=None, logits_at=None):
+        out = super().forward(input_ids, positions, token_mask, cache, targets, logits_at)
         if targets is not None:
             return out
+        if logits_at is not None:  # the logits of one column a row: (B, 1, V)
+            positions = positions.gather(1, logits_at[:, None])
         nxt = self.forced[(positions + 1).clamp(max=len(self.forced) - 1)]  # (B, T)
         return out.scatter_add(-1, nxt.clamp(min=0)[..., None], (nxt >= 0).float()[..., None] * 12.0)
 
@@ -119,6 +121,130 @@ def write_tiny_checkpoint(path, max_positions: int = 64, seed: int = 0):
     save_model(model, path)
     tokenizer.save_pretrained(str(path))
     return path
+
+
+# ---------------------------------------------------------------- tolerances between kernels
+#
+# Two kernels computing the same thing (a fused and an unfused projection, a KV-cached decode and a
+# full forward, packed and padded rows, an engine and the trainer, tandem and transformers) sum in
+# other orders, on other tilings, and differ by rounding: by how much depends on the CPU's BLAS, not
+# on the code under test. These bounds follow from the rounding of the operations, so a test using
+# them passes on any CPU (and fails on a bug, which moves results by far more).
+
+
+def matmul_tolerance(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x (..., K), w (N, K) -> (..., N): the most two kernels' `x @ w.T` may differ by, elementwise.
+
+    Each sums the K products in its own order, in float32 (CPUs and GPUs accumulate bf16 in fp32
+    too), so each lies within γ_K·Σ_k|x_k w_nk| ≈ K·u·(|x| @ |w|ᵀ) of the exact value (u = eps/2,
+    Higham's bound for a recursive sum) and the two within K·eps32·(|x| @ |w|ᵀ); a result rounded to
+    `dtype` adds eps_dtype of the same magnitudes (half for each kernel).
+    """
+    magnitude = x.abs().float() @ w.abs().float().T
+    return (x.shape[-1] * torch.finfo(torch.float32).eps + torch.finfo(dtype).eps) * magnitude
+
+
+def chain_tolerance(out: torch.Tensor, k: int, matmuls: int, dtype: torch.dtype = torch.float32) -> float:
+    """The most two kernels may differ by on `out` (an atol), the end of a chain of `matmuls` matmuls
+    with contractions of at most `k`, computed in `dtype`.
+
+    Each matmul moves its output by K·eps32 + eps_dtype of the magnitudes it sums (`matmul_tolerance`).
+    RMSNorm rescales each layer's input, so relative errors do not grow with depth but add along the
+    chain; taking max|out| for the magnitudes:
+
+        matmuls · (K·eps32 + eps_dtype) · max|out|
+
+    The factor K is the worst order of K rounding errors; in practice they add like a random walk
+    (√K), which leaves room for layers that amplify a little (random weights of std 0.1-0.3).
+    """
+    per_matmul = k * torch.finfo(torch.float32).eps + torch.finfo(dtype).eps
+    return matmuls * per_matmul * float(out.detach().abs().max())
+
+
+def longest_sum(cfg: ModelConfig) -> int:
+    """K: the longest contraction of the model's forward (hidden, MLP, expert or attention width)."""
+    attention = cfg.num_attention_heads * cfg.head_dim
+    return max(cfg.hidden_size, cfg.intermediate_size, cfg.moe_intermediate_size, attention)
+
+
+def logit_tolerance(logits: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> float:
+    """The most two kernels may differ by on one model's `logits` computed in `dtype` (an atol): each
+    logit ends a chain of 4·L + 1 matmuls (per layer q|k|v, o, gate|up, down; then the LM head) of
+    contractions up to `longest_sum` (`chain_tolerance`)."""
+    return chain_tolerance(logits, longest_sum(cfg), 4 * cfg.num_hidden_layers + 1, dtype)
+
+
+def logprob_tolerance(
+    logits: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype = torch.float32, temperature: float = 1.0
+) -> float:
+    """The most two kernels may differ by on logprobs from `logits` (an atol): log_softmax(z/T)_t =
+    z_t/T - logsumexp(z/T) moves by at most 2·δ/T when every logit moves by at most δ
+    (`logit_tolerance`)."""
+    return 2 * logit_tolerance(logits, cfg, dtype) / temperature
+
+
+def gradient_tolerance(
+    grad: torch.Tensor, cfg: ModelConfig, tokens: int, dtype: torch.dtype = torch.float32
+) -> float:
+    """The most two kernels may differ by on one weight's gradient `grad` of a loss over `tokens`
+    tokens (an atol): one batch or micro-batches, packed or padded rows, logprobs whole or in chunks.
+
+    The backward runs the forward's chain of 4·L + 1 matmuls in reverse (`logit_tolerance`),
+    contracting over the vocabulary too (from the logits back), and a weight's gradient sums its
+    contributions over the tokens: `chain_tolerance` with K = max(`longest_sum`, V) + tokens. The
+    contributions of tokens whose advantages differ in sign cancel; the worst-case factor K (against
+    a random walk's √K) leaves room for it.
+    """
+    k = max(longest_sum(cfg), cfg.vocab_size) + tokens
+    return chain_tolerance(grad, k, 4 * cfg.num_hidden_layers + 1, dtype)
+
+
+@torch.no_grad()
+def sample_logits(model: CausalLM, samples: list[Sample]) -> torch.Tensor:
+    """(N, V): the logits of every position of every sample's prompt + response, one forward each."""
+    rows = []
+    for s in samples:
+        ids = torch.tensor(list(s.prompt_ids) + list(s.response_ids))[None]
+        positions = torch.arange(ids.shape[1])[None]
+        rows.append(model(ids, positions, torch.ones_like(ids, dtype=torch.bool))[0].float())
+    return torch.cat(rows)
+
+
+def assert_same_logits(got: torch.Tensor, expected: torch.Tensor, model: CausalLM) -> None:
+    """Two kernels' fp32 logits of one model (tandem and transformers, a cached decode and a full
+    forward, fused and plain projections, other batch groupings): within `logit_tolerance`, ~1e-4
+    at logits of ~1. A missing bias or norm, a wrong RoPE, a stale cache entry or another expert
+    moves them by 1e-2 or more."""
+    torch.testing.assert_close(got, expected, atol=logit_tolerance(expected, model.cfg), rtol=0)
+
+
+def assert_same_gradients(
+    got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], model: CausalLM, samples: list[Sample]
+) -> None:
+    """Two kernels' fp32 gradients of one loss over `samples` (other micro-batches, packings or
+    chunks sum in other orders): each weight's within `gradient_tolerance`, ~2e-4 of its largest
+    element for the tiny model. Leaving two samples of sixteen out moves each by 1e-1 of it or more."""
+    assert got.keys() == expected.keys() and got
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    for name, g in expected.items():
+        atol = gradient_tolerance(g, model.cfg, tokens)
+        torch.testing.assert_close(got[name], g, atol=atol, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def assert_same_logprobs(
+    actual: list[float] | torch.Tensor,
+    expected: torch.Tensor,
+    model: CausalLM,
+    samples: list[Sample],
+    temperature: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+) -> None:
+    """Two kernels' logprobs of `samples` under `model` in `dtype` (an engine and the trainer, a
+    cached decode and a full forward, one batch and another): within `logprob_tolerance` of the
+    samples' logits. Attention across sequences, a stale cache entry or another weight version moves
+    them by 1e-1 or more."""
+    atol = logprob_tolerance(sample_logits(model, samples), model.cfg, dtype, temperature)
+    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32), expected, atol=atol, rtol=0)
 
 
 # ---------------------------------------------------------------- trainers

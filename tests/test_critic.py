@@ -3,7 +3,7 @@ and a critic that fits its returns; the policy's trainer takes the critic's adva
 
 import pytest
 import torch
-from helpers import on_gloo_ranks, random_samples, tiny_model, train_worker
+from helpers import logit_tolerance, on_gloo_ranks, random_samples, tiny_config, tiny_model, train_worker
 
 from tandem.algo import ADV_ESTIMATORS, gae, masked_whiten
 from tandem.config import AlgoConfig, TrainConfig
@@ -181,7 +181,10 @@ def test_critic_ranks_equal_one_critic(strategy):
             assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
         for key in ("critic/vf_loss", "critic/vf_explained_var", "critic/grad_norm"):
             assert r["metrics"][key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), key
-        torch.testing.assert_close(r["values"], after, rtol=1e-4, atol=1e-5)
+        # The head starts at zero, so its first Adam step (lr·sign(g), g far from 0) is all that
+        # moved: the values then differ by the rounding of a forward to a one-output head, not more.
+        # A rank stepping on its own half's gradient moves them by ~4e-2.
+        torch.testing.assert_close(r["values"], after, atol=logit_tolerance(after, tiny_config()), rtol=0)
 
 
 @pytest.mark.ray

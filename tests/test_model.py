@@ -5,6 +5,7 @@ from copy import deepcopy
 import pytest
 import torch
 import transformers
+from helpers import assert_same_logits
 
 from tandem.errors import TandemError
 from tandem.model.checkpoint import load_model, save_model
@@ -57,7 +58,7 @@ def test_logits_match_transformers(family, tmp_path):
     with torch.no_grad():
         expected = hf(input_ids=ids, attention_mask=mask).logits
         got = tandem_logits(model, ids, mask)
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    assert_same_logits(got, expected, model)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -71,8 +72,8 @@ def test_save_round_trips_through_transformers(family, tmp_path):
     mask = torch.ones_like(ids)
     with torch.no_grad():
         ours = tandem_logits(model, ids, mask)
-        torch.testing.assert_close(back(input_ids=ids, attention_mask=mask).logits, ours, atol=1e-4, rtol=0)
-        torch.testing.assert_close(tandem_logits(again, ids, mask), ours, atol=0, rtol=0)
+        assert_same_logits(back(input_ids=ids, attention_mask=mask).logits, ours, model)
+        assert torch.equal(tandem_logits(again, ids, mask), ours)  # the same kernels on the same weights
 
 
 def test_kv_cache_decode_equals_full_forward_with_left_padding(tmp_path):
@@ -90,7 +91,7 @@ def test_kv_cache_decode_equals_full_forward_with_left_padding(tmp_path):
             model(ids[:, t : t + 1], positions[:, t : t + 1], mask[:, t : t + 1], cache) for t in range(6, 10)
         ]
     stepped = torch.cat([pre, *steps], dim=1)
-    torch.testing.assert_close(stepped[mask], full[mask], atol=1e-5, rtol=0)
+    assert_same_logits(stepped[mask], full[mask], model)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -113,20 +114,20 @@ def test_fused_projections_give_the_same_logits_and_follow_weight_updates(family
         return torch.cat([pre, *steps], dim=1)
 
     with torch.no_grad():
-        torch.testing.assert_close(cached_decode(fused), plain(ids, positions, mask), atol=1e-5, rtol=0)
+        assert_same_logits(cached_decode(fused), plain(ids, positions, mask), plain)
         # A weight update, as the engines' weight sync writes it: copy_ into each parameter by name.
         live = dict(fused.named_parameters())
         for name, p in plain.named_parameters():
             p.add_(torch.randn_like(p) * 0.05)
             live[name].copy_(p)
             assert live[name].is_contiguous()
-        torch.testing.assert_close(cached_decode(fused), plain(ids, positions, mask), atol=1e-5, rtol=0)
+        assert_same_logits(cached_decode(fused), plain(ids, positions, mask), plain)
         # A deep copy (tests clone engine models) is relinked when an engine fuses it again.
         copy = fuse_projections(deepcopy(fused))
         for name, p in copy.named_parameters():
             p.copy_(dict(plain.named_parameters())[name] * 0.5)
         plain.load_state_dict({n: p * 0.5 for n, p in plain.state_dict().items()})
-        torch.testing.assert_close(cached_decode(copy), plain(ids, positions, mask), atol=1e-5, rtol=0)
+        assert_same_logits(cached_decode(copy), plain(ids, positions, mask), plain)
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
@@ -219,11 +220,11 @@ def test_scaled_rope_matches_transformers_beyond_the_original_length(case, tmp_p
             positions = positions.expand(2, -1)
             expected = hf(input_ids=ids, position_ids=positions).logits
             got = model(ids, positions, mask)
-            torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+            assert_same_logits(got, expected, model)
         save_model(model, tmp_path / "ours")
         back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").float().eval()
         assert back.config.rope_parameters["rope_type"] == SCALINGS[case][1]["rope_type"]
-        torch.testing.assert_close(back(input_ids=ids, position_ids=positions).logits, got, atol=1e-4, rtol=0)
+        assert_same_logits(back(input_ids=ids, position_ids=positions).logits, got, model)
 
 
 def test_dynamic_rope_matches_transformers_within_the_context_and_refuses_past_it(tmp_path):
@@ -242,7 +243,7 @@ def test_dynamic_rope_matches_transformers_within_the_context_and_refuses_past_i
         for positions in (torch.arange(LONG - 12, LONG), torch.linspace(0, LONG - 1, 12).long()):
             positions = positions.expand(2, -1)
             expected = hf(input_ids=ids, position_ids=positions).logits
-            torch.testing.assert_close(model(ids, positions, mask), expected, atol=1e-4, rtol=0)
+            assert_same_logits(model(ids, positions, mask), expected, model)
         with pytest.raises(ValueError, match=r"within max_position_embeddings=256.*position 256"):
             model(ids, torch.arange(LONG - 11, LONG + 1).expand(2, -1), mask)
 
@@ -264,7 +265,7 @@ def test_old_rope_scaling_spelling_loads(tmp_path):
     positions = torch.arange(500, 508)[None]
     with torch.no_grad():
         got = model(ids, positions, torch.ones_like(ids, dtype=torch.bool))
-        torch.testing.assert_close(got, hf(input_ids=ids, position_ids=positions).logits, atol=1e-4, rtol=0)
+        assert_same_logits(got, hf(input_ids=ids, position_ids=positions).logits, model)
 
 
 @pytest.mark.parametrize(

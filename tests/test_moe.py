@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from helpers import train_worker
+from helpers import assert_same_logits, chain_tolerance, logprob_tolerance, sample_logits, train_worker
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tandem.errors import TandemError
@@ -67,10 +67,10 @@ def test_checkpoints_load_with_transformers_logits_and_save_back(tmp_path, famil
     ids = torch.randint(0, 64, (3, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want, got = hf(ids).logits, forward(ours, ids)
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        assert_same_logits(got, want, ours)
         save_model(ours, tmp_path / "back")
         back = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
-        torch.testing.assert_close(back(ids).logits, want, atol=1e-4, rtol=0)
+        assert_same_logits(back(ids).logits, want, ours)
     sparse = [i for i, layer in enumerate(ours.model.layers) if isinstance(layer.mlp, SparseMoE)]
     assert sparse == {"qwen2_moe": [0, 2], "qwen3_moe": [1], "mixtral": [0, 1, 2]}[family]
 
@@ -183,7 +183,10 @@ def test_a_train_step_replays_and_logs_the_routing_agreement(tmp_path):
     worker = train_worker(load_model(path), dict(routing_replay=True))
     metrics = worker.train_step(copy.deepcopy(samples))
     assert metrics["mismatch/routing_agreement"] == 1.0  # the same weights route the same
-    assert metrics["mismatch/kl"] < 1e-10
+    # k3 = exp(d) - d - 1 ≈ d²/2 for the engine's and the trainer's logprobs d apart (at most `tol`,
+    # other kernels), plus fp32's rounding of it near 1 (an ulp); other experts: d ~ 1e-1, k3 ~ 1e-3.
+    tol = logprob_tolerance(sample_logits(load_model(path), samples), worker.model.cfg)
+    assert metrics["mismatch/kl"] <= tol**2 / 2 + torch.finfo(torch.float32).eps
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -198,7 +201,8 @@ def test_checkpoints_with_fused_experts_load(tmp_path, family):
     hf.save_pretrained(tmp_path, save_original_format=False)
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        torch.testing.assert_close(forward(load_model(tmp_path), ids), hf(ids).logits, atol=1e-4, rtol=0)
+        ours = load_model(tmp_path)
+        assert_same_logits(forward(ours, ids), hf(ids).logits, ours)
 
 
 def test_qwen2_moe_without_qkv_bias_loads_and_saves_back(tmp_path):
@@ -209,10 +213,10 @@ def test_qwen2_moe_without_qkv_bias_loads_and_saves_back(tmp_path):
     save_model(ours, tmp_path / "back")
     with torch.no_grad():
         want = hf(ids).logits
-        torch.testing.assert_close(forward(ours, ids), want, atol=1e-4, rtol=0)
+        assert_same_logits(forward(ours, ids), want, ours)
         back, info = AutoModelForCausalLM.from_pretrained(tmp_path / "back", output_loading_info=True)
         assert not any(info.values())  # no weight missing, unexpected or mismatched
-        torch.testing.assert_close(back.eval()(ids).logits, want, atol=1e-4, rtol=0)
+        assert_same_logits(back.eval()(ids).logits, want, ours)
 
 
 @pytest.mark.parametrize(
@@ -251,7 +255,9 @@ def test_the_graph_capturable_path_gives_the_grouped_outputs(dtype, batch_invari
         grouped, every = block.grouped(flat, experts), block.every_expert(flat, experts)
     if block.batch_invariant:
         assert torch.equal(every, grouped)
-    torch.testing.assert_close(every, grouped, atol=1e-5, rtol=1e-5)
+    # Other sums of the same products: the rounding bound of gate|up then down, contracting over
+    # up to 32 (1e-4 here); a wrong expert, or the weights of two swapped, moves these outputs by ~10.
+    torch.testing.assert_close(every, grouped, atol=chain_tolerance(grouped, 32, 2, dtype), rtol=0)
 
 
 def test_a_padded_batch_replays_the_routing_of_its_real_tokens_only(tmp_path):
@@ -272,8 +278,8 @@ def test_a_padded_batch_replays_the_routing_of_its_real_tokens_only(tmp_path):
     assert torch.equal(used.table().view(2, 6, 3, 2)[:, :5], own.table().view(2, 6, 3, 2)[:, :5])
     assert torch.equal(used.table()[5].long(), table[0, 5])
     # The other tokens keep their experts; only the grouping around them moved (the last bits).
-    torch.testing.assert_close(again[1, :4], logits[1, :4], atol=1e-5, rtol=0)
-    torch.testing.assert_close(again[0, :5], logits[0, :5], atol=1e-5, rtol=0)
+    assert_same_logits(again[1, :4], logits[1, :4], model)
+    assert_same_logits(again[0, :5], logits[0, :5], model)
     assert not torch.allclose(again[0, 5], logits[0, 5])
 
 
@@ -300,4 +306,4 @@ def test_the_shipped_moe_warm_start_is_a_qwen3_moe_with_transformers_logits():
     assert sum(isinstance(layer.mlp, SparseMoE) for layer in ours.model.layers) == 4
     ids = torch.randint(3, 40, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(forward(ours, ids), hf(ids).logits, atol=1e-4, rtol=0)
+        assert_same_logits(forward(ours, ids), hf(ids).logits, ours)

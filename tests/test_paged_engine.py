@@ -8,7 +8,16 @@ from itertools import pairwise
 
 import pytest
 import torch
-from helpers import EOS, VOCAB, assert_aligned, full_forward_logprobs, prompts, run, tiny_model
+from helpers import (
+    EOS,
+    VOCAB,
+    assert_aligned,
+    assert_same_logprobs,
+    full_forward_logprobs,
+    prompts,
+    run,
+    tiny_model,
+)
 
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups
@@ -27,7 +36,7 @@ def assert_logprobs_match_recompute(model, samples, temperature=1.0):
         assert_aligned(s)
         with torch.no_grad():
             expected = full_forward_logprobs(model, s.prompt_ids, s.response_ids, temperature)
-        torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-5, rtol=0)
+        assert_same_logprobs(s.logprobs, expected, model, [s], temperature)
 
 
 def ragged(n: int, seed: int = 0) -> list[list[int]]:
@@ -156,7 +165,7 @@ def test_greedy_with_a_tiny_kv_budget_equals_a_large_one_and_builtin(token_budge
     assert [s.response_ids for s in a] == [s.response_ids for s in b] == [s.response_ids for s in c]
     assert [s.finish_reason for s in a] == [s.finish_reason for s in c]
     for x, y in zip(a, c, strict=True):
-        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+        assert_same_logprobs(x.logprobs, torch.tensor(y.logprobs), model, [y])
 
 
 def test_a_sequence_larger_than_the_whole_cache_is_a_clear_error():
@@ -189,7 +198,5 @@ def test_bucketed_decode_gives_the_eager_engine_s_tokens_and_logprobs():
             assert engine.runner.graphs.num_steps > 0 and engine.runner.graphs.max_blocks == 32
     for eager, bucketed in zip(samples[False], samples[True], strict=True):
         assert bucketed.response_ids == eager.response_ids
-        torch.testing.assert_close(
-            torch.tensor(bucketed.logprobs), torch.tensor(eager.logprobs), atol=1e-5, rtol=0
-        )
+        assert_same_logprobs(bucketed.logprobs, torch.tensor(eager.logprobs), model, [eager])
     assert_logprobs_match_recompute(model, samples[True])

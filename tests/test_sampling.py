@@ -3,7 +3,7 @@ two logprob modes — each filter against a hand-computed case and against trans
 
 import pytest
 import torch
-from helpers import EOS, VOCAB, prompts, tiny_model
+from helpers import EOS, VOCAB, assert_same_logprobs, logprob_tolerance, prompts, sample_logits, tiny_model
 from transformers import (
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
@@ -180,7 +180,7 @@ def test_raw_logprobs_equal_the_trainer_recompute_whatever_the_filters(compact_e
     for s in samples:
         ids = torch.tensor(s.response_ids)
         expected = token_logprobs(forward_logits(model, s.prompt_ids, s.response_ids), ids, 0.8)
-        torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-5, rtol=0)
+        assert_same_logprobs(s.logprobs, expected, model, [s], temperature=0.8)
 
 
 def test_processed_logprobs_follow_each_row_s_own_tokens_so_far(compact_every_step):
@@ -195,10 +195,13 @@ def test_processed_logprobs_follow_each_row_s_own_tokens_so_far(compact_every_st
         seen = seen_mask([s.prompt_ids + s.response_ids[:t] for t in range(len(s.response_ids))], VOCAB)
         table = processed_logprobs(logits, params, seen)
         expected = table.gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1)
-        torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-5, rtol=0)
+        # The cached decode's logits against a full forward's, through the filters: the penalty
+        # scales a logit, and so its rounding, by up to 1.5 before the temperature.
+        tol = 1.5 * logprob_tolerance(sample_logits(model, [s]), model.cfg, temperature=0.8)
+        torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=tol, rtol=0)
         raw = token_logprobs(logits, torch.tensor(s.response_ids), 0.8)
-        differs += int((expected - raw).abs().max() > 1e-3)
-    assert differs == len(samples)  # the two modes really record different numbers here
+        differs += int((expected - raw).abs().max() > 100 * tol)
+    assert differs == len(samples)  # the two modes record numbers the tolerance tells apart (0.3+)
 
 
 def test_greedy_with_a_repetition_penalty_equals_transformers_loop_also_when_continued():

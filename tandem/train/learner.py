@@ -207,12 +207,14 @@ class Learner:
             # A NaN/inf gradient would poison the weights and Adam's moments: skip it, count it.
             # The norm is global, so every rank skips together.
             self.skipped_steps += 1
-            self.optimizer.zero_grad(set_to_none=True)
         else:
             self.optimizer.step()
             self.scheduler.step()
             if self.masters is not None:
                 self.masters.refresh()
+        # Freed now, not at the next step's start: between steps the gradients (the size of what
+        # trains, fp32) would only hold memory that generation and validation need.
+        self.optimizer.zero_grad(set_to_none=True)
         return norm if math.isfinite(norm) else 0.0
 
     def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
