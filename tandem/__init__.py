@@ -11,10 +11,6 @@ __version__ = "0.1.0"
 # Xeon, 2 cores), and a 10-step default run on Ray 2.8x its idle time against 1.57x (docs/results.md).
 # Set to ACTIVE (or anything) before tandem is imported to keep another choice.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# oneDNN (torch's bf16 matmuls on the CPU) caches a primitive per shape, 1,024 by default, and a
-# training step's packed micro-batches bring new shapes every step: on SmolLM2-135M-Instruct's
-# recipe the process grew ~0.1 GB a step with the default, ~0.04 with 64 (AMD EPYC, 4 steps).
-os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 
 
 def _bounded_heap() -> None:
