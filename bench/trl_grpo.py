@@ -47,7 +47,9 @@ def timed(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     if done.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        raise SystemExit(
+            f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     # RUSAGE_CHILDREN is the largest child so far: exact for the first, a lower bound after it
     return wall, max(peak, before) * 1024 / 1e9, done.stdout
@@ -151,9 +153,14 @@ def main() -> None:
     run = [f"run.out_dir={out}", "run.name=tandem", "run.progress=false", *overrides]
     t_wall, t_peak, _ = timed([*tandem, "train", recipe, *run], env)
     summary = json.loads((out / "tandem" / "summary.json").read_text())
-    print(f"tandem: {t_wall:.0f} s, held-out {summary['val/accuracy_start']:.3f} -> "
-          f"{summary['val/accuracy_final']:.3f}, peak {summary['memory/peak_gb']:.2f} GB", flush=True)
-    r_wall, r_peak, _ = timed([sys.executable, __file__, recipe, *overrides, "--out", str(out), "--trl-worker"], env)
+    print(
+        f"tandem: {t_wall:.0f} s, held-out {summary['val/accuracy_start']:.3f} -> "
+        f"{summary['val/accuracy_final']:.3f}, peak {summary['memory/peak_gb']:.2f} GB",
+        flush=True,
+    )
+    r_wall, r_peak, _ = timed(
+        [sys.executable, __file__, recipe, *overrides, "--out", str(out), "--trl-worker"], env
+    )
     _, _, text = timed([*tandem, "eval", recipe, *overrides, f"model.path={out / 'trl' / 'final'}"], env)
     trl_acc = json.loads(text[text.index("{") :])["val/accuracy"]
     print(f"TRL:    {r_wall:.0f} s, held-out -> {trl_acc:.3f}, peak >= {r_peak:.2f} GB")

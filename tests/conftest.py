@@ -29,7 +29,8 @@ def machine_line() -> str:
     isa = "+".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "unknown ISA"
     auto = "bfloat16" if torch.cuda.is_available() or native else "float32"
     return (
-        f"tandem: CPU {machine('cpu')} ({isa}), {os.cpu_count()} cores, native bf16 {'yes' if native else 'no'}, "
+        f"tandem: CPU {machine('cpu')} ({isa}), {os.cpu_count()} cores, "
+        f"native bf16 {'yes' if native else 'no'}, "
         f"torch {torch.__version__} ({torch.get_num_threads()} threads); train.dtype=auto -> {auto}"
     )
 

@@ -679,8 +679,14 @@ def test_a_model_too_large_for_the_machine_is_refused_before_start():
     on a machine of 24 GiB: one paragraph naming the weights, before any worker loads them."""
     shipped = ModelConfig.load(resolve_model_path("builtin:addition"))
     big = dataclasses.replace(
-        shipped, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-        intermediate_size=11008, num_hidden_layers=32, vocab_size=32000,
+        shipped,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        vocab_size=32000,
     )
     cfg = load_config(None, ["run.device=cpu"])
     with pytest.raises(TandemError, match=r"weights of \d{4}M parameters: 1 train worker\(s\)' fp32 masters"):

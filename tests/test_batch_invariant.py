@@ -163,7 +163,10 @@ def nudged_last_column(out: torch.Tensor) -> torch.Tensor:
 # columns between 16 threads on an AMD EPYC, which an Intel Xeon with AMX does not do).
 FAULTS = {
     # another result when the call holds more than one row: depends on the batch
-    "batch": (lambda mm: lambda x, w: nudged_last_column(mm(x, w)) if x.shape[0] > 1 else mm(x, w), "batch of"),
+    "batch": (
+        lambda mm: lambda x, w: nudged_last_column(mm(x, w)) if x.shape[0] > 1 else mm(x, w),
+        "batch of",
+    ),
     # another result on more than one thread: depends on the thread count
     "threads": (
         lambda mm: lambda x, w: nudged_last_column(mm(x, w)) if torch.get_num_threads() > 1 else mm(x, w),

@@ -112,7 +112,9 @@ def test_bf16_compute_keeps_the_checkpoint_s_base_and_fp32_adapter_masters(check
     expected = {n: t.detach().clone() for n, t in base.named_parameters()}
     w = lora_worker(lora_model(model=base), dtype=torch.bfloat16)
     masters, compute = w.model, w.learner.masters.compute
-    shared = compute.model.layers[0].self_attn.q_proj.weight is masters.model.layers[0].self_attn.q_proj.weight
+    shared = (
+        compute.model.layers[0].self_attn.q_proj.weight is masters.model.layers[0].self_attn.q_proj.weight
+    )
     assert shared == (checkpoint == "bf16")
     embed = masters.model.embed_tokens.weight
     assert embed.dtype == (torch.bfloat16 if checkpoint == "bf16" else torch.float32)

@@ -1,7 +1,8 @@
 """A mini-batch that carries no learning signal (every advantage 0: each group's responses scored
-alike, and no KL or entropy term) is not trained on: no forward, no backward, no optimizer step (the
-weights stay as they are, where AdamW would still move them by its momentum), counted in
-actor/no_signal_fraction. A real instruct model at a high temperature sees many such steps."""
+alike, and no KL or entropy term) is not trained on: its forwards run for the metrics, but no
+backward and no optimizer step (the weights stay as they are, where AdamW would still move them by
+its momentum), counted in actor/no_signal_fraction. A real instruct model at a high temperature
+sees many such steps."""
 
 import copy
 
@@ -27,15 +28,18 @@ def test_a_batch_of_zero_advantages_is_skipped_and_leaves_the_weights_exactly():
     w = train_worker(train=TRAIN)
     w.train_step(random_samples(4, 4, seed=0))  # Adam has momentum now: a zero-gradient step would move
     before = weights(w)
-    forwards = []
-    original = w.learner.module.forward
-    w.learner.module.forward = lambda *a, **k: forwards.append(1) or original(*a, **k)
-    m = w.train_step(uniform(random_samples(4, 4, seed=1)))
-    assert forwards == [] and m["actor/no_signal_fraction"] == 1.0
+    backwards, steps = [], []
+    original, step = torch.Tensor.backward, w.learner.step
+    w.learner.step = lambda: steps.append(1) or step()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "backward", lambda t, *a, **k: backwards.append(1) or original(t, *a, **k))
+        m = w.train_step(uniform(random_samples(4, 4, seed=1)))
+    assert backwards == [] and steps == [] and m["actor/no_signal_fraction"] == 1.0
     assert m["critic/advantages/max"] == 0.0 == m["critic/advantages/min"]
+    assert "mismatch/kl" in m and "actor/entropy" in m  # the forwards ran: the metrics are all there
     assert all(torch.equal(t, before[n]) for n, t in w.named_weights())
     m = w.train_step(random_samples(4, 4, seed=2))
-    assert m["actor/no_signal_fraction"] == 0.0 and forwards
+    assert m["actor/no_signal_fraction"] == 0.0 and steps == [1]
     assert any(not torch.equal(t, before[n]) for n, t in w.named_weights())
 
 

@@ -329,8 +329,8 @@ def test_the_recipe_learns_in_a_few_steps_in_bounded_memory(real, tmp_path):
     process of its own (so its peak memory is its own): held-out accuracy up by 15 points or more
     (26% -> 63% after 5 steps on an AMD EPYC with AVX512-BF16), and the process's peak, as
     summary.json reports it, under 6 GB: ~2.7x the weights and AdamW state (2.2 GB). Before the
-    memory work (prefill logits of every prompt position, gradients held between steps, glibc's
-    moving mmap threshold, validation's 256 rows at once) 5 steps peaked at 7.3 GB there. The full
+    memory work (prefill logits of every prompt position, glibc's moving mmap threshold,
+    validation's 256 rows at once) 5 steps peaked at 7.3 GB there. The full
     recipe's 20 steps still grow past it (docs/results.md, "A real model")."""
     args = [f"model.path={real.path}", f"run.out_dir={tmp_path}", "run.progress=false"]
     args += ["run.steps=4", "run.val_every=4", "data.val_size=128"]

@@ -265,7 +265,9 @@ def parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=cmd_eval)
     g = sub.add_parser("generate", help="sample responses to a prompt")
     g.add_argument("prompt")
-    g.add_argument("args", nargs="*", help="[recipe.yaml] [section.key=value ...], e.g. rollout.dtype=float32")
+    g.add_argument(
+        "args", nargs="*", help="[recipe.yaml] [section.key=value ...], e.g. rollout.dtype=float32"
+    )
     g.add_argument("--model", help="checkpoint or LoRA adapter directory (default: the built-in warm start)")
     g.add_argument("--n", type=int, default=1)
     g.add_argument("--temperature", type=float, default=0.0)

@@ -89,9 +89,12 @@ def zero_signal_advice(m: dict[str, float]) -> str:
     all right, all wrong, or each group uniform."""
     score, clipped = m.get("critic/score/mean", math.nan), m.get("response_length/clip_ratio", 0.0)
     low, high = m.get("critic/score/min", score), m.get("critic/score/max", score)
-    head = f"within each group every response got the same reward (mean {score:.3g}), so the policy gradient is 0. "
+    head = (
+        f"within each group every response got the same reward (mean {score:.3g}), so the policy "
+        "gradient is 0. "
+    )
     if low == high and high >= CORRECT:
-        return head + "Every response was right: the task is solved for this policy (lower run.steps, or a harder task)"
+        return head + "Every response was right: the task is solved (lower run.steps, or a harder task)"
     if low == high:
         cut = (
             f"{100 * clipped:.0f}% of the responses were cut at rollout.max_new_tokens (raise it first); "

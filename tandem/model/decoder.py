@@ -296,7 +296,9 @@ class CausalLM(nn.Module):
         if isinstance(token_mask, Segments):
             return self._run(input_ids, positions, token_mask, None, targets, logits_at)
         if cache is not None and not isinstance(cache, KVCache):
-            return self._run(input_ids, positions, cache.attention_mask(token_mask), cache, targets, logits_at)
+            return self._run(
+                input_ids, positions, cache.attention_mask(token_mask), cache, targets, logits_at
+            )
         if cache is not None and self.batch_invariant:  # keys at their positions, not left-padded
             cache.append_mask(token_mask)
             view = cache.at_positions(positions, token_mask)
@@ -354,7 +356,9 @@ class CausalLM(nn.Module):
     ) -> Tensor:
         hidden = self._backbone(input_ids, cos, sin, mask, cache)
         if logits_at is not None:
-            hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), logits_at][:, None]  # (B, 1, E)
+            hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), logits_at][
+                :, None
+            ]  # (B, 1, E)
         if self.batch_invariant:
             return bi.linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
         return self.lm_head(hidden).float()

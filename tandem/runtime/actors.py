@@ -21,6 +21,7 @@ from tandem.model.config import resolve_model_path
 from tandem.reward import RewardPool
 from tandem.reward.shaping import overlong_penalty
 from tandem.rollout.protocol import SamplingParams
+from tandem.runtime.memory import process_peak
 from tandem.runtime.roles import (
     build_critic,
     build_rollout,
@@ -29,7 +30,6 @@ from tandem.runtime.roles import (
     load_policy,
     save_hf_model,
 )
-from tandem.runtime.memory import process_peak
 from tandem.sample import Sample
 from tandem.sync import TRANSPORTS, BucketPlan, StagingBuffer, init_world, new_group, sync_group
 from tandem.train.ref import RefWorker

@@ -59,7 +59,9 @@ def weights_memory(cfg: Config, model: ModelConfig) -> tuple[int, str]:
     """(bytes, what they are) the weights take in host memory at the least: each train worker's fp32
     masters, its gradients and AdamW's two moments of what trains (all of it, or with LoRA about
     none), and each built-in engine's copy in rollout.dtype. (0, "") on a GPU."""
-    on_host = cfg.run.device == "cpu" or (cfg.run.device == "auto" and not cfg.ray.address and not _cuda_here())
+    on_host = cfg.run.device == "cpu" or (
+        cfg.run.device == "auto" and not cfg.ray.address and not _cuda_here()
+    )
     if not on_host:
         return 0, ""
     from tandem.model.decoder import meta_model

@@ -163,11 +163,12 @@ class Learner:
         return [order[i : i + size] for i in range(0, n, size)]
 
     def accumulate(
-        self, samples: list[Sample], micro_loss: MicroLoss
+        self, samples: list[Sample], micro_loss: MicroLoss, backward: bool = True
     ) -> tuple[dict[str, float], list[tuple[list[int], Tensor]]]:
         """Backward of `micro_loss(part)` for each of this rank's micro-batches of a mini-batch ->
         the sums of their metric shares over every rank, and this rank's (part, output) for each
-        output `micro_loss` returned. The gradients are left for `step`."""
+        output `micro_loss` returned. The gradients are left for `step`. backward=False: the
+        forwards alone, without autograd (a mini-batch whose loss is 0 whatever the weights)."""
         if len(samples) < self.world:
             raise TandemError(
                 f"A mini-batch of {len(samples)} samples cannot be split over train.num_workers="
@@ -180,13 +181,17 @@ class Learner:
         for k, part in enumerate(plan):
             # With master weights DDP reduces every micro-batch, whose gradients then join the
             # masters' fp32 sum; otherwise DDP and FSDP2 accumulate and reduce with the last.
-            with parallel.gradient_sync(self.module, k == len(plan) - 1 or self.masters is not None):
-                loss, stats, output = micro_loss(part)
-                # DDP and FSDP2 average the ranks' gradients; the losses are shares of the whole
-                # mini-batch's, whose gradient is the ranks' sum.
-                (loss * self.world).backward()
-            if self.masters is not None:
-                self.masters.take_grads()
+            if not backward:
+                with torch.no_grad():
+                    _, stats, output = micro_loss(part)
+            else:
+                with parallel.gradient_sync(self.module, k == len(plan) - 1 or self.masters is not None):
+                    loss, stats, output = micro_loss(part)
+                    # DDP and FSDP2 average the ranks' gradients; the losses are shares of the whole
+                    # mini-batch's, whose gradient is the ranks' sum.
+                    (loss * self.world).backward()
+                if self.masters is not None:
+                    self.masters.take_grads()
             for key, v in stats.items():
                 sums[key] += v
             if output is not None:
@@ -207,14 +212,12 @@ class Learner:
             # A NaN/inf gradient would poison the weights and Adam's moments: skip it, count it.
             # The norm is global, so every rank skips together.
             self.skipped_steps += 1
+            self.optimizer.zero_grad(set_to_none=True)
         else:
             self.optimizer.step()
             self.scheduler.step()
             if self.masters is not None:
                 self.masters.refresh()
-        # Freed now, not at the next step's start: between steps the gradients (the size of what
-        # trains, fp32) would only hold memory that generation and validation need.
-        self.optimizer.zero_grad(set_to_none=True)
         return norm if math.isfinite(norm) else 0.0
 
     def state(self) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -195,17 +195,14 @@ class TrainWorker:
         self._check_samples(samples)
         source = self._step_source(samples)
         # bypass (π_old = μ), interpolated π_prox and an exactly on-policy step need no forward of their own.
-        batch = self._batch(samples, None)
-        logp_s = 0.0  # no recompute: no logp span
-        if source is OldSource.RECOMPUTE and not self._no_signal(batch):  # nothing trains: no π_old needed
-            start = time.perf_counter()
-            batch.old = self.compute_logprobs(samples)
-            logp_s = time.perf_counter() - start
+        start = time.perf_counter()
+        old = self.compute_logprobs(samples) if source is OldSource.RECOMPUTE else None
+        logp_s = time.perf_counter() - start if old is not None else 0.0  # no recompute: no logp span
+        batch = self._batch(samples, old)
         skipped = self.learner.skipped_steps
         sums, updates, first = self._updates(batch, source)
         self.version += 1
         metrics = {k: v / updates for k, v in sums.items()}
-        metrics.setdefault("actor/no_signal_fraction", 0.0)  # updates skipped for carrying no signal
         metrics["actor/lr"] = self.learner.scheduler.get_last_lr()[0]
         metrics["actor/skipped_steps"] = float(self.learner.skipped_steps)
         # the share of this step's updates that were skipped
@@ -247,15 +244,13 @@ class TrainWorker:
         return sums, updates, first
 
     def _mismatch(
-        self, batch: MiniBatch, source: OldSource, first: MiniBatch, theta: Tensor | None
+        self, batch: MiniBatch, source: OldSource, first: MiniBatch, theta: Tensor
     ) -> dict[str, float]:
         """π_old held against μ: the recompute, or, where π_old is exactly on-policy (π_θ or an exact
         μ), π_θ of the first update's forwards (`theta`), on its rows (`first`). Without either
         (bypass, interpolate) there is nothing to compare: no mismatch/*."""
         old, behaviour, mask = batch.old, batch.behaviour, batch.mask
         exact = source is OldSource.BEHAVIOUR and self.old_source is OldSource.RECOMPUTE
-        if (source is OldSource.POLICY or exact) and theta is None:  # the first update was skipped
-            return {}
         if source is OldSource.POLICY or exact:
             old = self.learner.all_reduce(theta)  # each row is non-zero on one rank only
             behaviour, mask = first.behaviour, first.mask
@@ -322,20 +317,21 @@ class TrainWorker:
                     f"sample {s.group_id}/{s.index} has {len(s.versions)} for {n} tokens."
                 )
 
-    def _update(self, b: MiniBatch, source: OldSource, first: bool) -> tuple[dict[str, float], Tensor | None]:
+    def _update(self, b: MiniBatch, source: OldSource, first: bool) -> tuple[dict[str, float], Tensor]:
         """Accumulate gradients over micro-batches, then one optimizer step (or a counted skip) ->
         the sums of the metric shares, and π_θ (b, R) detached as the forwards computed it (0 on
-        the rows of the other ranks); None when the mini-batch carries no signal (`_no_signal`)."""
+        the rows of the other ranks). A mini-batch with no signal (`_no_signal`) runs its forwards
+        alone, for its metrics: no backward, no optimizer step."""
         # Every aggregation divides by counts of the whole mini-batch, so the micro-batch losses sum
         # to the mini-batch loss; the pg term counts only the tokens the corrections keep.
-        if self._no_signal(b):
-            return {"actor/no_signal_fraction": 1.0, "actor/pg_loss": 0.0, "actor/grad_norm": 0.0}, None
         pg_mask = self._pg_mask(b, first)
         counts = {"loss": loss_counts(b.mask, self.norm_len), "pg": loss_counts(pg_mask, self.norm_len)}
+        signal = not self._no_signal(b)
         sums, outputs = self.learner.accumulate(
-            b.samples, lambda part: self._micro_loss(b, pg_mask, part, counts, source)
+            b.samples, lambda part: self._micro_loss(b, pg_mask, part, counts, source), backward=signal
         )
-        sums["actor/grad_norm"] = self.learner.step()
+        sums["actor/grad_norm"] = self.learner.step() if signal else 0.0
+        sums["actor/no_signal_fraction"] = float(not signal)
         theta = torch.zeros(b.mask.shape)
         for part, logp in outputs:
             theta[part] = logp
@@ -344,10 +340,11 @@ class TrainWorker:
     def _no_signal(self, b: MiniBatch) -> bool:
         """Whether the mini-batch's loss is exactly 0 whatever the weights: every advantage is 0 (each
         group's responses scored alike: every policy loss is a multiple of A) and no KL or entropy
-        term joins it. Then its forwards, backward and optimizer step are skipped (as a non-finite
-        one is): they would cost a full step (8-11 s for SmolLM2-135M's batch on 2 cores) to give a
-        zero gradient, on which AdamW would still move the weights by its momentum alone. Every rank
-        holds the whole mini-batch's advantages, so all of them decide alike."""
+        term joins it. Then its backward and optimizer step are skipped (as a non-finite one is):
+        they would cost two thirds of a step (of 8-11 s for SmolLM2-135M's batch on 2 cores) to
+        give a zero gradient, on which AdamW would still move the weights by its momentum alone.
+        The forwards still run: the step's metrics (mismatch, entropy, corrections) are always
+        logged. Every rank holds the whole mini-batch's advantages, so all of them decide alike."""
         quiet = self.algo.kl_coef <= 0 and self.algo.entropy_coef == 0
         return quiet and not bool((b.adv * b.mask).any())
 
