@@ -59,10 +59,7 @@ def weights_memory(cfg: Config, model: ModelConfig) -> tuple[int, str]:
     """(bytes, what they are) the weights take in host memory at the least: each train worker's fp32
     masters, its gradients and AdamW's two moments of what trains (all of it, or with LoRA about
     none), and each built-in engine's copy in rollout.dtype. (0, "") on a GPU."""
-    on_host = cfg.run.device == "cpu" or (
-        cfg.run.device == "auto" and not cfg.ray.address and not _cuda_here()
-    )
-    if not on_host:
+    if not _on_host(cfg):
         return 0, ""
     from tandem.model.decoder import meta_model
 
@@ -84,10 +81,7 @@ def engine_memory(cfg: Config, model: ModelConfig, prompt_tokens: int) -> tuple[
     """(bytes, what they are) one rollout engine allocates in host memory; (0, "") on a GPU, and
     for vLLM, which sizes its own memory (rollout.vllm_gpu_memory_utilization)."""
     estimate = ENGINE_MEMORY.get(cfg.rollout.engine)
-    on_host = cfg.run.device == "cpu" or (
-        cfg.run.device == "auto" and not cfg.ray.address and not _cuda_here()
-    )
-    return estimate(cfg.rollout, model, prompt_tokens) if estimate and on_host else (0, "")
+    return estimate(cfg.rollout, model, prompt_tokens) if estimate and _on_host(cfg) else (0, "")
 
 
 def _builtin(r: RolloutConfig, model: ModelConfig, prompt_tokens: int) -> tuple[int, str]:
@@ -117,6 +111,11 @@ ENGINE_MEMORY: dict[str, Callable[[RolloutConfig, ModelConfig, int], tuple[int, 
     "builtin": _builtin,
     "paged": _paged,
 }
+
+
+def _on_host(cfg: Config) -> bool:
+    """Whether the run's weights and engines live in this machine's memory (not a GPU's)."""
+    return cfg.run.device == "cpu" or (cfg.run.device == "auto" and not cfg.ray.address and not _cuda_here())
 
 
 def _cuda_here() -> bool:

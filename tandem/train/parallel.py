@@ -76,7 +76,7 @@ class MasterWeights:
     kept in `dtype` alone, shared by the two models; one that `dtype` would round (an fp32
     checkpoint's) keeps its fp32 master beside the compute copy. So the masters are always the
     checkpoint's base bit for bit: the policy a LoRA run saves, exports and that its engines serve
-    (docs/lora.md, "Which base"), whatever train.dtype and train.strategy are.
+    (docs/training.md, "Which base the engines serve"), whatever train.dtype and train.strategy are.
     """
 
     def __init__(self, masters: CausalLM, dtype: torch.dtype):
