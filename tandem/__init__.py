@@ -12,6 +12,17 @@ __version__ = "0.1.0"
 # Set to ACTIVE (or anything) before tandem is imported to keep another choice.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# oneDNN (torch's bf16 matmuls on a CPU) keeps every matmul primitive it builds, with its JIT'd
+# kernel (~0.26 MB), in two caches of 1024 entries each: oneDNN's own and ideep's. A training step
+# meets new shapes in every micro-batch (its packed token count), so on SmolLM2-135M's recipe the
+# process grew ~70 MB a step until the caches were full, ~1 GB over 20 steps (AMD EPYC,
+# AVX512-BF16). 64 entries hold every shape of one micro-batch's forward and backward, or of an
+# engine's few decode widths; a shape met again later is rebuilt (a millisecond or so). Read at the
+# first primitive, so this holds when tandem is imported before any bf16 matmul runs; set either
+# variable to keep another size.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
+
 
 def _bounded_heap() -> None:
     """glibc's malloc serves a request of under M_MMAP_THRESHOLD bytes from its heap, and raises that

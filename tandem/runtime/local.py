@@ -56,12 +56,16 @@ def _crossed(obj: Any) -> Any:
 
 @dataclass(eq=False)
 class LocalCall:
-    """A call's handle: what to run, and once `ended` is set, how it ended (`done`)."""
+    """A call's handle: what to run, and once `ended` is set, how it ended (its result or error).
+    It holds no `Done`, which points back at it: the cycle kept each call's result (a weight push's
+    buckets, a step's samples) alive until the garbage collector ran, 0.27 GB at a time for
+    SmolLM2-135M's pushes."""
 
     worker: str
     method: str
     args: tuple
-    done: Done | None = None
+    result: Any = None
+    error: Exception | None = None
     ended: threading.Event = field(default_factory=threading.Event)
 
 
@@ -107,20 +111,21 @@ class LocalCluster:
         if threads:
             torch.set_num_threads(threads)  # a thread's OpenMP team size is its own
         while (call := self.calls.get()) is not None:
-            call.done = self._run(call)
+            call.result, call.error = self._run(call)
             call.ended.set()
+            del call  # not held here until the next call comes: the loop frees it when done
 
-    def _run(self, call: LocalCall) -> Done:
-        """`worker.method(*args)`; a handle among the args gives its call's result (it ran before:
+    def _run(self, call: LocalCall) -> tuple[Any, Exception | None]:
+        """`worker.method(*args)` -> (its result, None) or (None, the error that ended it); a handle among the args gives its call's result (it ran before:
         calls run in order), or fails this call with its error, as Ray fails a call whose argument
         failed."""
         try:
             args = [_result(a) if isinstance(a, LocalCall) else a for a in call.args]
-            return Done(call, _crossed(getattr(self.workers[call.worker], call.method)(*_crossed(args))))
+            return _crossed(getattr(self.workers[call.worker], call.method)(*_crossed(args))), None
         except TandemError as e:
-            return Done(call, error=e)
+            return None, e
         except Exception:
-            return Done(call, error=CallFailed(f"{call.worker}.{call.method}: {traceback.format_exc()}"))
+            return None, CallFailed(f"{call.worker}.{call.method}: {traceback.format_exc()}")
 
     def submit(self, worker: str, method: str, *args: Any, until_restarted: bool = False) -> LocalCall:
         call = LocalCall(worker, method, args)
@@ -139,7 +144,7 @@ class LocalCluster:
                 time.sleep(timeout_s)
             return None
         self.pending.remove(call)
-        return call.done
+        return Done(call, call.result, call.error)
 
     def get(self, handles: list[LocalCall], timeout_s: float) -> list[Any]:
         deadline = time.monotonic() + timeout_s
@@ -167,6 +172,6 @@ class LocalCluster:
 
 def _result(call: LocalCall) -> Any:
     """An ended call's result, or its error raised."""
-    if call.done.error is not None:
-        raise call.done.error
-    return call.done.result
+    if call.error is not None:
+        raise call.error
+    return call.result
