@@ -1,7 +1,10 @@
 """Agents through the OpenAI-compatible endpoint against tandem's built-in agent loop, on one engine.
 
     python bench/agents.py [--model builtin:addition] [--engine builtin|paged] [--groups 16]
-                           [--repeats 3] [--json PATH]
+                           [--repeats 3] [--json PATH] [key=value ...]
+
+`key=value` overrides go to both agents' config, e.g. for the real model:
+`--model builtin:smollm2-135m-instruct rollout.max_new_tokens=32 data.max_prompt_length=128`.
 
 One rollout worker per agent, built as `tandem train` builds them (`build_rollout`), on the same
 model, engine kind and prompts (--groups prompts of the default task x 8 samples, the run's
@@ -41,16 +44,16 @@ REVISE = [
 
 
 def worker(args, agent: list[str]):
-    common = [f"model.path={args.model}", f"rollout.engine={args.engine}"]
+    common = [f"model.path={args.model}", f"rollout.engine={args.engine}", *args.overrides]
     cfg = devices.resolve(load_config(None, [*common, *agent]), 0)
     w, _ = build_rollout(cfg)
-    return w, sampling_params(cfg, cfg.rollout.temperature)
+    return w, sampling_params(cfg, cfg.rollout.temperature), cfg.data.max_prompt_length
 
 
-def episodes(w, groups: int):
+def episodes(w, groups: int, max_prompt_length: int):
     rows = TASKS.get("addition")().make_rows(groups, seed=3)
     prompts = prompts_from_rows(rows)
-    return make_groups(prompts, encode_prompts(w.tokenizer, prompts, 64), 8)
+    return make_groups(prompts, encode_prompts(w.tokenizer, prompts, max_prompt_length), 8)
 
 
 def main() -> None:
@@ -60,13 +63,14 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json")
+    ap.add_argument("overrides", nargs="*", help="key=value config overrides for both agents")
     args = ap.parse_args()
     workers = {"builtin": worker(args, BUILTIN), "endpoint": worker(args, ENDPOINT)}
     n = args.groups * 8
     best = dict.fromkeys(workers, 0.0)
     for round_ in range(args.repeats + 1):  # round 0 warms both up (imports, the endpoint)
-        for name, (w, params) in workers.items():
-            samples = episodes(w, args.groups)
+        for name, (w, params, length) in workers.items():
+            samples = episodes(w, args.groups, length)
             start = time.perf_counter()
             w.generate(samples, params)
             if round_:
@@ -80,8 +84,8 @@ def main() -> None:
     print(
         f"endpoint_vs_builtin: {ratio:.2f} (the endpoint adds {overhead_ms:.1f} ms of the call per episode)"
     )
-    w, params = worker(args, REVISE)
-    samples = w.generate(episodes(w, args.groups), params)
+    w, params, length = worker(args, REVISE)
+    samples = w.generate(episodes(w, args.groups, length), params)
     prompt = sum(s.agent_stats["prompt_tokens"] for s in samples)
     reused = sum(s.agent_stats["reused_prompt_tokens"] for s in samples)
     turns = sum(s.agent_stats["turns"] for s in samples) / len(samples)
