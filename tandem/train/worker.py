@@ -320,33 +320,48 @@ class TrainWorker:
     def _update(self, b: MiniBatch, source: OldSource, first: bool) -> tuple[dict[str, float], Tensor]:
         """Accumulate gradients over micro-batches, then one optimizer step (or a counted skip) ->
         the sums of the metric shares, and π_θ (b, R) detached as the forwards computed it (0 on
-        the rows of the other ranks). A mini-batch with no signal (`_no_signal`) runs its forwards
-        alone, for its metrics: no backward, no optimizer step."""
+        the rows of the other ranks). Rows with no signal (`_silent`) run their forwards alone, for
+        the metrics; a mini-batch of nothing else takes no optimizer step."""
         # Every aggregation divides by counts of the whole mini-batch, so the micro-batch losses sum
         # to the mini-batch loss; the pg term counts only the tokens the corrections keep.
         pg_mask = self._pg_mask(b, first)
         counts = {"loss": loss_counts(b.mask, self.norm_len), "pg": loss_counts(pg_mask, self.norm_len)}
-        signal = not self._no_signal(b)
-        sums, outputs = self.learner.accumulate(
-            b.samples, lambda part: self._micro_loss(b, pg_mask, part, counts, source), backward=signal
-        )
-        sums["actor/grad_norm"] = self.learner.step() if signal else 0.0
-        sums["actor/no_signal_fraction"] = float(not signal)
+        silent = self._silent(b)
+        loud = [i for i in range(len(b.samples)) if i not in silent]
+        if loud and len(loud) < self.learner.world:  # too few to share out: all of them, as before
+            silent, loud = set(), list(range(len(b.samples)))
+        outputs, sums = [], defaultdict(float)
+        # The forwards alone first: accumulate() clears the gradients the backward ones leave.
+        for rows, backward in ((sorted(silent), False), (loud, True)):
+            if not rows:
+                continue
+            part_sums, part_outputs = self.learner.accumulate(
+                [b.samples[i] for i in rows],
+                lambda part, rows=rows: self._micro_loss(b, pg_mask, [rows[i] for i in part], counts, source),
+                backward=backward,
+            )
+            for key, v in part_sums.items():
+                sums[key] += v
+            outputs += [([rows[i] for i in part], logp) for part, logp in part_outputs]
+        sums["actor/grad_norm"] = self.learner.step() if loud else 0.0
+        sums["actor/no_signal_fraction"] = len(silent) / len(b.samples)
         theta = torch.zeros(b.mask.shape)
-        for part, logp in outputs:
-            theta[part] = logp
+        for rows, logp in outputs:
+            theta[rows] = logp
         return sums, theta
 
-    def _no_signal(self, b: MiniBatch) -> bool:
-        """Whether the mini-batch's loss is exactly 0 whatever the weights: every advantage is 0 (each
-        group's responses scored alike: every policy loss is a multiple of A) and no KL or entropy
-        term joins it. Then its backward and optimizer step are skipped (as a non-finite one is):
-        they would cost two thirds of a step (of 8-11 s for SmolLM2-135M's batch on 2 cores) to
-        give a zero gradient, on which AdamW would still move the weights by its momentum alone.
-        The forwards still run: the step's metrics (mismatch, entropy, corrections) are always
-        logged. Every rank holds the whole mini-batch's advantages, so all of them decide alike."""
-        quiet = self.algo.kl_coef <= 0 and self.algo.entropy_coef == 0
-        return quiet and not bool((b.adv * b.mask).any())
+    def _silent(self, b: MiniBatch) -> set[int]:
+        """The rows whose share of the loss is exactly 0 whatever the weights: every advantage of
+        theirs is 0 (their group's responses scored alike: every policy loss is a multiple of A) and
+        no KL or entropy term joins the loss. Their backward would add exact zeros to the gradient,
+        so it is skipped, and the mini-batch's gradient is that of its other rows (the loss still
+        divides by the whole mini-batch's token counts). When no row is left, the optimizer step is
+        skipped too (as a non-finite one is): AdamW would move the weights by its momentum alone.
+        The forwards still run: the step's metrics (mismatch, entropy, corrections) cover every row.
+        Every rank holds the whole mini-batch's advantages, so all of them decide alike."""
+        if self.algo.kl_coef > 0 or self.algo.entropy_coef != 0:
+            return set()
+        return {i for i, row in enumerate(b.adv * b.mask) if not bool(row.any())}
 
     def _micro_loss(
         self,
