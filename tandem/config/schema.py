@@ -281,6 +281,10 @@ class TrainConfig:
     # Micro-batches as variable-length sequences packed back to back (no padding); false pads each
     # row to the micro-batch's longest.
     padding_free: bool = True
+    # Packed micro-batches lay a prompt once for all its samples (a GRPO group), each response
+    # attending to it and to itself: the prompt's forward and backward run once, not once a sample.
+    # Off in run.deterministic (a token's logits equal the engine's bit for bit only alone).
+    share_prompts: bool = True
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 

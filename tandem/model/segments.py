@@ -5,6 +5,12 @@ tokens only. Attention must not cross from one sequence into the next, so instea
 packed layout attends itself: runs of equal-length neighbours are viewed as one (n, H, L, D) batch
 and attend causally (SDPA's flash kernel on a GPU, two batched matmuls on the CPU). Sorting a
 micro-batch by length (as the trainer does) makes those runs long; any order is correct.
+
+A shared prompt (`Segments.shared`): the samples of one GRPO group share their prompt, so it is laid
+once, followed by every response; each response attends to the prompt and to itself, at the
+positions it would have alone. Every token then sees exactly the context it has in a sequence of
+its own, so its logits are those of that sequence (up to the kernels' summation order), and the
+prompt's forward and backward run once for the group instead of once a sample.
 """
 
 from collections.abc import Callable
@@ -15,40 +21,72 @@ from torch import Tensor
 
 
 class Segments:
-    """lengths: the packed sequences' lengths, in order; they add up to the row's T.
+    """lengths: the packed units' lengths, in order; they add up to the row's T. A unit is one
+    sequence, or (`shared`) a prompt followed by its responses.
 
     A plain class, not a dataclass: FSDP2 rebuilds dataclass arguments to cast their tensors.
     """
 
-    def __init__(self, lengths: list[int]):
+    def __init__(self, lengths: list[int], trees: dict[int, tuple[int, list[int]]] | None = None):
+        """trees: unit index -> (prompt length, the lengths of the responses that follow it)."""
         self.lengths = list(lengths)
-        self.runs: list[tuple[int, int, int]] = []  # (start, count, length) of equal-length runs
+        self.trees = dict(trees or {})
+        # (start, count, length, tree) of runs of equal-length plain neighbours; a tree alone
+        self.runs: list[tuple[int, int, int, tuple[int, list[int]] | None]] = []
         start = 0
-        for n in self.lengths:
-            if self.runs and self.runs[-1][2] == n:
-                s, count, _ = self.runs[-1]
-                self.runs[-1] = (s, count + 1, n)
+        for i, n in enumerate(self.lengths):
+            tree = self.trees.get(i)
+            if tree is None and self.runs and self.runs[-1][2] == n and self.runs[-1][3] is None:
+                s, count, _, _ = self.runs[-1]
+                self.runs[-1] = (s, count + 1, n, None)
             else:
-                self.runs.append((start, 1, n))
+                self.runs.append((start, 1, n, tree))
             start += n
 
+    @classmethod
+    def shared(cls, units: list[tuple[int, list[int]]]) -> "Segments":
+        """units: (prompt length, response lengths) of each unit; one response is a plain sequence."""
+        lengths = [p + sum(rs) for p, rs in units]
+        trees = {i: (p, list(rs)) for i, (p, rs) in enumerate(units) if len(rs) > 1}
+        return cls(lengths, trees)
+
     def positions(self, device: torch.device | str = "cpu") -> Tensor:
-        """(1, T): each sequence's positions restart at 0."""
-        return torch.cat([torch.arange(n, device=device) for n in self.lengths])[None]
+        """(1, T): each sequence's positions restart at 0; each response of a shared prompt
+        continues the prompt's."""
+        parts = []
+        for i, n in enumerate(self.lengths):
+            if i in self.trees:
+                p, responses = self.trees[i]
+                parts += [torch.arange(p, device=device)]
+                parts += [torch.arange(p, p + r, device=device) for r in responses]
+            else:
+                parts.append(torch.arange(n, device=device))
+        return torch.cat(parts)[None]
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, attention: Callable[..., Tensor] | None = None
     ) -> Tensor:
         """q (1, H, T, D), k, v (1, Hkv, T, D) -> (1, H, T, D): causal attention within each sequence.
-        attention: `batch_invariant.attention`-like (q, k, v, additive mask) to run each run through."""
+        attention: `batch_invariant.attention`-like (q, k, v, additive mask) to run each run through
+        (plain sequences only)."""
         outs = []
-        for start, count, length in self.runs:
+        for start, count, length, tree in self.runs:
 
             def run(x: Tensor, start: int = start, count: int = count, length: int = length) -> Tensor:
                 # (1, h, count·L, D) -> (count, h, L, D): a view when the run is contiguous
                 return x[0, :, start : start + count * length].unflatten(1, (count, length)).transpose(0, 1)
 
-            if attention is not None:
+            if tree is not None:
+                if attention is not None:
+                    raise ValueError("a shared prompt has no batch-invariant attention: pack it plainly")
+                allowed = tree_mask(*tree, device=q.device)
+                if q.is_cuda:
+                    out = F.scaled_dot_product_attention(
+                        run(q), run(k), run(v), attn_mask=allowed, enable_gqa=True
+                    )
+                else:
+                    out = causal_attention(run(q), run(k), run(v), allowed)
+            elif attention is not None:
                 mask = torch.full((length, length), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
                 out = attention(run(q), run(k), run(v), mask[None, None])
             elif q.is_cuda:  # flash attention: fast, and no (L x L) scores kept for backward
@@ -59,8 +97,20 @@ class Segments:
         return torch.cat(outs, dim=1)[None]
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+def tree_mask(prompt: int, responses: list[int], device: torch.device | str = "cpu") -> Tensor:
+    """(L, L) bool, True where a query (row) may attend a key (column), for a prompt followed by
+    its responses: the prompt causally; each response the whole prompt and itself causally."""
+    part = torch.cat([torch.zeros(prompt, dtype=torch.long)] + [
+        torch.full((r,), i + 1, dtype=torch.long) for i, r in enumerate(responses)
+    ]).to(device)  # fmt: skip
+    length = part.shape[0]
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    return causal & ((part[None, :] == 0) | (part[None, :] == part[:, None]))
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None = None) -> Tensor:
     """q (n, H, L, D), k, v (n, Hkv, L, D) -> (n, H, L, D): softmax(q·kᵀ/√D + causal) · v.
+    allowed: an (L, L) bool mask in place of the causal one (`tree_mask`).
 
     Two batched matmuls over the Hkv key heads, each serving its H/Hkv query heads (Hugging Face's
     order: head i reads key head i // G); softmax in fp32. For the short rows of RL batches this is
@@ -70,6 +120,7 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     hkv = k.shape[1]
     g = h // hkv
     scores = torch.matmul(q.reshape(n, hkv, g * length, d), k.transpose(-1, -2)) * d**-0.5  # (n, Hkv, G·L, L)
-    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril().repeat(g, 1)
-    probs = scores.float().masked_fill(~causal, float("-inf")).softmax(-1).to(v.dtype)
+    if allowed is None:
+        allowed = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    probs = scores.float().masked_fill(~allowed.repeat(g, 1), float("-inf")).softmax(-1).to(v.dtype)
     return torch.matmul(probs, v).view(n, h, length, d)

@@ -30,20 +30,42 @@ class Rows:
     agreement: float | None = None  # set by `score`: the share of top-k sets the router agreed on
 
 
-def packed(samples: list[Sample], device: torch.device | str = "cpu", temperature: float = 1.0) -> Rows:
-    """Prompt + response of every sample back to back in one (1, total) row, no padding."""
-    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-    segments = Segments(lengths)
-    ids = torch.tensor([t for s in samples for t in s.prompt_ids + s.response_ids], dtype=torch.long)
-    starts = [0]
-    for n in lengths[:-1]:
-        starts.append(starts[-1] + n)
-    index = [start + len(s.prompt_ids) - 1 + j for s, start in zip(samples, starts, strict=True)
-             for j in range(len(s.response_ids))]  # fmt: skip
+def packed(
+    samples: list[Sample], device: torch.device | str = "cpu", temperature: float = 1.0, share: bool = False
+) -> Rows:
+    """Prompt + response of every sample back to back in one (1, total) row, no padding. share:
+    neighbours with the same prompt lay it once, followed by their responses (`Segments.shared`),
+    unless the samples carry routing (the engine's experts of each sample's own prompt tokens)."""
     routing = None
     if all(s.routing is not None for s in samples):
         routing = torch.cat([_routing_of(s) for s in samples])
+        share = False
+    units = prompt_units(samples) if share else [[i] for i in range(len(samples))]
+    segments = Segments.shared(
+        [(len(samples[u[0]].prompt_ids), [len(samples[i].response_ids) for i in u]) for u in units]
+    )
+    ids, index = [], []
+    for unit in units:
+        prompt = samples[unit[0]].prompt_ids
+        last = len(ids) + len(prompt) - 1  # the prompt's last token predicts each response's first
+        ids += prompt
+        for i in unit:
+            response = samples[i].response_ids
+            index += [last] + [len(ids) + j for j in range(len(response) - 1)] if response else []
+            ids += response
+    ids = torch.tensor(ids, dtype=torch.long)
     return _rows(samples, ids[None], segments.positions(), segments, index, device, temperature, routing)
+
+
+def prompt_units(samples: list[Sample]) -> list[list[int]]:
+    """Runs of neighbours (indices) with the same prompt ids: a GRPO group, laid out together."""
+    units: list[list[int]] = []
+    for i, s in enumerate(samples):
+        if units and samples[units[-1][0]].prompt_ids == s.prompt_ids:
+            units[-1].append(i)
+        else:
+            units.append([i])
+    return units
 
 
 def _routing_of(s: Sample) -> Tensor:

@@ -128,16 +128,35 @@ class Learner:
                 parallel.full_tensor(params[name])
 
     def rows(self, samples: list[Sample], temperature: float = 1.0) -> Rows:
-        """A micro-batch as the model takes it: packed (train.padding_free) or padded, on the device."""
+        """A micro-batch as the model takes it: packed (train.padding_free), each prompt once where
+        neighbours share it (`sharing`), or padded, on the device."""
         if self.cfg.padding_free:
-            return packed(samples, self.device, temperature)
+            return packed(samples, self.device, temperature, share=self.sharing)
         return padded(samples, self.pad_token_id, self.device, temperature)
 
+    @property
+    def sharing(self) -> bool:
+        """train.share_prompts, in packed rows, outside the batch-invariant mode (run.deterministic:
+        a token's logits there are bit-identical to the engine's only in a sequence of its own)."""
+        invariant = getattr(self.compute, "batch_invariant", False)
+        return self.cfg.share_prompts and self.cfg.padding_free and not invariant
+
     def plan(self, samples: list[Sample]) -> list[list[int]]:
-        """This rank's micro-batches of `samples` (see `batch.rank_micro_batches`)."""
-        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        """This rank's micro-batches of `samples` (see `batch.rank_micro_batches`). When prompts are
+        shared, the samples of one prompt go together, next to each other, and count its tokens once."""
         budget, pad = self.cfg.micro_batch_tokens, not self.cfg.padding_free
-        return rank_micro_batches(lengths, budget, pad, self.rank, self.world)
+        if not self.sharing:
+            lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+            return rank_micro_batches(lengths, budget, pad, self.rank, self.world)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, s in enumerate(samples):
+            groups.setdefault(tuple(s.prompt_ids), []).append(i)
+        units = list(groups.values())
+        lengths = [
+            len(samples[u[0]].prompt_ids) + sum(len(samples[i].response_ids) for i in u) for u in units
+        ]
+        parts = rank_micro_batches(lengths, budget, pad, self.rank, self.world)
+        return [[i for u in part for i in units[u]] for part in parts]
 
     @torch.no_grad()
     def per_token(self, samples: list[Sample], forward: Callable[[list[Sample], int], Tensor]) -> Tensor:
