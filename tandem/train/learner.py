@@ -145,13 +145,15 @@ class Learner:
         """This rank's micro-batches of `samples` (see `batch.rank_micro_batches`). When prompts are
         shared, the samples of one prompt go together, next to each other, and count its tokens once."""
         budget, pad = self.cfg.micro_batch_tokens, not self.cfg.padding_free
-        if not self.sharing:
-            lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-            return rank_micro_batches(lengths, budget, pad, self.rank, self.world)
         groups: dict[tuple[int, ...], list[int]] = {}
         for i, s in enumerate(samples):
             groups.setdefault(tuple(s.prompt_ids), []).append(i)
         units = list(groups.values())
+        # Fewer prompts than ranks: some rank would hold none and no metric, and the ranks' sums
+        # would not line up; share them out by rows instead.
+        if not self.sharing or len(units) < self.world:
+            lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+            return rank_micro_batches(lengths, budget, pad, self.rank, self.world)
         lengths = [
             len(samples[u[0]].prompt_ids) + sum(len(samples[i].response_ids) for i in u) for u in units
         ]

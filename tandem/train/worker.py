@@ -328,8 +328,8 @@ class TrainWorker:
         counts = {"loss": loss_counts(b.mask, self.norm_len), "pg": loss_counts(pg_mask, self.norm_len)}
         silent = self._silent(b)
         loud = [i for i in range(len(b.samples)) if i not in silent]
-        if loud and len(loud) < self.learner.world:  # too few to share out: all of them, as before
-            silent, loud = set(), list(range(len(b.samples)))
+        if (loud and len(loud) < self.learner.world) or (silent and len(silent) < self.learner.world):
+            silent, loud = set(), list(range(len(b.samples)))  # too few to share out over the ranks
         outputs, sums = [], defaultdict(float)
         # The forwards alone first: accumulate() clears the gradients the backward ones leave.
         for rows, backward in ((sorted(silent), False), (loud, True)):
