@@ -116,9 +116,9 @@ class LocalCluster:
             del call  # not held here until the next call comes: the loop frees it when done
 
     def _run(self, call: LocalCall) -> tuple[Any, Exception | None]:
-        """`worker.method(*args)` -> (its result, None) or (None, the error that ended it); a handle among the args gives its call's result (it ran before:
-        calls run in order), or fails this call with its error, as Ray fails a call whose argument
-        failed."""
+        """`worker.method(*args)` -> (its result, None) or (None, the error that ended it). A handle
+        among the args gives its call's result (it ran before: calls run in order), or fails this
+        call with its error, as Ray fails a call whose argument failed."""
         try:
             args = [_result(a) if isinstance(a, LocalCall) else a for a in call.args]
             return _crossed(getattr(self.workers[call.worker], call.method)(*_crossed(args))), None
