@@ -53,7 +53,8 @@ def test_bf16_matmuls_of_ever_new_shapes_hold_bounded_memory():
 
 
 def test_a_setting_the_user_made_is_kept():
-    code = "import os, tandem; print(*(os.environ[k] for k in ('ONEDNN_PRIMITIVE_CACHE_CAPACITY', 'OMP_WAIT_POLICY')))"
+    keys = "'ONEDNN_PRIMITIVE_CACHE_CAPACITY', 'OMP_WAIT_POLICY'"
+    code = f"import os, tandem; print(*(os.environ[k] for k in ({keys})))"
     env = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "512", "OMP_WAIT_POLICY": "ACTIVE", "PATH": ""}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.stdout.split() == ["512", "ACTIVE"], done.stderr
