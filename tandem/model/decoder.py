@@ -356,9 +356,8 @@ class CausalLM(nn.Module):
     ) -> Tensor:
         hidden = self._backbone(input_ids, cos, sin, mask, cache)
         if logits_at is not None:
-            hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), logits_at][
-                :, None
-            ]  # (B, 1, E)
+            rows = torch.arange(hidden.shape[0], device=hidden.device)
+            hidden = hidden[rows, logits_at][:, None]  # (B, 1, E)
         if self.batch_invariant:
             return bi.linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
         return self.lm_head(hidden).float()

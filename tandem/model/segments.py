@@ -31,6 +31,7 @@ class Segments:
         """trees: unit index -> (prompt length, the lengths of the responses that follow it)."""
         self.lengths = list(lengths)
         self.trees = dict(trees or {})
+        self._masks: dict[int, Tensor] = {}  # a tree's start -> its `tree_mask`
         # (start, count, length, tree) of runs of equal-length plain neighbours; a tree alone
         self.runs: list[tuple[int, int, int, tuple[int, list[int]] | None]] = []
         start = 0
@@ -79,7 +80,10 @@ class Segments:
             if tree is not None:
                 if attention is not None:
                     raise ValueError("a shared prompt has no batch-invariant attention: pack it plainly")
-                allowed = tree_mask(*tree, device=q.device)
+                # built once per micro-batch, not once per layer
+                allowed = self._masks.get(start)
+                if allowed is None or allowed.device != q.device:
+                    allowed = self._masks[start] = tree_mask(*tree, device=q.device)
                 if q.is_cuda:
                     out = F.scaled_dot_product_attention(
                         run(q), run(k), run(v), attn_mask=allowed, enable_gqa=True

@@ -59,9 +59,8 @@ class BuiltinEngine(DecoderEngine):
         dtype = self.model.lm_head.weight.dtype
         length = round_up(width + room, KEY_TILE)  # whole tiles for the batch-invariant attention
         cache = KVCache(self.model.cfg, u, length, dtype, self.device)
-        last = torch.full(
-            (u,), width - 1, dtype=torch.long, device=self.device
-        )  # left-padded: the last column
+        # left-padded: every row's last token is in the last column
+        last = torch.full((u,), width - 1, dtype=torch.long, device=self.device)
         logits, routes = self.forward(ids, positions, mask, cache, None, last)  # (U, 1, V)
         expand = torch.tensor(owner, device=self.device)
         cache.keep(expand)

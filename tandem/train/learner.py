@@ -146,7 +146,7 @@ class Learner:
         shared, the samples of one prompt go together, next to each other, and count its tokens once."""
         budget, pad = self.cfg.micro_batch_tokens, not self.cfg.padding_free
         groups: dict[tuple[int, ...], list[int]] = {}
-        for i, s in enumerate(samples):
+        for i, s in enumerate(samples if self.sharing else []):
             groups.setdefault(tuple(s.prompt_ids), []).append(i)
         units = list(groups.values())
         # Fewer prompts than ranks: some rank would hold none and no metric, and the ranks' sums
