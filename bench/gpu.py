@@ -1,6 +1,6 @@
 """GPU check: the trainer's speed and MFU, engine vs trainer logprobs, logits vs transformers.
 
-    python bench/gpu.py [--json PATH] [--steps N] [--layers N]
+    python bench/gpu.py [--json PATH] [--steps N] [--layers N] [--model PATH]
 
 One process, no Ray (nothing from tandem.controller or the Ray actors is imported), on `cuda`:
 1. Train step: a random Qwen2-0.5B-shaped model (--layers overrides its 24 layers) trained by
@@ -32,6 +32,11 @@ One process, no Ray (nothing from tandem.controller or the Ray actors is importe
    back to the driver (torch.cuda.mem_get_info), and the seconds of sleep() and of the wake with
    the weight push that refills it.
 
+`--model PATH` (a checkpoint directory, or `builtin:<name>` such as builtin:smollm2-135m-instruct)
+runs every part on that model's shape and weights instead of the random Qwen2-0.5B-shaped one: the
+train step and the mismatch check on its weights (the token ids stay random), the logits check on
+the whole model read by transformers from the directory itself, and the engine on its weights.
+
 `--json PATH` writes one flat object (a figure that cannot be computed is null). Without CUDA the
 script exits with code 2; --allow-cpu runs it on the CPU with a tiny model, to test the script.
 """
@@ -44,6 +49,8 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -52,8 +59,8 @@ import transformers
 
 from tandem.algo import mismatch_metrics
 from tandem.config import AlgoConfig, TrainConfig
-from tandem.model.checkpoint import save_model
-from tandem.model.config import ModelConfig
+from tandem.model.checkpoint import load_model, save_model
+from tandem.model.config import ModelConfig, model_dir
 from tandem.model.decoder import CausalLM, init_weights
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups
@@ -105,6 +112,7 @@ class Setup:
     steps: int  # timed train steps per dtype
     n_params: int  # N of the 6N rule
     peak: float | None  # dense bf16 TFLOP/s; None: no MFU
+    model_dir: str | None = None  # a real checkpoint's directory; None: random weights
 
 
 def random_model(cfg: ModelConfig, seed: int = 0) -> CausalLM:
@@ -112,6 +120,22 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> CausalLM:
     model = CausalLM(cfg)
     init_weights(model, seed, std=0.02)
     return model
+
+
+def fp32_model(s: "Setup", seed: int) -> CausalLM:
+    """The checkpoint's model (--model), else a random one of s.cfg; fp32, on the CPU."""
+    return load_model(s.model_dir) if s.model_dir else random_model(s.cfg, seed)
+
+
+@contextmanager
+def hf_dir(s: "Setup", model: CausalLM) -> Iterator[str]:
+    """A directory transformers reads `model` from: the checkpoint itself, or `model` written out."""
+    if s.model_dir:
+        yield s.model_dir
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        save_model(model, tmp)
+        yield tmp
 
 
 def matmul_params(cfg: ModelConfig) -> int:
@@ -168,7 +192,7 @@ def bench_train(s: Setup, dtype: torch.dtype) -> dict[str, float | None]:
     """-> tokens/s, MFU and peak memory (GB) of fsdp2 train steps in `dtype` (None: not known)."""
     free_memory(s.device)
     samples = train_samples(s.cfg, s.work, random.Random(0))
-    worker = make_worker(random_model(s.cfg), dtype, s)
+    worker = make_worker(fp32_model(s, seed=0), dtype, s)
     for step in range(s.steps + 1):  # step 0 warms up
         if step == 1:
             sync(s.device)
@@ -196,7 +220,7 @@ def mfu(s: Setup, tokens_per_s: float) -> float | None:
 def bench_mismatch(s: Setup) -> dict[str, float]:
     """The engine's bf16 logprobs (μ) against the bf16 fsdp2 trainer's recompute of them."""
     cfg, gen = s.cfg, random.Random(1)
-    model = random_model(cfg, seed=1)
+    model = fp32_model(s, seed=1)
     engine = BuiltinEngine(copy.deepcopy(model).to(s.device, torch.bfloat16), [cfg.vocab_size - 1], 0, seed=0)
     prompt_ids = [[gen.randrange(cfg.vocab_size) for _ in range(32)] for _ in range(s.work.gen_prompts)]
     samples = make_groups([Prompt(text="x")] * s.work.gen_prompts, prompt_ids, 4)
@@ -213,14 +237,14 @@ def bench_mismatch(s: Setup) -> dict[str, float]:
 
 @torch.no_grad()
 def bench_hf(s: Setup) -> dict[str, float]:
-    """max |logits - transformers' logits| of a 2-layer model of the same width, fp32 and bf16."""
-    model = random_model(replace(s.cfg, num_hidden_layers=2), seed=2)
+    """max |logits - transformers' logits| of a 2-layer model of the same width (--model: the whole
+    checkpoint), fp32 and bf16."""
+    model = fp32_model(s, 2) if s.model_dir else random_model(replace(s.cfg, num_hidden_layers=2), seed=2)
     ids = torch.randint(s.cfg.vocab_size, (2, s.work.hf_len), generator=torch.Generator().manual_seed(2))
     ids = ids.to(s.device)
     positions = torch.arange(ids.shape[1], device=s.device)[None].expand_as(ids)
     out = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        save_model(model, tmp)
+    with hf_dir(s, model) as tmp:
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             ours = model.to(s.device, dtype)(ids, positions, torch.ones_like(ids, dtype=torch.bool))
             hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(s.device)
@@ -248,10 +272,9 @@ def timed(device: str, fn) -> float:
 def bench_engine(s: Setup, batches: tuple[int, ...] = (8, 64)) -> dict[str, float | None]:
     """Tokens/s of the paged engine with CUDA graphs and of transformers' generate, bf16, on the
     same weights; then what sleep frees and what sleep and wake (with the refilling push) cost."""
-    model = random_model(s.cfg, seed=3)
+    model = fp32_model(s, seed=3)
     new, gen, out = s.work.engine_tokens, random.Random(3), {}
-    with tempfile.TemporaryDirectory() as tmp:
-        save_model(model, tmp)
+    with hf_dir(s, model) as tmp:
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16).to(s.device).eval()
     blocks = max(batches) * ((32 + new) // 16 + 2)
     engine = PagedEngine(copy.deepcopy(model).to(s.device, torch.bfloat16), [s.cfg.vocab_size - 1], 0,
@@ -292,6 +315,7 @@ def measure(s: Setup) -> dict[str, str | float | None]:
     return {
         **engine,
         "gpu": torch.cuda.get_device_name() if s.device == "cuda" else "cpu",
+        "model": s.model_dir or f"random {s.cfg.model_type}",
         "train_tokens_per_s_fp32": fp32["tokens_per_s"],
         "train_tokens_per_s_bf16": bf16["tokens_per_s"],
         "bf16_vs_fp32_speedup": bf16["tokens_per_s"] / fp32["tokens_per_s"],
@@ -318,8 +342,9 @@ def show(r: dict, s: Setup) -> None:
     )
     if s.peak is None and s.device == "cuda":
         print("unknown GPU, MFU not computed")
-    print(f"model: {s.cfg.model_type}, {s.cfg.num_hidden_layers} layers, N = {s.n_params / 1e6:.1f}M matmul "
-          f"params; train step: {tokens} tokens, fsdp2, world size 1")  # fmt: skip
+    print(f"model: {r['model']}: {s.cfg.model_type}, {s.cfg.num_hidden_layers} layers, "
+          f"N = {s.n_params / 1e6:.1f}M matmul params; train step: {tokens} tokens, fsdp2, "
+          "world size 1")  # fmt: skip
     print(f"{'train step':<32}{'fp32':>12}{'bf16':>12}")
     rows = (("tokens/s", "train_tokens_per_s", ".0f"), ("MFU (of the bf16 peak)", "mfu", ".1%"),
             ("peak memory (GB)", "peak_mem_gb", ".2f"))  # fmt: skip
@@ -329,7 +354,8 @@ def show(r: dict, s: Setup) -> None:
     print("engine vs trainer logprobs, bf16: KL(k3) "
           f"{r['mismatch_kl_bf16']:.2e}, |Δ log p| max {r['mismatch_logprob_abs_diff_max_bf16']:.3g}, "
           f"mean {r['mismatch_logprob_abs_diff_mean_bf16']:.3g}")  # fmt: skip
-    print(f"logits vs transformers (2 layers), max |Δ|: fp32 {r['hf_logits_max_abs_diff_fp32']:.3g}, "
+    layers = "whole model" if s.model_dir else "2 layers"
+    print(f"logits vs transformers ({layers}), max |Δ|: fp32 {r['hf_logits_max_abs_diff_fp32']:.3g}, "
           f"bf16 {r['hf_logits_max_abs_diff_bf16']:.3g}")  # fmt: skip
     for b in (8, 64):
         print(f"engine (paged, CUDA graphs, bf16) batch {b}: {r[f'engine_tokens_per_s_b{b}']:.0f} tokens/s, "
@@ -345,6 +371,8 @@ def main() -> int:
     p.add_argument("--json", help="write the figures to this file as one flat JSON object")
     p.add_argument("--steps", type=int, default=3, help="timed train steps per dtype (after 1 warm-up)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers of the model (default 24)")
+    p.add_argument("--model", help="a checkpoint directory or builtin:<name> to measure instead of random "
+                   "Qwen2-0.5B-shaped weights")  # fmt: skip
     p.add_argument("--allow-cpu", action="store_true", help="without CUDA, run on the CPU with a tiny model: "
                    "for testing the script on a CPU")  # fmt: skip
     args = p.parse_args()
@@ -355,8 +383,13 @@ def main() -> int:
         return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
     base, work = (QWEN2_05B, GPU_WORK) if device == "cuda" else (TINY, CPU_WORK)
+    path = str(model_dir(args.model)) if args.model else None
+    if path:
+        if args.layers:
+            p.error("--layers sets the random model's depth; --model measures the checkpoint as it is")
+        base = ModelConfig.load(path)
     cfg = replace(base, num_hidden_layers=args.layers or base.num_hidden_layers)
-    setup = Setup(cfg, work, device, args.steps, matmul_params(cfg), peak_tflops(device))
+    setup = Setup(cfg, work, device, args.steps, matmul_params(cfg), peak_tflops(device), path)
     dist.init_process_group("nccl" if device == "cuda" else "gloo",
                             init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)  # fmt: skip
     try:
