@@ -11,7 +11,11 @@ own, alternating configurations between repeats:
   matmuls), packed micro-batches, the exactly-on-policy step skips the recompute;
 - `ddp` and `fsdp2`: the default path on 2 ranks (gloo, 1 thread each) under each strategy.
 
-    python bench/train_step.py [--repeats 3] [--steps 4] [--json PATH]
+    python bench/train_step.py [--repeats 3] [--steps 4] [--recipe PATH] [--json PATH]
+
+`--recipe` takes the batch and every setting from a recipe instead of the default run: one batch of
+`recipes/smollm2-addition.yaml` (8 prompts x 8 samples of SmolLM2-135M-Instruct) measures the
+trainer on a real model.
 
 `--json` writes step_speedup (legacy / default step time), fsdp2_vs_ddp_step_time (fsdp2 / ddp),
 optimizer_bytes_per_rank_ratio (fsdp2 / ddp, rank 0's AdamW state), peak_rss_mb_<config> and
@@ -53,9 +57,9 @@ CONFIGS = {
 }
 
 
-def default_batch(path: Path) -> None:
-    """Generate one batch of the default run and pickle it to `path`."""
-    cfg = devices.resolve(load_config(None, ["rollout.dtype=float32"]), 0)
+def default_batch(path: Path, recipe: str | None) -> None:
+    """Generate one batch of the recipe's run (None: the default run) and pickle it to `path`."""
+    cfg = devices.resolve(load_config(recipe, ["rollout.dtype=float32"]), 0)
     data = build_data(cfg)
     tokenizer = load_checked_tokenizer(cfg)
     engine = BuiltinEngine(load_policy(cfg, "float32"), [tokenizer.eos_token_id], pad_token_id(tokenizer))
@@ -68,10 +72,12 @@ def default_batch(path: Path) -> None:
     path.write_bytes(pickle.dumps(samples))
 
 
-def measure(rank: int, name: str, world: int, port: int, batch: str, steps: int, out: str) -> None:
+def measure(
+    rank: int, name: str, world: int, port: int, batch: str, steps: int, out: str, recipe: str | None
+) -> None:
     """One configuration in this process: a warm-up step, then `steps` timed steps."""
     torch.set_num_threads(2 // world)
-    cfg = devices.resolve(load_config(None, CONFIGS[name]), 0)
+    cfg = devices.resolve(load_config(recipe, CONFIGS[name]), 0)
     trainer = build_trainer(cfg, load_checked_tokenizer(cfg))
     if world > 1:
         init_world(rank, world, "127.0.0.1", port, timeout_s=120)
@@ -96,9 +102,10 @@ def measure(rank: int, name: str, world: int, port: int, batch: str, steps: int,
         destroy_world()
 
 
-def run(name: str, batch: Path, steps: int, out: str) -> dict[str, float]:
+def run(name: str, batch: Path, steps: int, out: str, recipe: str | None) -> dict[str, float]:
     world = 2 if "num_workers=2" in " ".join(CONFIGS[name]) else 1
-    mp.spawn(measure, args=(name, world, free_port(), str(batch), steps, out), nprocs=world, join=True)
+    args = (name, world, free_port(), str(batch), steps, out, recipe)
+    mp.spawn(measure, args=args, nprocs=world, join=True)
     ranks = [json.loads(Path(out, f"{name}-{r}.json").read_text()) for r in range(world)]
     return dict(
         step_s=max(r["step_s"] for r in ranks),
@@ -111,15 +118,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per process (after one warm-up)")
+    ap.add_argument("--recipe", help="the batch and settings of this recipe (default: the default run's)")
     ap.add_argument("--json", help="write the figures as one flat JSON object")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         batch = Path(tmp, "batch.pkl")
-        default_batch(batch)
+        default_batch(batch, args.recipe)
         results: dict[str, list[dict[str, float]]] = {name: [] for name in CONFIGS}
         for _ in range(args.repeats):
             for name in CONFIGS:
-                results[name].append(run(name, batch, args.steps, tmp))
+                results[name].append(run(name, batch, args.steps, tmp, args.recipe))
     step = {n: statistics.median(r["step_s"] for r in rs) for n, rs in results.items()}
     rss = {n: max(r["rss_mb"] for r in rs) for n, rs in results.items()}
     opt = {n: rs[0]["optimizer_bytes"] for n, rs in results.items()}

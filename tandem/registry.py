@@ -75,6 +75,10 @@ class Registry(Generic[V]):
     def names(self) -> list[str]:
         return sorted(self._items)
 
+    def in_order(self) -> list[str]:
+        """The names in the order they were registered."""
+        return list(self._items)
+
     def __contains__(self, name: object) -> bool:
         return name in self._items
 

@@ -389,8 +389,8 @@ def test_rank_zero_is_off_and_a_lora_kl_run_places_no_reference_worker():
     from tandem.runtime.placement import role_counts
 
     assert load_config(None, ["train.lora.rank=0", "train.lora.alpha=4"]).train.lora.rank == 0
-    assert role_counts(load_config(None, ["algo.kl_coef=0.1"]))["ref_logp"] == 1
-    assert role_counts(load_config(None, ["algo.kl_coef=0.1", "train.lora.rank=4"]))["ref_logp"] == 0
+    assert role_counts(load_config(None, ["algo.kl_coef=0.1"]))["ref"] == 1
+    assert role_counts(load_config(None, ["algo.kl_coef=0.1", "train.lora.rank=4"]))["ref"] == 0
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ def slots_by_role(overrides, cpus, gpus=0):
 
 def test_colocated_roles_share_every_cpu_and_take_all_threads():
     roles = slots_by_role([], 4)
-    assert set(roles) == {"generate", "actor_train"}
+    assert set(roles) == {"rollout", "train"}
     assert [s.threads for r in roles.values() for s in r] == [4, 4]
     assert sum(s.cpus for r in roles.values() for s in r) == pytest.approx(4)
 
@@ -34,9 +34,9 @@ def test_task_groups_split_cpus_by_ratio():
         ],
         8,
     )
-    assert [s.cpus for s in roles["actor_train"]] == [4]
-    assert [s.cpus for s in roles["ref_logp"]] == [2]
-    assert [(s.cpus, s.threads) for s in roles["generate"]] == [(1, 1), (1, 1)]
+    assert [s.cpus for s in roles["train"]] == [4]
+    assert [s.cpus for s in roles["ref"]] == [2]
+    assert [(s.cpus, s.threads) for s in roles["rollout"]] == [(1, 1), (1, 1)]
     bundles = [s.bundle for r in roles.values() for s in r]
     assert sorted(bundles) == list(range(len(bundles)))
 
@@ -45,7 +45,7 @@ def test_ref_worker_joins_the_trainers_group_when_not_placed():
     roles = slots_by_role(
         ["placement.groups=[actor_train,generate]", "placement.ratios=[0.5,0.5]", "algo.kl_coef=0.1"], 4
     )
-    assert [s.cpus for s in roles["actor_train"]] == [1] and [s.cpus for s in roles["ref_logp"]] == [1]
+    assert [s.cpus for s in roles["train"]] == [1] and [s.cpus for s in roles["ref"]] == [1]
 
 
 def test_the_critic_has_as_many_ranks_as_the_trainers_and_shares_their_group():
@@ -53,7 +53,7 @@ def test_the_critic_has_as_many_ranks_as_the_trainers_and_shares_their_group():
     gae = [*overrides, "algo.adv_estimator=gae", "train.num_workers=2"]
     roles = slots_by_role(gae, 8)
     assert [s.rank for s in roles["critic"]] == [0, 1]
-    assert [s.cpus for s in roles["critic"]] == [1, 1] == [s.cpus for s in roles["actor_train"]]
+    assert [s.cpus for s in roles["critic"]] == [1, 1] == [s.cpus for s in roles["train"]]
     assert "critic" not in slots_by_role([*overrides, "train.num_workers=2"], 8)
     # On GPUs the critic's ranks are an NCCL world of their own: one GPU per rank there too.
     cuda = ["run.device=cuda", "algo.adv_estimator=gae", "train.num_workers=2"]
@@ -107,8 +107,8 @@ def vllm_build(monkeypatch):
 def test_vllm_rollout_workers_each_reserve_a_gpu_and_nothing_else_does(vllm_build):
     vllm_build("cuda")
     slots = plan(load_config(None, ["rollout.engine=vllm", "rollout.num_workers=2"]), 4)
-    assert [bundles(slots)[s.bundle]["GPU"] for s in slots if s.role == "generate"] == [1.0, 1.0]
-    assert all("GPU" not in bundles(slots)[s.bundle] for s in slots if s.role != "generate")
+    assert [bundles(slots)[s.bundle]["GPU"] for s in slots if s.role == "rollout"] == [1.0, 1.0]
+    assert all("GPU" not in bundles(slots)[s.bundle] for s in slots if s.role != "rollout")
     assert all("GPU" not in b for b in bundles(plan(load_config(None, []), 4)))
 
 
@@ -136,18 +136,18 @@ def test_colocated_on_gpus_puts_one_of_each_role_on_every_gpu():
     assert bundles(slots) == [{"CPU": 8.0, "GPU": 1.0}] * 4
     for b in range(4):
         assert sorted((s.role, s.rank, s.gpus, s.cpus, s.threads) for s in slots if s.bundle == b) == [
-            ("actor_train", b, 0.5, 4.0, 8),
-            ("generate", b, 0.5, 4.0, 8),
+            ("rollout", b, 0.5, 4.0, 8),
+            ("train", b, 0.5, 4.0, 8),
         ]
-    assert [s.rank for s in slots if s.role == "actor_train"] == [0, 1, 2, 3]  # rank 0 first
+    assert [s.rank for s in slots if s.role == "train"] == [0, 1, 2, 3]  # rank 0 first
 
 
 def test_colocated_gpus_split_unevenly_when_a_role_has_more_workers_than_gpus():
     cfg = load_config(None, [*CUDA, "train.num_workers=2", "rollout.num_workers=3", "algo.kl_coef=0.1"])
     slots = plan(cfg, 8, 2)
     on = {(s.role, s.rank): (s.bundle, round(s.gpus, 3)) for s in slots}
-    assert on[("generate", 0)] == on[("generate", 2)] == on[("actor_train", 0)] == on[("ref_logp", 0)]
-    assert on[("generate", 0)] == (0, 0.25) and on[("generate", 1)] == on[("actor_train", 1)] == (1, 0.5)
+    assert on[("rollout", 0)] == on[("rollout", 2)] == on[("train", 0)] == on[("ref", 0)]
+    assert on[("rollout", 0)] == (0, 0.25) and on[("rollout", 1)] == on[("train", 1)] == (1, 0.5)
     assert [b["GPU"] for b in bundles(slots)] == [1.0, 1.0]
     assert "0.25-0.5 GPU" in describe(slots)
 
@@ -164,9 +164,9 @@ def test_task_groups_split_gpus_by_ratio_in_whole_gpus():
         16,
         8,
     )
-    assert [(s.gpus, s.cpus) for s in roles["actor_train"]] == [(1.0, 2.0)] * 4
-    assert [(s.gpus, s.cpus) for s in roles["generate"]] == [(2.0, 4.0)] * 2
-    assert "actor_train ×4 (2 CPU, 1 GPU, 2 threads each)" in describe([s for r in roles.values() for s in r])
+    assert [(s.gpus, s.cpus) for s in roles["train"]] == [(1.0, 2.0)] * 4
+    assert [(s.gpus, s.cpus) for s in roles["rollout"]] == [(2.0, 4.0)] * 2
+    assert "train ×4 (2 CPU, 1 GPU, 2 threads each)" in describe([s for r in roles.values() for s in r])
 
 
 @pytest.mark.parametrize(
@@ -188,8 +188,8 @@ def test_group_gpu_parts_round_down_to_what_ray_can_pack(gpus, trainer, rollout)
         4,
         gpus,
     )
-    assert [s.gpus for s in roles["actor_train"]] == [trainer]
-    assert [s.gpus for s in roles["generate"]] == [rollout, rollout]
+    assert [s.gpus for s in roles["train"]] == [trainer]
+    assert [s.gpus for s in roles["rollout"]] == [rollout, rollout]
 
 
 def test_a_plan_may_span_more_gpus_than_this_machine_has():

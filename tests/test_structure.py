@@ -145,6 +145,73 @@ def test_the_driver_names_worker_methods_only_in_its_call_table():
 
 def test_every_engine_the_config_accepts_has_a_builder():
     from tandem.rollout.engines import ENGINES
-    from tandem.runtime.roles import ENGINE_BUILDERS
 
-    assert ENGINE_BUILDERS.names() == ENGINES.names()
+    for name in ENGINES.names():  # its builder imports (the engine itself loads only when called)
+        assert callable(ENGINES.get(name).builder()), name
+
+
+# Where each kind of name has its one registry: a role (tandem.runtime.role_table), an engine
+# (tandem.rollout.engines), an agent kind (tandem.agent.build), a tool parser (tandem.agent.chat).
+REGISTRY_OWNERS = {
+    "engine": "rollout/engines.py",
+    "agent kind": "agent/build.py",
+    "tool parser": "agent/chat.py",
+}
+
+
+def _names_by_registry() -> dict[str, list[str]]:
+    from tandem.agent import AGENT_KINDS
+    from tandem.agent.chat import TOOL_PARSERS
+    from tandem.rollout.engines import ENGINES
+
+    return {"engine": ENGINES.names(), "agent kind": AGENT_KINDS.names(), "tool parser": TOOL_PARSERS.names()}
+
+
+def _literals(node: ast.AST) -> list[str]:
+    """The string constants `node` is or holds (a tuple, list or set of them)."""
+    items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return [i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)]
+
+
+def test_engines_agent_kinds_and_tool_parsers_are_asked_of_their_registry_never_compared_by_name():
+    """Outside its registry's module no code compares with an engine's, agent kind's or tool
+    parser's name (`x == "vllm"`, `spec.startswith("openai:")`): it asks the entry's traits, so a
+    new entry is one registration."""
+    owners = {kind: ROOT / rel for kind, rel in REGISTRY_OWNERS.items()}
+    found = []
+    for kind, names in _names_by_registry().items():
+        for path in ROOT.rglob("*.py"):
+            if path == owners[kind]:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Compare):
+                    hits = [v for c in (node.left, *node.comparators) for v in _literals(c) if v in names]
+                elif kind == "agent kind" and getattr(getattr(node, "func", None), "attr", "") == "startswith":
+                    hits = [v for a in node.args for v in _literals(a) if v.removesuffix(":") in names]
+                else:
+                    continue
+                found += [f"{path.relative_to(ROOT)}:{node.lineno} {kind} {v!r}" for v in hits]
+    assert found == []
+
+
+def test_the_clusters_build_every_role_from_the_roles_table():
+    """The Ray cluster, the one-process cluster and the simulator name no role's worker class or
+    worker: each builds what the roles table's rows give (a new role is one row)."""
+    from tandem.runtime.role_table import ROLES, table
+
+    builders = ["runtime/cluster.py", "runtime/local.py", "sim/run.py", "runtime/placement.py"]
+    classes = {r.worker.partition(":")[2] for r in table()}
+    found = []
+    for rel in builders:
+        tree = ast.parse((ROOT / rel).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "tandem.runtime.actors":
+                found.append(f"{rel}:{node.lineno} imports the actors")
+            if isinstance(node, ast.Name) and node.id in classes:
+                found.append(f"{rel}:{node.lineno} {node.id}")
+            for v in _literals(node) if isinstance(node, ast.Constant) else []:
+                if "/" in v and v.split("/")[0] in ROLES and v.split("/")[1].isdigit():
+                    found.append(f"{rel}:{node.lineno} {v!r}")
+    assert found == []
+    for role in table():  # every row's worker class and simulated builder import
+        assert callable(role.worker_class()) and callable(role.simulator()), role.name

@@ -1,11 +1,12 @@
 """Agents: loops that run above a rollout engine (multi-turn tool use), and the tools they call."""
 
-from tandem.agent.build import agent_class, build_agent
+from tandem.agent.build import AGENT_KINDS, agent_class, build_agent, endpoint_agent
 from tandem.agent.loop import AGENTS, AgentLoop, SingleTurn, ToolAgent, context_end
 from tandem.agent.tools import TOOLS, Tool, ToolError
 
 __all__ = [
     "AGENTS",
+    "AGENT_KINDS",
     "TOOLS",
     "AgentLoop",
     "SingleTurn",
@@ -15,4 +16,5 @@ __all__ = [
     "agent_class",
     "build_agent",
     "context_end",
+    "endpoint_agent",
 ]

@@ -9,30 +9,50 @@ from collections.abc import Callable, Sequence
 
 from tandem.agent.loop import AGENTS, AgentLoop
 from tandem.errors import TandemError
+from tandem.registry import Registry
+
+# The agent kinds a prefix names ("<kind>:pkg.module:function"): episodes of the ecosystem that run
+# behind the OpenAI-compatible endpoint, take the OpenAI agent's settings and give their own
+# rewards. One entry each: the spec -> the agent class, bound to what the spec names. A new kind is
+# one registered function.
+AGENT_KINDS: Registry[Callable[[str], Callable[..., AgentLoop]]] = Registry("agent kind")
+
+
+@AGENT_KINDS.register("openai")
+def _openai_agent(spec: str) -> Callable[..., AgentLoop]:
+    """`OpenAIAgent` bound to the user's coroutine function."""
+    from tandem.agent.openai_agent import OpenAIAgent, load_agent_fn
+
+    load_agent_fn(spec)  # a missing module or a function that is not async: said now
+    return functools.partial(OpenAIAgent, fn=spec)
+
+
+@AGENT_KINDS.register("verifiers")
+def _verifiers_agent(spec: str) -> Callable[..., AgentLoop]:
+    """`VerifiersAgent` bound to the environment (tandem/agent/verifiers_env.py)."""
+    from tandem.agent.verifiers_env import VerifiersAgent, build_env
+
+    # built now: a missing package, module or function, a seat tandem cannot serve are said here
+    return functools.partial(VerifiersAgent, env=build_env(spec))
+
+
+def endpoint_agent(spec: str) -> bool:
+    """Whether `spec` names an agent kind of AGENT_KINDS (served by the endpoint, scoring itself)."""
+    kind, sep, _ = spec.partition(":")
+    return bool(sep) and kind in AGENT_KINDS
 
 
 def agent_class(spec: str) -> Callable[..., AgentLoop]:
-    """A registered agent's name, "pkg.module:Class", "openai:pkg.module:function" or
-    "verifiers:pkg.module:function" -> the class (for openai: `OpenAIAgent` bound to the function;
-    for verifiers: `VerifiersAgent` bound to the environment); TandemError naming the valid names
-    otherwise."""
+    """A registered agent's name, "pkg.module:Class", or "<kind>:pkg.module:function" of an agent
+    kind (AGENT_KINDS) -> the class (bound to what the spec names); TandemError naming the valid
+    names otherwise."""
     if spec in AGENTS:
         return AGENTS.get(spec)
-    if spec.startswith("openai:"):
-        from tandem.agent.openai_agent import OpenAIAgent, load_agent_fn
-
-        load_agent_fn(spec)  # a missing module or a function that is not async: said now
-        return functools.partial(OpenAIAgent, fn=spec)
-    if spec.startswith("verifiers:"):  # a verifiers environment (tandem/agent/verifiers_env.py)
-        from tandem.agent.verifiers_env import VerifiersAgent, build_env
-
-        # built now: a missing package, module or function, a seat tandem cannot serve are said here
-        return functools.partial(VerifiersAgent, env=build_env(spec))
+    if endpoint_agent(spec):
+        return AGENT_KINDS.get(spec.partition(":")[0])(spec)
     module_name, sep, attr = spec.partition(":")
-    forms = (
-        f"An agent is one of {', '.join(AGENTS.names())}, 'pkg.module:Class', 'openai:pkg.module:function' "
-        "or 'verifiers:pkg.module:function'."
-    )
+    kinds = " or ".join(f"'{k}:pkg.module:function'" for k in AGENT_KINDS.names())
+    forms = f"An agent is one of {', '.join(AGENTS.names())}, 'pkg.module:Class', {kinds}."
     if not sep or not module_name or not attr:
         raise TandemError(f"Unknown agent {spec!r}. {forms}")
     try:
@@ -53,5 +73,5 @@ def build_agent(spec: str, tokenizer, tools: Sequence[str] = (), max_turns: int 
     """The agent `spec` names (see `agent_class`), for a worker with this tokenizer. `openai`: the
     OpenAI agent's own settings (timeout_s, max_prompt_length, tool_parser, model_name), which
     other agents do not take."""
-    extra = openai if spec.startswith(("openai:", "verifiers:")) else {}
+    extra = openai if endpoint_agent(spec) else {}
     return agent_class(spec)(tokenizer=tokenizer, tools=list(tools), max_turns=max_turns, **extra)

@@ -23,9 +23,11 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tandem.errors import TandemError
+from tandem.registry import Registry
 
 _SENTINEL = "\x00tandem-sentinel\x00"
 
@@ -89,34 +91,44 @@ class ParsedTurn:
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
+# The tool-call formats a model may write, one parser each: completion text -> ParsedTurn. A new
+# format is one registered function (rollout.tool_parser names it).
+TOOL_PARSERS: Registry[Callable[[str], ParsedTurn]] = Registry("tool parser")
+
+
 def parse_tool_calls(text: str, parser: str = "hermes") -> ParsedTurn:
     """`text` (the completion, special tokens dropped) -> content and tool calls. A call whose JSON
     does not parse or lacks a name is not a call: the whole text comes back as content, with the
     reason in `parse_error` (counted as agent/tool_parse_errors), never an exception."""
-    if parser == "hermes":
-        blocks = _HERMES.findall(text)
-        if not blocks:
-            if "<tool_call>" in text:
-                return ParsedTurn(text, [], "a <tool_call> without its </tool_call>")
-            return ParsedTurn(text, [])
-        calls = []
-        for block in blocks:
-            call, why = _read_call(block, "arguments")
-            if why:
-                return ParsedTurn(text, [], why)
-            calls.append(call)
-        content = _HERMES.sub("", text).strip()
-        return ParsedTurn(content or None, calls)
-    if parser == "llama3_json":
-        body = text.strip().removeprefix("<|python_tag|>").strip()
-        if not body.startswith("{"):
-            return ParsedTurn(text, [])
-        call, why = _read_call(body, "parameters")
-        return ParsedTurn(text, [], why) if why else ParsedTurn(None, [call])
-    raise TandemError(f"Unknown tool parser {parser!r}; valid: {', '.join(TOOL_PARSERS)}.")
+    return TOOL_PARSERS.get(parser)(text)
 
 
-TOOL_PARSERS = ("hermes", "llama3_json")
+@TOOL_PARSERS.register("hermes")
+def _hermes(text: str) -> ParsedTurn:
+    """Qwen's and Hermes' format: each call a JSON object inside <tool_call>...</tool_call>."""
+    blocks = _HERMES.findall(text)
+    if not blocks:
+        if "<tool_call>" in text:
+            return ParsedTurn(text, [], "a <tool_call> without its </tool_call>")
+        return ParsedTurn(text, [])
+    calls = []
+    for block in blocks:
+        call, why = _read_call(block, "arguments")
+        if why:
+            return ParsedTurn(text, [], why)
+        calls.append(call)
+    content = _HERMES.sub("", text).strip()
+    return ParsedTurn(content or None, calls)
+
+
+@TOOL_PARSERS.register("llama3_json")
+def _llama3_json(text: str) -> ParsedTurn:
+    """Llama 3's format: the whole turn one JSON object {"name", "parameters"} (after <|python_tag|>)."""
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not body.startswith("{"):
+        return ParsedTurn(text, [])
+    call, why = _read_call(body, "parameters")
+    return ParsedTurn(text, [], why) if why else ParsedTurn(None, [call])
 
 
 def _read_call(body: str, arguments_key: str) -> tuple[dict, str | None]:

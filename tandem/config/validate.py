@@ -24,12 +24,9 @@ from tandem.dtypes import ROLLOUT_DTYPES, TRAIN_DTYPES
 from tandem.errors import TandemError
 from tandem.rollout.engines import ENGINES
 from tandem.rollout.protocol import LOGPROBS_MODES, ON_UPDATE_POLICIES
+from tandem.runtime.role_table import one_process_reasons, placement_tasks, table
 from tandem.sync.protocol import TRANSPORTS
 from tandem.train.optim import SCHEDULES
-
-# What placement.groups may name. The placement (tandem.runtime.placement) places these roles;
-# `logp` names the π_old recompute, which runs inside actor_train.
-PLACEMENT_TASKS = ("generate", "actor_train", "logp", "ref_logp", "critic")
 
 
 def validate(cfg: Config) -> None:
@@ -230,7 +227,7 @@ def _check_agent(cfg: Config) -> None:
     _check(
         r.tool_parser in TOOL_PARSERS,
         "rollout.tool_parser",
-        f"is {r.tool_parser!r}; valid: {', '.join(TOOL_PARSERS)}.",
+        f"is {r.tool_parser!r}; valid: {', '.join(TOOL_PARSERS.names())}.",
     )
     _check(len(set(r.tools)) == len(r.tools), "rollout.tools", f"names a tool twice: {r.tools}.")
     _check(
@@ -279,9 +276,9 @@ def _check_task_groups(cfg: Config) -> None:
     groups = [[g] if isinstance(g, str) else g for g in p.groups]
     tasks = [t for g in groups for t in g]
     for t in tasks:
-        one_of(t, PLACEMENT_TASKS, "placement.groups", "task")
+        one_of(t, placement_tasks(), "placement.groups", "task")
     _check(len(tasks) == len(set(tasks)), "placement.groups", f"names a task twice: {p.groups}.")
-    for needed in ("generate", "actor_train"):
+    for needed in (r.task for r in table() if r.task and not r.placed_with):
         _check(needed in tasks, "placement.groups", f"must place '{needed}'; got {p.groups}.")
     _check(
         all("actor_train" in g for g in groups if "logp" in g),
@@ -552,11 +549,10 @@ def one_process_refusal(cfg: Config) -> str:
     t = cfg.train
     reasons = [
         (cfg.run.mode != "sync", f"run.mode={cfg.run.mode} overlaps generation and training"),
-        (cfg.rollout.num_workers > 1, f"rollout.num_workers={cfg.rollout.num_workers}"),
-        (t.num_workers > 1, f"train.num_workers={t.num_workers}"),
+        *((True, why) for why in one_process_reasons(cfg)),
         (t.strategy == "fsdp2", "train.strategy=fsdp2 needs a torch.distributed world"),
         (TRANSPORTS.get(cfg.sync.transport).collective, f"sync.transport={cfg.sync.transport}"),
-        (cfg.rollout.engine == "vllm", "rollout.engine=vllm"),
+        (not ENGINES.get(cfg.rollout.engine).one_process, f"rollout.engine={cfg.rollout.engine}"),
         (bool(cfg.ray.address), f"ray.address={cfg.ray.address}"),
     ]
     return "; ".join(why for no, why in reasons if no)

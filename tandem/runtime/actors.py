@@ -22,6 +22,7 @@ from tandem.reward import RewardPool
 from tandem.reward.shaping import overlong_penalty
 from tandem.rollout.protocol import SamplingParams
 from tandem.runtime.memory import process_peak
+from tandem.runtime.role_table import ref_count
 from tandem.runtime.roles import (
     build_critic,
     build_rollout,
@@ -156,6 +157,12 @@ class RolloutActor(_Timed, _DistMember):
         self.worker.apply_pending()
         return self.worker.version
 
+    def close(self) -> None:
+        """Stop an agent's endpoint (the one-process cluster's end; on Ray the process's end does)."""
+        close_agent = getattr(self.worker.agent, "close", None)
+        if close_agent is not None:
+            close_agent()
+
     @group("gen")
     def weights(self, served: bool = False) -> tuple[int, dict[str, torch.Tensor]]:
         """(version, what pushes write: the engine's parameters, a LoRA run's adapters), for checks
@@ -166,9 +173,13 @@ class RolloutActor(_Timed, _DistMember):
 
 
 class TrainActor(_Timed, _DistMember):
-    def __init__(self, cfg: Config, rank: int, threads: int, keep_ref: bool):
+    def __init__(self, cfg: Config, rank: int, threads: int, keep_ref: bool | None = None):
+        """keep_ref: whether the trainer keeps its own reference copy (default: when the run has no
+        reference worker)."""
         _set_up_process(cfg, threads)
         self.cfg, self.rank, self.name = cfg, rank, f"train/{rank}"
+        if keep_ref is None:
+            keep_ref = ref_count(cfg) == 0
         self.tokenizer = load_checked_tokenizer(cfg)
         self.trainer = build_trainer(cfg, self.tokenizer, keep_ref=keep_ref)
         self.plan = _plan(cfg, self.trainer.pushed_weights())
@@ -222,9 +233,9 @@ class TrainActor(_Timed, _DistMember):
 
 
 class RefActor(_Timed):
-    def __init__(self, cfg: Config, threads: int):
+    def __init__(self, cfg: Config, rank: int, threads: int):
         _set_up_process(cfg, threads)
-        self.name = "ref/0"
+        self.name = f"ref/{rank}"
         model = load_policy(cfg, cfg.train.dtype)  # frozen: the compute dtype loses nothing to rounding
         self.worker = RefWorker(model, cfg.train.micro_batch_tokens, cfg.rollout.temperature)
 
@@ -269,8 +280,9 @@ class CriticActor(_Timed, _DistMember):
 
 
 class RewardActor(_Timed):
-    def __init__(self, cfg: Config):
-        self.name = "reward/0"
+    def __init__(self, cfg: Config, rank: int = 0, threads: int = 0):
+        """Its threads are the pool's processes' (reward.num_workers), not torch's."""
+        self.name = f"reward/{rank}"
         # What the reward function prints goes to the run directory, a bounded head per call.
         output_log = Path(cfg.run.out_dir) / cfg.run.name / "reward_output.log"
         self.pool = RewardPool.from_config(cfg.reward, output_log)

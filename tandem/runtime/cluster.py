@@ -26,15 +26,25 @@ from tandem.controller.protocol import CallFailed, Done, Handle, WorkerDied
 from tandem.controller.timeline import Span
 from tandem.errors import TandemError
 from tandem.runtime import placement
-from tandem.runtime.actors import CriticActor, RefActor, RewardActor, RolloutActor, TrainActor
+from tandem.runtime.role_table import Role, in_run
 from tandem.sync import TRANSPORTS, free_port
 
-# The workers as Ray actors (a rollout worker receives pushes while it generates).
-for _method in vars(RolloutActor).values():
-    if hasattr(_method, "concurrency_group"):  # marked by tandem.runtime.actors.group
-        ray.method(concurrency_group=_method.concurrency_group)(_method)
-Rollout = ray.remote(concurrency_groups={"gen": 1, "weights": 1})(RolloutActor)
-Train, Ref, Critic, Reward = (ray.remote(a) for a in (TrainActor, RefActor, CriticActor, RewardActor))
+_ACTORS: dict[type, Any] = {}
+
+
+def ray_actor(worker: type):
+    """`worker` as a Ray actor class; methods marked with a concurrency group (a rollout worker
+    receives pushes while it generates: `tandem.runtime.actors.group`) run in their group, one at a
+    time each."""
+    if worker not in _ACTORS:
+        groups = {}
+        for method in vars(worker).values():
+            if hasattr(method, "concurrency_group"):
+                ray.method(concurrency_group=method.concurrency_group)(method)
+                groups[method.concurrency_group] = 1
+        _ACTORS[worker] = ray.remote(concurrency_groups=groups)(worker) if groups else ray.remote(worker)
+    return _ACTORS[worker]
+
 
 RAY_CONNECT_TIMEOUT_S = 30.0  # the longest wait for ray.address to answer (or run.timeout_s if less)
 
@@ -143,16 +153,28 @@ def _failed(e: "ray.exceptions.RayTaskError") -> CallFailed | TandemError:
 class RayCluster:
     """The run's actors, by role, and the loop's calls on them (`tandem.controller.protocol.Cluster`)."""
 
-    rollouts: list  # RolloutActor handles
-    trainers: list  # TrainActor handles, rank 0 first
-    ref: object | None
-    reward: object
+    actors: dict[str, list]  # role -> its actor handles, rank 0 first (the roles table's order)
     slots: list[placement.Slot]
     pg: object = None
-    names: dict[str, list[str]] = field(default_factory=dict)  # role -> worker names
-    critics: list = field(default_factory=list)  # PPO's value model's ranks (algo.adv_estimator=gae)
     outstanding: set = field(default_factory=set)  # submitted calls whose result was not taken yet
     built: tuple = (0.0, [])  # when the actors were asked for, and a `ready` call's handle per actor
+
+    @property
+    def names(self) -> dict[str, list[str]]:
+        """role -> its workers' names, "<role>/<rank>"."""
+        return {role: [f"{role}/{i}" for i in range(len(a))] for role, a in self.actors.items()}
+
+    @property
+    def rollouts(self) -> list:
+        return self.actors["rollout"]
+
+    @property
+    def trainers(self) -> list:
+        return self.actors["train"]
+
+    @property
+    def reward(self):
+        return self.actors["reward"][0]
 
     @classmethod
     def start(cls, cfg: Config) -> "RayCluster":
@@ -172,40 +194,30 @@ class RayCluster:
                 f"{ray.cluster_resources().get('GPU', 0):g} GPUs."
             ) from None
         created = time.time()
-        on = {s.role: [] for s in slots}
-        for s in slots:
-            on[s.role].append(s)
         strategy = {
             s.bundle: PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=s.bundle)
             for s in slots
         }
 
-        def placed(actor, s: placement.Slot, **options):
-            """`actor` on its slot's bundle, with the slot's CPUs and GPUs."""
-            where = dict(num_cpus=s.cpus, num_gpus=s.gpus, scheduling_strategy=strategy[s.bundle])
-            return actor.options(**where, **options)
+        def build(role: Role) -> list:
+            """The role's actors: each placed role's on its slots' bundles, with their CPUs and GPUs;
+            a role placement leaves out (the reward actor: light) beside them, on no CPU of its own."""
+            actor, restarts = ray_actor(role.worker_class()), role.restarts(cfg)
+            retries = dict(max_restarts=restarts, max_task_retries=restarts if role.retry_calls else 0)
+            if not role.task:
+                return [
+                    actor.options(num_cpus=0, **retries).remote(cfg, r, 0) for r in range(role.count(cfg))
+                ]
+            return [
+                actor.options(
+                    num_cpus=s.cpus, num_gpus=s.gpus, scheduling_strategy=strategy[s.bundle], **retries
+                ).remote(cfg, s.rank, s.threads)
+                for s in slots
+                if s.role == role.name
+            ]
 
-        # A killed rollout worker is restarted by Ray (and re-synced by the controller); with the
-        # broadcast transport it could not rejoin the torch.distributed world, so it is not.
-        restarts = 0 if TRANSPORTS.get(cfg.sync.transport).collective else 1
-        rollouts = [
-            placed(Rollout, s, max_restarts=restarts).remote(cfg, s.rank, s.threads) for s in on["generate"]
-        ]
-        keep_ref = not on.get("ref_logp")
-        trainers = [placed(Train, s).remote(cfg, s.rank, s.threads, keep_ref) for s in on["actor_train"]]
-        critics = [placed(Critic, s).remote(cfg, s.rank, s.threads) for s in on.get("critic", [])]
-        ref = next((placed(Ref, s).remote(cfg, s.threads) for s in on.get("ref_logp", [])), None)
-        # A killed reward actor is restarted and the calls it held run again (scoring is pure).
-        reward = Reward.options(num_cpus=0, max_restarts=3, max_task_retries=3).remote(cfg)
-        names = {
-            "rollout": [f"rollout/{i}" for i in range(len(rollouts))],
-            "train": [f"train/{i}" for i in range(len(trainers))],
-            "reward": ["reward/0"],
-            **({"ref": ["ref/0"]} if ref is not None else {}),
-            **({"critic": [f"critic/{i}" for i in range(len(critics))]} if critics else {}),
-        }
-        cluster = cls(rollouts, trainers, ref, reward, slots, pg, names, critics)
-        actors = [cluster.actor(name) for workers in names.values() for name in workers]
+        cluster = cls({role.name: build(role) for role in in_run(cfg)}, slots, pg)
+        actors = [a for role in cluster.actors.values() for a in role]
         cluster.built = (created, [a.ready.remote() for a in actors])  # runs once each is built
         cluster._join_world(cfg)
         return cluster
@@ -216,11 +228,12 @@ class RayCluster:
         outside both worlds: tandem.sync.dist); each only where it is needed."""
         broadcast = TRANSPORTS.get(cfg.sync.transport).collective
         sharded = cfg.train.strategy == "fsdp2"
+        critics = self.actors.get("critic", [])
         groups = []  # (members, the method each calls)
         if len(self.trainers) > 1 or sharded:
             groups.append((self.trainers, "join"))
-        if len(self.critics) > 1 or (self.critics and sharded):
-            groups.append((self.critics, "join"))
+        if len(critics) > 1 or (critics and sharded):
+            groups.append((critics, "join"))
         if broadcast:
             groups.append(([self.trainers[0], *self.rollouts], "join_sync"))
         addr = ray.util.get_node_ip_address()
@@ -255,11 +268,7 @@ class RayCluster:
     def actor(self, worker: str):
         """The actor named "<role>/<rank>"."""
         role, rank = worker.split("/")
-        if role == "reward":
-            return self.reward
-        if role == "ref":
-            return self.ref
-        return {"rollout": self.rollouts, "train": self.trainers, "critic": self.critics}[role][int(rank)]
+        return self.actors[role][int(rank)]
 
     def submit(self, worker: str, method: str, *args: Any, until_restarted: bool = False) -> Handle:
         call = getattr(self.actor(worker), method)
@@ -323,8 +332,7 @@ class RayCluster:
                 ray.get(self.reward.close.remote(), timeout=5)
             except Exception:  # the run is ending either way; a dead pool must not mask the real error
                 pass
-        for actor in [*self.rollouts, *self.trainers, self.ref, *self.critics, self.reward]:
-            if actor is not None:
-                ray.kill(actor)
+        for actor in (a for role in self.actors.values() for a in role):
+            ray.kill(actor)
         if self.pg is not None:
             remove_placement_group(self.pg)

@@ -38,7 +38,7 @@ from tandem.controller.protocol import CallFailed, Done
 from tandem.controller.timeline import Span
 from tandem.errors import TandemError
 from tandem.runtime import placement
-from tandem.runtime.actors import CriticActor, RefActor, RewardActor, RolloutActor, TrainActor
+from tandem.runtime.role_table import in_run
 
 
 def cpu_threads() -> int:
@@ -82,29 +82,21 @@ class LocalCluster:
 
     @classmethod
     def start(cls, cfg: Config) -> "LocalCluster":
-        """Build the run's workers here, as `RayCluster.start` would place them: a rollout worker, a
-        train worker, the reward pool, and a ref or critic worker where the run has one."""
+        """Build the run's workers here, one per role the run has (the roles table), in the table's
+        order: as `RayCluster.start` would place them, with every role on all of this process's
+        threads."""
         have = {"CPU": cpu_threads(), "GPU": torch.cuda.device_count()}
         placement.check_resources(cfg, have, "this machine")
         cfg = devices.resolve(cfg, have["GPU"], "this machine")
         cpus = int(cfg.placement.num_cpus) or have["CPU"]  # every role takes them all, in turn
         threads = cfg.run.threads or cpus
-        roles = {s.role for s in placement.plan(cfg, cpus, have["GPU"])}
-        build = {
-            "reward/0": lambda: RewardActor(cfg),
-            "rollout/0": lambda: RolloutActor(cfg, 0, threads),
-            "train/0": lambda: TrainActor(cfg, 0, threads, "ref_logp" not in roles),
-        }
-        if "ref_logp" in roles:
-            build["ref/0"] = lambda: RefActor(cfg, threads)
-        if "critic" in roles:
-            build["critic/0"] = lambda: CriticActor(cfg, 0, threads)
         workers, spans, names = {}, [], {}
-        for name, make in build.items():
-            start = time.time()
-            workers[name] = make()
-            spans.append(Span("startup", name, start, time.time()))
-            names.setdefault(name.split("/")[0], []).append(name)
+        for role in in_run(cfg):
+            for name in role.workers(cfg):  # one: `one_process_refusal` let the run in
+                start = time.time()
+                workers[name] = role.worker_class()(cfg, int(name.split("/")[1]), threads)
+                spans.append(Span("startup", name, start, time.time()))
+                names.setdefault(role.name, []).append(name)
         return cls(workers, names, threads, spans)
 
     def _serve(self, threads: int) -> None:
@@ -164,10 +156,9 @@ class LocalCluster:
         """No more calls; stop the reward pool's processes and an agent's endpoint (what the end of
         an actor's process stops on Ray), which ends a call still waiting on them."""
         self.calls.put(None)
-        self.workers["reward/0"].close()
-        close_agent = getattr(self.workers["rollout/0"].worker.agent, "close", None)
-        if close_agent is not None:
-            close_agent()
+        for worker in self.workers.values():
+            if hasattr(worker, "close"):
+                worker.close()
 
 
 def _result(call: LocalCall) -> Any:

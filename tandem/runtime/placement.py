@@ -1,10 +1,11 @@
 """Placement: which CPUs and GPUs each role's actors get, from `placement.groups` and `placement.ratios`.
 
-Task names follow the seeds' pull request: `generate` (rollout workers), `actor_train` (train
-workers, which also compute π_old, so `logp` goes with them), `ref_logp` (the reference worker),
-`critic` (PPO's value model, with algo.adv_estimator=gae: as many ranks as the train workers, sharded
-the same way). Left out of `placement.groups`, the reference worker and the critic share the train
-workers' group.
+`placement.groups` names tasks as the seeds' pull request does, each a role's `task` in the roles
+table (`tandem.runtime.role_table`): `generate` (rollout workers), `actor_train` (train workers,
+which also compute π_old, so `logp` goes with them), `ref_logp` (the reference worker), `critic`
+(PPO's value model, with algo.adv_estimator=gae: as many ranks as the train workers, sharded the
+same way). A role left out of `placement.groups` joins the group its row names (`placed_with`).
+Slots carry role names (`rollout`, `train`, ...), the vocabulary of workers and the loop.
 
 run.device=cpu (and an `auto` not yet resolved): a task group shares `ratio × cpus`; each actor in
 it gets an equal part as its own placement-group bundle (so groups can span nodes) and as many torch
@@ -24,14 +25,12 @@ broadcast) where they could share one.
 import math
 from dataclasses import dataclass
 
-from tandem.algo import ADV_ESTIMATORS
 from tandem.config import Config
 from tandem.errors import TandemError
 from tandem.rollout.engines import ENGINES
+from tandem.runtime.role_table import ROLES, by_task, table
 from tandem.sync import TRANSPORTS
 
-# The driver and the reward actor are light; the reward pool's processes run outside any bundle.
-ROLES = ("generate", "actor_train", "ref_logp", "critic")
 MIN_SHARE = 0.05  # the least CPU or GPU an actor may get; less is a mistake, not a plan
 
 
@@ -39,7 +38,7 @@ MIN_SHARE = 0.05  # the least CPU or GPU an actor may get; less is a mistake, no
 class Slot:
     """One actor's share: the bundle it lives in, its Ray CPU and GPU amounts, its torch threads."""
 
-    role: str
+    role: str  # the role's name in the roles table
     rank: int
     cpus: float
     threads: int
@@ -47,25 +46,27 @@ class Slot:
     gpus: float = 0.0  # run.device=cuda: its part of a GPU or whole GPUs; cpu: 1 for a vLLM rollout
 
 
+def placed_roles() -> list[str]:
+    """The roles placement gives a share of the devices, in the table's order (the driver and the
+    reward actor are light; the reward pool's processes run outside any bundle)."""
+    return [r.name for r in table() if r.task]
+
+
 def role_counts(cfg: Config) -> dict[str, int]:
-    return {
-        "generate": cfg.rollout.num_workers,
-        "actor_train": cfg.train.num_workers,
-        # With LoRA the reference is the train workers' own model with its adapters off.
-        "ref_logp": 1 if cfg.algo.kl_coef > 0 and not cfg.train.lora.rank else 0,
-        "critic": cfg.train.num_workers if ADV_ESTIMATORS.traits(cfg.algo.adv_estimator).needs_critic else 0,
-    }
+    """Each placed role's worker count in this run."""
+    return {r.name: r.count(cfg) for r in table() if r.task}
 
 
 def _task_groups(cfg: Config) -> tuple[list[list[str]], list[float]]:
+    """placement.groups as groups of role names, and their ratios (no groups: one of every role)."""
     p = cfg.placement
     if not p.groups:
-        return [list(ROLES)], [1.0]
-    groups = [[g] if isinstance(g, str) else list(g) for g in p.groups]
-    groups = [[t for t in g if t != "logp"] for g in groups]  # logp runs inside actor_train
-    for task in ("ref_logp", "critic"):  # not placed: they share the trainers' group
-        if task not in {t for g in groups for t in g}:
-            next(g for g in groups if "actor_train" in g).append(task)
+        return [placed_roles()], [1.0]
+    tasks = [[g] if isinstance(g, str) else list(g) for g in p.groups]
+    groups = [[by_task(t).name for t in g if t != "logp"] for g in tasks]  # logp runs inside actor_train
+    for role in table():  # a role not named joins the group its row names
+        if role.task and role.placed_with and role.name not in {n for g in groups for n in g}:
+            next(g for g in groups if by_task(role.placed_with).name in g).append(role.name)
     return groups, list(p.ratios)
 
 
@@ -119,26 +120,28 @@ def _grouped(cfg: Config, counts: dict[str, int], total_cpus: float, total_gpus:
     colocated = not cfg.placement.groups
     slots: list[Slot] = []
     for group, ratio in zip(groups, ratios, strict=True):
-        actors = sum(counts[t] for t in group)
+        actors = sum(counts[r] for r in group)
         if actors == 0:
+            tasks = [ROLES.get(r).task for r in group]
             raise TandemError(
-                f"Placement group {group} gets {ratio:.0%} of the CPUs but runs nothing "
+                f"Placement group {tasks} gets {ratio:.0%} of the CPUs but runs nothing "
                 f"(ref_logp needs algo.kl_coef > 0, critic algo.adv_estimator=gae)."
             )
-        cpus = _enough(ratio * total_cpus / actors, f"Placement group {group}", "CPU", actors)
-        gpus = _gpu_part(ratio * total_gpus / actors, group, actors) if total_gpus else 0.0
+        who = f"Placement group {[ROLES.get(r).task for r in group]}"
+        cpus = _enough(ratio * total_cpus / actors, who, "CPU", actors)
+        gpus = _gpu_part(ratio * total_gpus / actors, who, actors) if total_gpus else 0.0
         threads = max(1, round(total_cpus if colocated else cpus))
-        for task in group:
-            gpu_engine = not total_gpus and task == "generate" and ENGINES.get(cfg.rollout.engine).needs_gpu
+        for role in group:
+            gpu_engine = not total_gpus and role == "rollout" and ENGINES.get(cfg.rollout.engine).needs_gpu
             own = 1.0 if gpu_engine else gpus  # with the rest on the CPU, vLLM still needs a GPU of its own
-            for rank in range(counts[task]):
-                slots.append(Slot(task, rank, cpus, threads, bundle=len(slots), gpus=own))
+            for rank in range(counts[role]):
+                slots.append(Slot(role, rank, cpus, threads, bundle=len(slots), gpus=own))
     return slots
 
 
-def _gpu_part(each: float, group: list[str], actors: int) -> float:
+def _gpu_part(each: float, who: str, actors: int) -> float:
     """An actor's GPU amount in a task group: whole GPUs, or 1/k of one."""
-    each = _enough(each, f"Placement group {group}", "GPU", actors)
+    each = _enough(each, who, "GPU", actors)
     if each >= 1 - 1e-9:
         return float(math.floor(each + 1e-9))  # Ray gives one actor 1 or 2 GPUs, never 1.5
     # k actors at 1/k fill a GPU exactly; at 2/3 each, three actors on two GPUs would not fit.
@@ -164,14 +167,14 @@ def _colocated_on_gpus(counts: dict[str, int], total_cpus: float, total_gpus: fl
         )
     n = int(total_gpus)
     on_bundle = [0] * n
-    for role in ROLES:
+    for role in placed_roles():
         for rank in range(counts[role]):
             on_bundle[rank % n] += 1
     cpus = total_cpus / n  # per bundle, so a bundle fits a node with its GPU's share of the CPUs
     _enough(cpus / max(on_bundle), "Each GPU's bundle", "CPU", max(on_bundle))
     return [
         Slot(role, rank, cpus / on_bundle[b], max(1, round(cpus)), bundle=b, gpus=1 / on_bundle[b])
-        for role in ROLES
+        for role in placed_roles()
         for rank in range(counts[role])
         for b in [rank % n]
     ]
@@ -179,11 +182,11 @@ def _colocated_on_gpus(counts: dict[str, int], total_cpus: float, total_gpus: fl
 
 def _check_nccl(cfg: Config, slots: list[Slot]) -> None:
     """NCCL refuses a communicator with two ranks on one GPU; catch it here, not at the first step."""
-    train = [s for s in slots if s.role == "actor_train"]
+    train = [s for s in slots if s.role == "train"]
     critic = [s for s in slots if s.role == "critic"]
     worlds = {"the train workers (train.num_workers)": train, "the critic's ranks": critic}
     if TRANSPORTS.get(cfg.sync.transport).collective:
-        rollouts = [s for s in slots if s.role == "generate"]
+        rollouts = [s for s in slots if s.role == "rollout"]
         worlds["train rank 0 and the rollout workers (sync.transport=broadcast)"] = train[:1] + rollouts
     for name, ranks in worlds.items():
         if len(ranks) < 2:
@@ -204,7 +207,7 @@ def _check_nccl(cfg: Config, slots: list[Slot]) -> None:
 
 def describe(slots: list[Slot]) -> str:
     parts = []
-    for role in ROLES:
+    for role in placed_roles():
         mine = [s for s in slots if s.role == role]
         if mine:
             gpu = f", {_amount([s.gpus for s in mine])} GPU" if any(s.gpus for s in mine) else ""

@@ -104,7 +104,7 @@ def damage(path: Path, cfg: Config | None = None) -> list[str]:
         return [f"{path} is not a directory"]
     found = []
     config = path / "config.yaml"
-    ranks = {"actor_train": 1, "critic": 1 if (path / CRITIC).exists() else 0}  # unless the config says
+    ranks = {"train": 1, "critic": 1 if (path / CRITIC).exists() else 0}  # unless the config says
     if not config.is_file():
         found.append(f"{config} is missing")
     else:
@@ -118,7 +118,7 @@ def damage(path: Path, cfg: Config | None = None) -> list[str]:
             ranks = role_counts(saved)
     if problem := torch_file_damage(path / "driver.pt"):
         found.append(problem)
-    found += damaged_state(path, SHARDS, ranks["actor_train"])
+    found += damaged_state(path, SHARDS, ranks["train"])
     if ranks["critic"]:
         found += damaged_state(path, CRITIC, ranks["critic"])
     try:

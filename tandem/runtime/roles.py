@@ -9,14 +9,13 @@ import dataclasses
 import json
 import os
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from tandem.agent import build_agent
+from tandem.agent import build_agent, endpoint_agent
 from tandem.config import Config
 from tandem.config.sampling import sampling_params
 from tandem.config.validate import check_training
@@ -35,14 +34,10 @@ from tandem.model.decoder import CausalLM
 from tandem.model.experts import set_router_dtype
 from tandem.model.lora import apply_lora, base_weights, check_lora, has_lora
 from tandem.model.peft_format import refuse_adapter_dir, save_adapter
-from tandem.registry import Registry
 from tandem.reward.verifiers import VERIFIERS
 from tandem.rollout.base import RolloutEngine
-from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.engines import ENGINES
-from tandem.rollout.paged_engine import PagedEngine
 from tandem.rollout.vllm_config import choose_logprobs_mode, require_vllm, vllm_device, vllm_version
-from tandem.rollout.vllm_engine import VLLMEngine
 from tandem.rollout.worker import RolloutWorker
 from tandem.runtime.memory import check_memory, machine_memory
 from tandem.sample import Prompt
@@ -220,7 +215,7 @@ def build_data(cfg: Config) -> Data:
         val = load_sources(cfg, d.val_files, "test", d.val_size, cfg.run.seed + 1)
     val_prompts, val_ids = limit.encode_sources(tokenizer, val)
     # The agents of the endpoint give every reward themselves: reward.fn never scores their rows.
-    agent_scores = cfg.rollout.agent.startswith(("openai:", "verifiers:"))
+    agent_scores = endpoint_agent(cfg.rollout.agent)
     if cfg.reward.fn == "auto" and not agent_scores:
         check_data_sources(train + val)
     check_memory(cfg, model_cfg, [train_ids[i] for i in first], machine_memory())
@@ -253,7 +248,7 @@ def build_rollout(cfg: Config, index: int = 0) -> tuple[RolloutWorker, PromptLim
     """Rollout worker `index` (its own sampling seed), and the longest prompt it accepts."""
     torch.manual_seed(cfg.run.seed)
     limit, tokenizer = prompt_limit(cfg), load_checked_tokenizer(cfg)
-    engine = ENGINE_BUILDERS.get(cfg.rollout.engine)(cfg, tokenizer, cfg.run.seed + 1000 * index)
+    engine = build_engine(cfg, tokenizer, cfg.run.seed + 1000 * index)
     r = cfg.rollout
     agent = build_agent(
         r.agent,
@@ -268,8 +263,9 @@ def build_rollout(cfg: Config, index: int = 0) -> tuple[RolloutWorker, PromptLim
     return RolloutWorker(engine, tokenizer, agent), limit
 
 
-EngineBuilder = Callable[[Config, Any, int], RolloutEngine]  # (config, tokenizer, seed) -> engine
-ENGINE_BUILDERS: Registry[EngineBuilder] = Registry("rollout engine")
+def build_engine(cfg: Config, tokenizer, seed: int) -> RolloutEngine:
+    """rollout.engine's engine, by its entry's builder (`tandem.rollout.engines`): one of those below."""
+    return ENGINES.get(cfg.rollout.engine).builder()(cfg, tokenizer, seed)
 
 
 def _on_tandem_model(engine_cls, cfg: Config, tokenizer, seed: int, **engine_kw) -> RolloutEngine:
@@ -293,13 +289,15 @@ def _on_tandem_model(engine_cls, cfg: Config, tokenizer, seed: int, **engine_kw)
     )
 
 
-@ENGINE_BUILDERS.register("builtin")
-def _builtin_engine(cfg: Config, tokenizer, seed: int) -> RolloutEngine:
+def builtin_engine(cfg: Config, tokenizer, seed: int) -> RolloutEngine:
+    from tandem.rollout.engine import BuiltinEngine
+
     return _on_tandem_model(BuiltinEngine, cfg, tokenizer, seed, max_batch_size=cfg.rollout.max_batch_size)
 
 
-@ENGINE_BUILDERS.register("paged")
-def _paged_engine(cfg: Config, tokenizer, seed: int) -> RolloutEngine:
+def paged_engine(cfg: Config, tokenizer, seed: int) -> RolloutEngine:
+    from tandem.rollout.paged_engine import PagedEngine
+
     r = cfg.rollout
     return _on_tandem_model(
         PagedEngine,
@@ -313,8 +311,9 @@ def _paged_engine(cfg: Config, tokenizer, seed: int) -> RolloutEngine:
     )
 
 
-@ENGINE_BUILDERS.register("vllm")
-def _vllm_engine(cfg: Config, tokenizer, seed: int) -> RolloutEngine:
+def vllm_engine(cfg: Config, tokenizer, seed: int) -> RolloutEngine:
+    from tandem.rollout.vllm_engine import VLLMEngine
+
     r = cfg.rollout
     calls = [sampling_params(cfg, t) for t in (r.temperature, r.val_temperature)]
     require_vllm()  # before asking which build: without vLLM, say what to install

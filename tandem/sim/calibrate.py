@@ -49,7 +49,7 @@ from tandem.model.config import ModelConfig, model_dir
 from tandem.model.decoder import CausalLM, meta_model
 from tandem.rollout.group import make_groups
 from tandem.rollout.protocol import SamplingParams
-from tandem.runtime.roles import ENGINE_BUILDERS, build_trainer, load_checked_tokenizer
+from tandem.runtime.roles import build_engine, build_trainer, load_checked_tokenizer
 from tandem.sample import Prompt, Sample, Status
 from tandem.sim.costs import Calibration, Costs
 from tandem.sim.lengths import response_lengths
@@ -140,7 +140,7 @@ def _generate(engine, batch: int, prompt_len: int, new_tokens: int, vocab: int) 
 def engine_figures(cfg: Config, costs: Costs, flops: float) -> dict[str, float]:
     """decode_mfu, decode_step_overhead_s, kv_bandwidth_efficiency and prefill_mfu
     from the engine's own decode steps and prefill, one device."""
-    engine = ENGINE_BUILDERS.get(cfg.rollout.engine)(cfg, load_checked_tokenizer(cfg), cfg.run.seed)
+    engine = build_engine(cfg, load_checked_tokenizer(cfg), cfg.run.seed)
     model = _model_cfg(cfg)
     vocab, short = model.vocab_size, 8
     long = max(model.max_position_embeddings - 48, 16)  # room for the longer call's 40 tokens

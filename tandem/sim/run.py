@@ -12,7 +12,6 @@ import statistics
 from dataclasses import dataclass, field, replace
 
 from tandem import devices
-from tandem.algo import ADV_ESTIMATORS
 from tandem.config import Config
 from tandem.controller.inputs import Data
 from tandem.controller.loop import Loop
@@ -20,11 +19,12 @@ from tandem.data.loader import PromptLoader
 from tandem.errors import TandemError
 from tandem.model.config import ModelConfig, model_dir
 from tandem.runtime import placement
+from tandem.runtime.role_table import in_run
 from tandem.sample import Prompt
 from tandem.sim.cluster import SimCluster
 from tandem.sim.costs import Calibration, Costs, Shape
 from tandem.sim.engine import Engine
-from tandem.sim.lengths import response_lengths
+from tandem.sim.lengths import ResponseLengths, response_lengths
 from tandem.sim.models import model_config
 from tandem.sim.workers import SimForward, SimReward, SimRollout, SimTrainer, TimedWorker
 
@@ -139,8 +139,8 @@ def layout(cfg: Config, gpus: int, share: dict[str, float], colocated: bool) -> 
     if not gpus:
         cpus = cfg.placement.num_cpus or float(os.cpu_count() or 1)
         slots = placement.plan(cfg, cpus)
-        engines = [float(x.threads) for x in slots if x.role == "generate"]
-        trainer = float(sum(x.threads for x in slots if x.role == "actor_train"))
+        engines = [float(x.threads) for x in slots if x.role == "rollout"]
+        trainer = float(sum(x.threads for x in slots if x.role == "train"))
         return Layout(engines, trainer, {"cpus": cpus}, "cpus", engines, trainer)
     tp = cfg.sim.tensor_parallel
     rollout_gpus = share["generate"] * gpus
@@ -155,38 +155,66 @@ def layout(cfg: Config, gpus: int, share: dict[str, float], colocated: bool) -> 
     return Layout([float(tp)] * count, share["actor_train"] * gpus, pools, pool, [tp / gpus] * count, 1.0)
 
 
+@dataclass
+class Parts:
+    """What the simulated workers are built from (`build_cluster`)."""
+
+    cfg: Config
+    gpus: int
+    costs: Costs
+    at: Layout
+    lengths: ResponseLengths
+    colocated: bool
+
+    @property
+    def trainer(self) -> tuple:
+        """A trainer-like worker's devices, config, pool, demand and colocation."""
+        return (self.at.trainer, self.cfg, self.at.pool, self.at.train_demand, self.colocated)
+
+
 def build_cluster(cfg: Config, gpus: int, calibration: Calibration) -> tuple[SimCluster, str]:
-    """The simulated workers of `cfg` on `gpus` GPUs (0: on placement.num_cpus CPUs) -> (cluster,
-    a description of the split)."""
-    costs = Costs(shape_of(cfg), calibration)
-    s = cfg.sim
-    lengths = response_lengths(cfg)
+    """The simulated workers of `cfg` on `gpus` GPUs (0: on placement.num_cpus CPUs), each role the
+    run has (the roles table) built by its row's builder -> (cluster, a description of the split)."""
     share = _shares(cfg)
     colocated = devices.shares_gpus(cfg)
-    at = layout(cfg, gpus, share, colocated)
+    parts = Parts(cfg, gpus, Costs(shape_of(cfg), calibration), layout(cfg, gpus, share, colocated),
+                  response_lengths(cfg), colocated)  # fmt: skip
     workers: dict[str, TimedWorker] = {}
-    names: dict[str, list[str]] = {"rollout": [], "train": ["train/0"], "reward": ["reward/0"]}
-    for i, (d, demand) in enumerate(zip(at.engines, at.engine_demand, strict=True)):
-        kv = costs.kv_capacity_tokens(d, s.kv_memory_fraction) if gpus else float("inf")
-        engine = Engine(costs, d, cfg.rollout.max_batch_size, kv)
-        name = f"rollout/{i}"
-        workers[name] = SimRollout(
-            name, engine, costs, lengths, cfg, colocated, s.generate_calls, at.pool, demand
-        )
-        names["rollout"].append(name)
-    trainer = (at.trainer, cfg, at.pool, at.train_demand, colocated)
-    workers["train/0"] = SimTrainer("train/0", costs, *trainer)
-    workers["reward/0"] = SimReward("reward/0", costs, cfg.run.seed)
-    if cfg.algo.kl_coef > 0:
-        workers["ref/0"] = SimForward("ref/0", costs, *trainer)
-        names["ref"] = ["ref/0"]
-    if ADV_ESTIMATORS.traits(cfg.algo.adv_estimator).needs_critic:
-        workers["critic/0"] = SimForward("critic/0", costs, *trainer)
-        names["critic"] = ["critic/0"]
+    names: dict[str, list[str]] = {}
+    for role in in_run(cfg):
+        built = role.simulator()(role.name, parts)
+        workers.update({w.name: w for w in built})
+        names[role.name] = [w.name for w in built]
     for w in workers.values():
         w.ready_at = calibration.startup_s  # the actors start together when the run does
     split = "colocated" if colocated else " / ".join(f"{k} {v:g}" for k, v in share.items())
-    return SimCluster(workers, names, at.pools, calibration.oversubscription_exponent), split
+    return SimCluster(workers, names, parts.at.pools, calibration.oversubscription_exponent), split
+
+
+def sim_rollouts(role: str, p: Parts) -> list[TimedWorker]:
+    """The engines the layout gives (on GPUs: the rollout's share / sim.tensor_parallel of them)."""
+    out = []
+    for i, (d, demand) in enumerate(zip(p.at.engines, p.at.engine_demand, strict=True)):
+        kv = p.costs.kv_capacity_tokens(d, p.cfg.sim.kv_memory_fraction) if p.gpus else float("inf")
+        engine = Engine(p.costs, d, p.cfg.rollout.max_batch_size, kv)
+        name = f"{role}/{i}"
+        out.append(SimRollout(name, engine, p.costs, p.lengths, p.cfg, p.colocated, p.cfg.sim.generate_calls,
+                              p.at.pool, demand))  # fmt: skip
+    return out
+
+
+def sim_trainer(role: str, p: Parts) -> list[TimedWorker]:
+    """The train workers as one, on all the trainer's devices."""
+    return [SimTrainer(f"{role}/0", p.costs, *p.trainer)]
+
+
+def sim_forward(role: str, p: Parts) -> list[TimedWorker]:
+    """A worker that runs forwards on the trainer's devices (the reference, the critic): as one."""
+    return [SimForward(f"{role}/0", p.costs, *p.trainer)]
+
+
+def sim_reward(role: str, p: Parts) -> list[TimedWorker]:
+    return [SimReward(f"{role}/0", p.costs, p.cfg.run.seed)]
 
 
 def _shares(cfg: Config) -> dict[str, float]:
