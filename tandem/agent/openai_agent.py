@@ -6,11 +6,11 @@ rollout worker starts one episode: it calls the function with a client whose `ba
 worker's own OpenAI-compatible endpoint (`openai_server.py`) and whose requests carry the episode's
 id, and records every token the engine generated for it.
 
-Batching: the episodes of a call run side by side on one asyncio loop (a thread of the worker);
-their requests queue here, and the worker's thread serves them as one engine call once every
-episode still running is waiting for the model (or the oldest request has waited `BATCH_WAIT_S`,
-so an episode busy with a slow tool does not hold up the others). So many concurrent episodes share
-one batch, on whichever engine the run uses.
+Batching: the episodes of a call run side by side on one asyncio loop (a thread of the worker),
+the one the endpoint's server runs on; their requests queue here, and the worker's own thread
+serves them as one engine call once every episode still running is waiting for the model (or the
+oldest request has waited `BATCH_WAIT_S`, so an episode busy with a slow tool does not hold up the
+others). So many concurrent episodes share one batch, on whichever engine the run uses.
 
 What becomes training samples (docs/agents.md): a request whose messages are an earlier request's
 messages, the assistant message the endpoint returned for it, then new messages EXTENDS that
@@ -55,12 +55,13 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.agent.chat import ChatRenderer, parse_tool_calls, same_message
 from tandem.agent.loop import AgentLoop, Turn
-from tandem.agent.openai_server import EPISODE_HEADER, BadRequest, Choice, EndpointServer, Request
+from tandem.agent.openai_request import EPISODE_HEADER, BadRequest, Choice, Request
 from tandem.agent.tools import TOOLS, openai_tool
 from tandem.errors import TandemError
 from tandem.sample import Prompt, Sample, Status
 
 if TYPE_CHECKING:
+    from tandem.agent.openai_server import EndpointServer
     from tandem.rollout.protocol import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -147,7 +148,7 @@ class Call:
     choices: list[Served]
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: `in` over a call's episodes must not compare field by field
 class Episode:
     id: str
     sample: Sample
@@ -163,7 +164,7 @@ class Episode:
     aborted: bool = False  # running when the worker was aborted: comes back ABORTED, whatever follows
 
 
-@dataclass
+@dataclass(eq=False)  # (as Episode)
 class Pending:
     """A request waiting for the engine: one engine sample per choice."""
 
@@ -174,9 +175,7 @@ class Pending:
     context: list[int]  # ids between the parent's completion and this generation
     samples: list[Sample]
     since: float
-    done: threading.Event = field(default_factory=threading.Event)
-    answer: tuple[list[Choice], int] | None = None
-    error: BadRequest | None = None
+    answer: asyncio.Future  # on the endpoint's loop: (choices, prompt tokens), or the BadRequest
 
 
 class OpenAIAgent(AgentLoop):
@@ -289,8 +288,9 @@ class OpenAIAgent(AgentLoop):
                     for ep in {id(p.episode): p.episode for p in batch}.values():
                         ep.aborted = not ep.ended
                 for p in batch:  # the worker was aborted: no request of this call is served
-                    p.error = BadRequest("the rollout worker was aborted (a partial rollout)", status=503)
-                    p.done.set()
+                    self._reply(
+                        p, BadRequest("the rollout worker was aborted (a partial rollout)", status=503)
+                    )
                 return False
             for p in group:
                 if any(s.status is Status.ABORTED for s in p.samples):  # cut by a weight update
@@ -355,8 +355,11 @@ class OpenAIAgent(AgentLoop):
             ep.stats["turns"] += 1
             ep.stats["prompt_tokens"] += len(p.prompt_ids)
             ep.stats["reused_prompt_tokens"] += len(p.prompt_ids) - len(p.context) if p.parent else 0
-        p.answer = (choices, len(p.prompt_ids))
-        p.done.set()
+        self._reply(p, (choices, len(p.prompt_ids)))
+
+    def _reply(self, p: Pending, answer: tuple[list[Choice], int] | BadRequest) -> None:
+        """Hand the request its answer (or its refusal) on the endpoint's loop, where it waits."""
+        self._loop.call_soon_threadsafe(_settle, p.answer, answer)
 
     def _finish(self, ep: Episode, aborted: bool) -> list[Sample]:
         """The episode's sample (its final chain, the agent's reward, its stats) -> its extra
@@ -429,8 +432,8 @@ class OpenAIAgent(AgentLoop):
         return ids + rest, mask + [1] * len(rest)
 
     # -- the endpoint's side: requests from the agents --------------------------------------------
-    def _request(self, r: Request) -> tuple[list[Choice], int]:
-        """The endpoint's backend (an HTTP thread): queue the request, wait for the engine."""
+    async def _request(self, r: Request) -> tuple[list[Choice], int]:
+        """The endpoint's backend (on its loop): queue the request, await the engine's answer."""
         with self._cond:
             ep = self._episodes.get(r.episode)
             if ep is None or ep.ended:
@@ -439,11 +442,10 @@ class OpenAIAgent(AgentLoop):
             self._pending.append(pending)
             self._arrived = time.monotonic()
             self._cond.notify_all()
-        if not pending.done.wait(max(ep.deadline - time.monotonic(), 0) + 5.0):
-            raise BadRequest("the episode ran past its time limit", status=408)
-        if pending.error is not None:
-            raise pending.error
-        return pending.answer
+        try:
+            return await asyncio.wait_for(pending.answer, max(ep.deadline - time.monotonic(), 0) + 5.0)
+        except asyncio.TimeoutError:
+            raise BadRequest("the episode ran past its time limit", status=408) from None
 
     def _prepare(self, ep: Episode, r: Request) -> Pending:
         """The request's prompt ids (extending an earlier completion where it can) and its engine
@@ -478,7 +480,7 @@ class OpenAIAgent(AgentLoop):
             )
             for k in range(r.n)
         ]
-        return Pending(r, ep, ids, parent, context, samples, time.monotonic())
+        return Pending(r, ep, ids, parent, context, samples, time.monotonic(), self._loop.create_future())
 
     def _extend(self, ep: Episode, r: Request) -> tuple[Served | None, list[int], list[int]]:
         """(the choice this request extends, the ids between, the whole prompt ids)."""
@@ -592,14 +594,14 @@ class OpenAIAgent(AgentLoop):
         warm = openai.AsyncOpenAI(api_key="tandem", base_url="http://127.0.0.1:9/v1")
         _ = warm.chat.completions, warm.completions, warm.models  # their lazy imports: seconds, once
         self._openai = openai
-        self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._loop.run_forever, name="openai-agents", daemon=True).start()
+        from tandem.agent.openai_server import EndpointServer  # needs openai: imported after the check
+
         self._server = EndpointServer(self._request, self.model_name, self._refused)
+        self._loop = self._server.loop  # the episodes run on the server's loop
 
     def close(self) -> None:
         if self._server is not None:
-            self._server.close()
-            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._server.close()  # and its loop
             self._server = None
 
 
@@ -613,6 +615,15 @@ def _fill(s: Sample, chain: Chain, reward: float, finish: str) -> None:
     s.versions, s.loss_mask = list(chain.versions), list(chain.loss_mask)
     s.agent_reward = reward
     s.end("length" if finish == "length" else "stop")
+
+
+def _settle(future: asyncio.Future, answer: tuple[list[Choice], int] | BadRequest) -> None:
+    if future.done():  # the request gave up waiting (past its episode's time limit)
+        return
+    if isinstance(answer, BadRequest):
+        future.set_exception(answer)
+    else:
+        future.set_result(answer)
 
 
 def _cut(text: str, stop: list[str]) -> str:

@@ -1,357 +1,244 @@
 """The HTTP side of the OpenAI-compatible endpoint: `/v1/chat/completions`, `/v1/completions`,
-`/v1/models`, on 127.0.0.1, with Python's own `ThreadingHTTPServer` (one thread per connection; the
-agents of one worker are its only clients, so nothing more is needed).
+`/v1/models`, on 127.0.0.1, as a FastAPI app served by uvicorn.
 
-It knows nothing of engines: it checks a request's JSON, hands it to `backend(request)` (the
-agent's dispatcher, which blocks until the engine has served it) and writes the answer as OpenAI
-does, streamed (server-sent events) or not. Every request names its episode in the
-`X-Tandem-Episode` header: the client tandem gives each agent sets it.
+uvicorn serves it on `EndpointServer.loop`, an asyncio loop in a thread of its own, and the agents'
+episodes run on that same loop (`openai_agent.py`): a request and its answer stay on the loop's
+thread, and no thread is started or blocked per connection or per request.
+
+It knows nothing of engines: it checks a request's JSON (`openai_request.py`), awaits
+`backend(request)` (the agent's dispatcher, which resolves once the engine has served the request,
+batched with the other episodes') and writes the answer as OpenAI does, built from `openai.types`,
+streamed (server-sent events) or not. Each choice also carries the engine's `token_ids` (vLLM's
+extension; the types keep fields they do not declare).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from collections.abc import Awaitable, Callable
 
-EPISODE_HEADER = "X-Tandem-Episode"
-ROLES = ("system", "developer", "user", "assistant", "tool")
+import uvicorn
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.responses import Response
+from openai.types import Completion, CompletionChoice, CompletionUsage, Model
+from openai.types.chat import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionMessage,
+    ChatCompletionTokenLogprob,
+    chat_completion,
+    chat_completion_chunk,
+)
+from openai.types.completion_choice import Logprobs
+from openai.types.shared import ErrorObject
+from starlette.exceptions import HTTPException
 
-# Accepted request fields. Sampling fields the run decides (see docs/agents.md) are accepted and
-# ignored; the ones below that change what is generated in a way tandem cannot honour are refused
-# unless they hold their neutral value.
-_COMMON = {
-    "model",
-    "max_tokens",
-    "max_completion_tokens",
-    "stop",
-    "n",
-    "logprobs",
-    "stream",
-    "stream_options",
-    "temperature",
-    "top_p",
-    "seed",
-    "user",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "top_logprobs",
-    "metadata",
-    "store",
-}
-CHAT_FIELDS = _COMMON | {"messages", "tools", "tool_choice", "parallel_tool_calls", "response_format"}
-COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
-_NEUTRAL = {
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "logit_bias": {},
-    "echo": False,
-    "best_of": 1,
-    "suffix": None,
-    "response_format": {"type": "text"},
-}
+from tandem.agent.openai_request import EPISODE_HEADER, BadRequest, Choice, Request, check_request
+
+log = logging.getLogger(__name__)
+
+Backend = Callable[[Request], Awaitable[tuple[list[Choice], int]]]
 
 
-class BadRequest(Exception):
-    """A request the endpoint refuses: HTTP 400 with OpenAI's error body."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.param, self.status = param, status
-
-
-@dataclass
-class Request:
-    """One checked request. `chat`: messages (+ tools) else a plain `prompt`."""
-
-    episode: str
-    chat: bool
-    body: dict[str, Any]
-    messages: list[dict] = field(default_factory=list)
-    tools: list[dict] | None = None
-    prompt: str | list[int] | None = None
-    max_tokens: int | None = None
-    stop: list[str] = field(default_factory=list)
-    n: int = 1
-    logprobs: bool = False
-    stream: bool = False
-
-
-@dataclass
-class Choice:
-    """What the backend answers per choice: text, token ids and logprobs, tool calls."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]
-    tokens: list[str]
-    finish_reason: str  # stop | length | tool_calls
-    content: str | None = None
-    tool_calls: list[dict] = field(default_factory=list)
-
-
-def check_request(path: str, body: Any, episode: str | None) -> Request:
-    """The JSON body of a POST to `path` -> a Request; BadRequest naming the field otherwise."""
-    if not episode:
-        raise BadRequest(
-            f"missing header {EPISODE_HEADER}: use the client tandem gives the agent (its requests carry "
-            "their episode's id)."
-        )
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    chat = path.endswith("/chat/completions")
-    allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    for key, value in body.items():
-        if key not in allowed:
-            raise BadRequest(f"unknown parameter {key!r}", key)
-        if key in _NEUTRAL and value not in (_NEUTRAL[key], None):
-            raise BadRequest(f"{key}={value!r} is not supported by tandem's endpoint", key)
-    r = Request(episode=episode, chat=chat, body=body)
-    if chat:
-        _check_chat(r, body)
-    else:
-        _check_prompt(r, body)
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-        raise BadRequest("max_tokens must be a positive integer", "max_tokens")
-    r.max_tokens = max_tokens
-    stop = body.get("stop") or []
-    r.stop = [stop] if isinstance(stop, str) else list(stop)
-    if any(not isinstance(s, str) or not s for s in r.stop):
-        raise BadRequest("'stop' must be a string or a list of non-empty strings", "stop")
-    r.n = body.get("n") or 1
-    if not isinstance(r.n, int) or r.n < 1:
-        raise BadRequest("n must be a positive integer", "n")
-    r.logprobs = bool(body.get("logprobs"))
-    r.stream = bool(body.get("stream"))
-    return r
-
-
-def _check_chat(r: Request, body: dict) -> None:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty list", "messages")
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise BadRequest(f"bad message {m!r}: each needs a role, one of {', '.join(ROLES)}", "messages")
-    r.messages = [_plain(m) for m in messages]
-    tools = body.get("tools")
-    functions = isinstance(tools, list) and all(
-        isinstance(t, dict) and t.get("type") == "function" for t in tools
+def answer_of(
+    r: Request, model: str, choices: list[Choice], prompt_tokens: int
+) -> ChatCompletion | Completion:
+    """The non-streamed answer: a chat completion or a (text) completion."""
+    created, tokens = int(time.time()), sum(len(c.token_ids) for c in choices)
+    usage = CompletionUsage(
+        prompt_tokens=prompt_tokens, completion_tokens=tokens, total_tokens=prompt_tokens + tokens
     )
-    if tools is not None and not functions:
-        raise BadRequest("'tools' must be a list of {'type': 'function', 'function': {...}}", "tools")
-    r.tools = tools or None
-    if body.get("tool_choice") not in (None, "auto", "none"):
-        raise BadRequest("tool_choice: only 'auto' and 'none' are supported", "tool_choice")
-    if body.get("tool_choice") == "none":
-        r.tools = None
-
-
-def _check_prompt(r: Request, body: dict) -> None:
-    prompt = body.get("prompt")
-    ok = isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(i, int) for i in prompt))
-    if not ok:
-        raise BadRequest("'prompt' must be a string or a list of token ids (one prompt)", "prompt")
-    r.prompt = prompt
-
-
-def _plain(m: dict) -> dict:
-    """A message as the chat template wants it: text content (OpenAI's list of text parts joined)."""
-    m = dict(m)
-    content = m.get("content")
-    if isinstance(content, list):
-        m["content"] = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    if m.get("role") == "developer":
-        m["role"] = "system"
-    return m
-
-
-def response_body(r: Request, model: str, choices: list[Choice], prompt_tokens: int) -> dict:
-    """The non-streamed answer, in OpenAI's shape (token ids as vLLM's `token_ids` extension)."""
-    created, rid = int(time.time()), ("chatcmpl-" if r.chat else "cmpl-") + uuid.uuid4().hex
-    out = []
-    for i, c in enumerate(choices):
-        lp = _logprobs(r, c)
-        if r.chat:
-            message = {"role": "assistant", "content": c.content}
-            if c.tool_calls:
-                message["tool_calls"] = c.tool_calls
-            out.append(
-                {
-                    "index": i,
-                    "message": message,
-                    "logprobs": lp,
-                    "finish_reason": c.finish_reason,
-                    "token_ids": c.token_ids,
-                }
-            )
-        else:
-            out.append(
-                {
-                    "index": i,
-                    "text": c.text,
-                    "logprobs": lp,
-                    "finish_reason": c.finish_reason,
-                    "token_ids": c.token_ids,
-                }
-            )
-    completion = sum(len(c.token_ids) for c in choices)
-    usage = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": prompt_tokens + completion,
-    }
-    kind = "chat.completion" if r.chat else "text_completion"
-    return {"id": rid, "object": kind, "created": created, "model": model, "choices": out, "usage": usage}
-
-
-def _logprobs(r: Request, c: Choice) -> dict | None:
-    if not r.logprobs:
-        return None
     if r.chat:
-        return {
-            "content": [
-                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                for t, lp in zip(c.tokens, c.logprobs, strict=True)
-            ]
-        }
-    return {"tokens": c.tokens, "token_logprobs": c.logprobs, "top_logprobs": None, "text_offset": None}
-
-
-def stream_events(body: dict, chat: bool) -> list[dict]:
-    """A finished answer as the chunks a streamed one is made of (one content chunk per choice)."""
-    base = {k: body[k] for k in ("id", "created", "model")}
-    base["object"] = "chat.completion.chunk" if chat else "text_completion"
-    events = []
-    for c in body["choices"]:
-        i = c["index"]
-        if chat:
-            m = c["message"]
-            events.append(
-                {
-                    **base,
-                    "choices": [
-                        {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                    ],
-                }
+        return ChatCompletion(
+            id="chatcmpl-" + uuid.uuid4().hex,
+            object="chat.completion",
+            created=created,
+            model=model,
+            choices=[
+                chat_completion.Choice(
+                    index=i,
+                    message=_message(c),
+                    logprobs=_chat_logprobs(c) if r.logprobs else None,
+                    finish_reason=c.finish_reason,
+                    token_ids=c.token_ids,
+                )
+                for i, c in enumerate(choices)
+            ],
+            usage=usage,
+        )
+    return Completion(
+        id="cmpl-" + uuid.uuid4().hex,
+        object="text_completion",
+        created=created,
+        model=model,
+        choices=[
+            CompletionChoice(
+                index=i,
+                text=c.text,
+                logprobs=_completion_logprobs(c) if r.logprobs else None,
+                finish_reason=c.finish_reason,
+                token_ids=c.token_ids,
             )
-            delta: dict[str, Any] = {}
-            if m.get("content"):
-                delta["content"] = m["content"]
-            if m.get("tool_calls"):
-                delta["tool_calls"] = [{"index": k, **tc} for k, tc in enumerate(m["tool_calls"])]
-            events.append(
-                {
-                    **base,
-                    "choices": [
-                        {"index": i, "delta": delta, "logprobs": c["logprobs"], "finish_reason": None}
-                    ],
-                }
+            for i, c in enumerate(choices)
+        ],
+        usage=usage,
+    )
+
+
+def _message(c: Choice) -> ChatCompletionMessage:
+    if c.tool_calls:
+        return ChatCompletionMessage(role="assistant", content=c.content, tool_calls=c.tool_calls)
+    return ChatCompletionMessage(role="assistant", content=c.content)
+
+
+def _chat_logprobs(c: Choice) -> chat_completion.ChoiceLogprobs:
+    return chat_completion.ChoiceLogprobs(
+        content=[
+            ChatCompletionTokenLogprob(token=t, logprob=lp, bytes=list(t.encode()), top_logprobs=[])
+            for t, lp in zip(c.tokens, c.logprobs, strict=True)
+        ]
+    )
+
+
+def _completion_logprobs(c: Choice) -> Logprobs:
+    return Logprobs(tokens=c.tokens, token_logprobs=c.logprobs, top_logprobs=None, text_offset=None)
+
+
+def stream_events(answer: ChatCompletion | Completion) -> list[ChatCompletionChunk | Completion]:
+    """A finished answer as the chunks a streamed one is made of (one content chunk per choice),
+    then one with the usage."""
+    head = {"id": answer.id, "created": answer.created, "model": answer.model}
+    if isinstance(answer, Completion):  # a streamed completion is made of completions
+        events = [
+            Completion(
+                **head,
+                object="text_completion",
+                choices=[  # as before: no token ids in a stream
+                    CompletionChoice(
+                        index=c.index, text=c.text, logprobs=c.logprobs, finish_reason=c.finish_reason
+                    )
+                ],
             )
-            events.append(
-                {**base, "choices": [{"index": i, "delta": {}, "finish_reason": c["finish_reason"]}]}
-            )
-        else:
-            events.append(
-                {
-                    **base,
-                    "choices": [
-                        {
-                            "index": i,
-                            "text": c["text"],
-                            "logprobs": c["logprobs"],
-                            "finish_reason": c["finish_reason"],
-                        }
-                    ],
-                }
-            )
-    events.append({**base, "choices": [], "usage": body["usage"]})
-    return events
+            for c in answer.choices
+        ]
+        return [*events, Completion(**head, object="text_completion", choices=[], usage=answer.usage)]
+    Delta, Chunk = chat_completion_chunk.ChoiceDelta, chat_completion_chunk.Choice
+    chunks = []
+    for c in answer.choices:
+        m, i = c.message, c.index
+        delta = {}
+        if m.content:
+            delta["content"] = m.content
+        if m.tool_calls:
+            delta["tool_calls"] = [{"index": k, **t.model_dump()} for k, t in enumerate(m.tool_calls)]
+        logprobs = None
+        if c.logprobs is not None:
+            logprobs = chat_completion_chunk.ChoiceLogprobs(content=c.logprobs.content)
+        chunks += [
+            Chunk(index=i, delta=Delta(role="assistant", content=""), finish_reason=None),
+            Chunk(index=i, delta=Delta(**delta), logprobs=logprobs, finish_reason=None),
+            Chunk(index=i, delta=Delta(), finish_reason=c.finish_reason),
+        ]
+    events = [ChatCompletionChunk(**head, object="chat.completion.chunk", choices=[c]) for c in chunks]
+    return [
+        *events,
+        ChatCompletionChunk(**head, object="chat.completion.chunk", choices=[], usage=answer.usage),
+    ]
 
 
-class _Handler(BaseHTTPRequestHandler):
-    """One connection's requests (`self.server.endpoint` is the EndpointServer)."""
+def build_app(endpoint: EndpointServer) -> FastAPI:
+    """The routes, each answering in OpenAI's shapes; errors as OpenAI's error body."""
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
-    protocol_version = "HTTP/1.1"  # keep-alive: an agent's requests reuse its connection
-    # TCP_NODELAY: the body written after the headers must not wait for the client's delayed ACK
-    disable_nagle_algorithm = True
+    @app.get("/v1/models")
+    async def models() -> Response:
+        model = Model(id=endpoint.model, object="model", created=0, owned_by="tandem")
+        return _json(200, {"object": "list", "data": [model.model_dump()]})
 
-    def log_message(self, *args) -> None:  # no line per request on stderr
-        pass
-
-    def do_GET(self) -> None:
-        if self.path.rstrip("/") == "/v1/models":
-            data = [{"id": self.server.endpoint.model, "object": "model", "created": 0, "owned_by": "tandem"}]
-            return self._json(200, {"object": "list", "data": data})
-        self._json(404, _error(f"no route {self.path}", None, "not_found"))
-
-    def do_POST(self) -> None:
-        endpoint, path = self.server.endpoint, self.path.rstrip("/")
-        if path not in ("/v1/chat/completions", "/v1/completions"):
-            return self._json(404, _error(f"no route {self.path}", None, "not_found"))
+    @app.post("/v1/chat/completions")
+    @app.post("/v1/completions")
+    async def complete(http: HTTPRequest) -> Response:
+        episode = http.headers.get(EPISODE_HEADER)
         try:
-            length = int(self.headers.get("Content-Length") or 0)
             try:
-                body = json.loads(self.rfile.read(length) or b"null")
-            except json.JSONDecodeError as e:
+                body = json.loads(await http.body() or b"null")
+            except ValueError as e:  # not JSON, or not UTF-8
                 raise BadRequest(f"the body is not JSON: {e}") from None
-            request = check_request(path, body, self.headers.get(EPISODE_HEADER))
-            choices, prompt_tokens = endpoint.backend(request)
+            request = check_request(http.url.path, body, episode)
+            choices, prompt_tokens = await endpoint.backend(request)
         except BadRequest as e:
-            endpoint.refused(self.headers.get(EPISODE_HEADER), e)
-            return self._json(e.status, _error(str(e), e.param))
-        answer = response_body(request, endpoint.model, choices, prompt_tokens)
+            endpoint.refused(episode, e)
+            return _error(e.status, str(e), e.param)
+        except Exception as e:  # a bug: answered here, so the agent's connection stays open
+            log.exception("the OpenAI-compatible endpoint failed on a request")
+            return _error(500, f"the endpoint failed: {type(e).__name__}: {e}", kind="server_error")
+        answer = answer_of(request, endpoint.model, choices, prompt_tokens)
         if not request.stream:
-            return self._json(200, answer)
-        payload = "".join(f"data: {json.dumps(e)}\n\n" for e in stream_events(answer, request.chat))
-        self._send(200, (payload + "data: [DONE]\n\n").encode(), "text/event-stream")
+            return Response(answer.model_dump_json(exclude_unset=True), media_type="application/json")
+        events = "".join(f"data: {e.model_dump_json(exclude_unset=True)}\n\n" for e in stream_events(answer))
+        return Response(events + "data: [DONE]\n\n", media_type="text/event-stream")
 
-    def _json(self, status: int, obj: dict) -> None:
-        self._send(status, json.dumps(obj).encode(), "application/json")
+    @app.exception_handler(HTTPException)
+    async def no_route(http: HTTPRequest, e: HTTPException) -> Response:  # FastAPI's 404 and 405
+        return _error(e.status_code, f"{http.method} {http.url.path}: {e.detail}", kind="not_found")
 
-    def _send(self, status: int, data: bytes, kind: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+    return app
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 1024  # every episode of a call may connect at once (default: 5)
+def _json(status: int, obj: dict) -> Response:
+    return Response(json.dumps(obj), status, media_type="application/json")
+
+
+def _error(
+    status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"
+) -> Response:
+    return _json(
+        status, {"error": ErrorObject(message=message, type=kind, param=param, code=None).model_dump()}
+    )
 
 
 class EndpointServer:
-    """`backend(request) -> (choices, prompt_tokens)` behind an OpenAI-compatible HTTP API, on an
-    ephemeral port of 127.0.0.1 (`base_url`); `backend` raises BadRequest to refuse a request, and
-    `refused(episode id or None, error)` hears of every refusal (the checks here and the backend's)."""
+    """`backend(request)` -> awaitable (choices, prompt_tokens) behind an OpenAI-compatible HTTP API,
+    on a port of 127.0.0.1 the OS picks (`base_url`). uvicorn serves it on `loop`, which runs in a
+    thread of its own (uvloop's loop when uvloop is installed, as uvicorn picks): the caller runs its
+    own coroutines there too (the agents' episodes). `backend` raises BadRequest to refuse a
+    request, and `refused(episode id or None, error)` hears of every refusal (the checks here and
+    the backend's)."""
 
     def __init__(
         self,
-        backend: Callable[[Request], tuple[list[Choice], int]],
+        backend: Backend,
         model: str = "tandem",
         refused: Callable[[str | None, BadRequest], None] = lambda episode, error: None,
     ):
         self.backend, self.model, self.refused = backend, model, refused
-        self.httpd = _Server(("127.0.0.1", 0), _Handler)
-        self.httpd.endpoint = self
-        self.port = self.httpd.server_address[1]
+        config = uvicorn.Config(
+            build_app(self),
+            lifespan="off",
+            ws="none",
+            log_config=None,  # the run's logging stays as it is; no line per request
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=1,  # close() does not wait on a request the engine never served
+        )
+        self.loop = config.get_loop_factory()()
+        # Bound and listening before the loop serves it: a request sent at once waits in the backlog.
+        sock = socket.create_server(("127.0.0.1", 0), backlog=config.backlog)
+        self.port = sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="openai-endpoint", daemon=True)
-        self._thread.start()
+        self._uvicorn = uvicorn.Server(config)
+        threading.Thread(target=self.loop.run_forever, name="openai-endpoint", daemon=True).start()
+        self._serving = asyncio.run_coroutine_threadsafe(self._uvicorn.serve([sock]), self.loop)
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-def _error(message: str, param: str | None, kind: str = "invalid_request_error") -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+        """Stop serving, then stop the loop (and whatever else still runs on it)."""
+        self._uvicorn.should_exit = True  # uvicorn looks every 0.1 s
+        self._serving.result(timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
