@@ -54,6 +54,7 @@ class Sample:
     # the engine's shared generator. Give the samples of one group different seeds, or they agree.
     seed: int | None = None
     ref_logprobs: list[float] = field(default_factory=list)  # reference policy's, when a ref worker ran
+    teacher_logprobs: list[float] = field(default_factory=list)  # the teacher's (algo.distill.teacher)
     reward: float = 0.0
     # The reward the episode's agent returned (rollout.agent=openai:...): the reward role takes it
     # as the sample's reward instead of calling reward.fn. None: score it with reward.fn.

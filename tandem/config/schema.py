@@ -194,6 +194,19 @@ class RewardConfig:
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation (docs/algorithms.md "Distillation"): a teacher worker scores every
+    token the student sampled, and the per-token reverse KL, log π_teacher - log μ_student, is the
+    advantage (Thinking Machines' on-policy distillation; verl's, slime's)."""
+
+    teacher: str = ""  # the teacher's checkpoint (a directory or builtin:<name>); "" = off
+    coef: float = 1.0  # the weight of the reverse-KL advantage
+    # Add the task's advantages (algo.adv_estimator over reward.fn's rewards) to it; false: the
+    # teacher's signal alone (the rewards are still computed and logged).
+    task_reward: bool = False
+
+
+@dataclass
 class AlgoConfig:
     adv_estimator: str = "grpo"
     norm_by_std: bool = True  # False with grpo = Dr. GRPO
@@ -223,6 +236,7 @@ class AlgoConfig:
     routing_replay: bool = False
     gamma: float = 1.0  # gae's discount
     lam: float = 1.0  # gae's λ
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 @dataclass

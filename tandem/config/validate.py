@@ -385,6 +385,15 @@ def _check_reward(cfg: Config) -> None:
 
 def _check_algo(cfg: Config) -> None:
     a = cfg.algo
+    if a.distill.teacher:
+        _check(a.distill.coef > 0, "algo.distill.coef", f"must be > 0, got {a.distill.coef}.")
+        _check(
+            not ADV_ESTIMATORS.traits(a.adv_estimator).needs_critic,
+            "algo.distill.teacher",
+            f"cannot be used with algo.adv_estimator={a.adv_estimator}: its critic's advantages and "
+            "the teacher's per-token ones are two answers to one question. Use grpo (or another "
+            "group estimator), with algo.distill.task_reward=true to add the task's signal.",
+        )
     _check(0 <= a.clip_low < 1, "algo.clip_low", f"must be in [0, 1), got {a.clip_low}.")
     _check(a.clip_high >= 0, "algo.clip_high", f"must be >= 0, got {a.clip_high}.")
     _check(a.clip_c is None or a.clip_c > 1, "algo.clip_c", "must be > 1 (or null to disable).")

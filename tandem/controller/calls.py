@@ -8,7 +8,7 @@ from tandem.sample import Sample
 
 
 class Kind(str, Enum):
-    """The kinds of call. The first eleven are the loop's, each with a handler (`Loop.handlers`);
+    """The kinds of call. The first twelve are the loop's, each with a handler (`Loop.handlers`);
     the last four are checkpoint calls the driver waits on at a step boundary."""
 
     GENERATE = "generate"  # training prompts on a rollout worker
@@ -16,6 +16,7 @@ class Kind(str, Enum):
     REWARD = "reward"  # training samples' rewards
     VAL_REWARD = "val_reward"  # held-out samples' rewards (no shaping)
     REF = "ref"  # reference logprobs
+    TEACHER = "teacher"  # the distillation teacher's logprobs
     SLEEP = "sleep"  # a rollout engine frees its memory for the train step
     VALUES = "values"  # a critic rank's values and advantages
     TRAIN = "train"  # a train (or critic) rank's step
@@ -40,6 +41,7 @@ ROUTES: dict[Kind, Route] = {
     Kind.REWARD: Route(("reward",), "score"),
     Kind.VAL_REWARD: Route(("reward",), "score"),
     Kind.REF: Route(("ref",), "score"),
+    Kind.TEACHER: Route(("teacher",), "score"),
     Kind.SLEEP: Route(("rollout",), "sleep"),
     Kind.VALUES: Route(("critic",), "estimate"),
     Kind.TRAIN: Route(("train", "critic"), "train_step"),
@@ -53,6 +55,7 @@ ROUTES: dict[Kind, Route] = {
 }
 
 GENERATING = (Kind.GENERATE, Kind.VAL)  # the calls that hold a rollout worker's slot
+SCORERS = (Kind.REF, Kind.TEACHER)  # per-token scores a rewarded group gets, in this order
 
 
 @dataclass

@@ -7,7 +7,8 @@ One training step, call by call (`calls.ROUTES` names each kind's role and worke
 
     admit -> dispatch    GENERATE  rollout/i.generate      -> on_generate: a group is whole
                          REWARD    reward/0.score          -> on_reward: (dynamic sampling)
-                         REF       ref/0.score             -> on_ref (with algo.kl_coef > 0)
+                         REF       ref/0.score             -> on_scored (with algo.kl_coef > 0)
+                         TEACHER   teacher/0.score         -> on_scored (with algo.distill.teacher)
                                    buffer.finish(group)    ... until a batch is ready:
     maybe_train          SLEEP     rollout/*.sleep         -> on_sleep (free_memory_during_train)
                          VALUES    critic/*.estimate       -> on_values (gae: values, advantages)
@@ -36,7 +37,7 @@ from typing import Any
 from tandem.buffer import RolloutBuffer
 from tandem.config import Config
 from tandem.config.sampling import sampling_params
-from tandem.controller.calls import GENERATING, Call, Kind
+from tandem.controller.calls import GENERATING, ROUTES, SCORERS, Call, Kind
 from tandem.controller.checkpoint import Checkpoints, load_workers, save_checkpoint
 from tandem.controller.dynamic_sampling import DynamicSampling
 from tandem.controller.inputs import Data
@@ -98,7 +99,8 @@ class Loop:
         self.handlers = {  # what the loop does when a call of each kind comes back
             Kind.GENERATE: self.on_generate,
             Kind.REWARD: self.on_reward,
-            Kind.REF: self.on_ref,
+            Kind.REF: self.on_scored,
+            Kind.TEACHER: self.on_scored,
             Kind.SLEEP: self.on_sleep,
             Kind.VALUES: self.on_values,
             Kind.TRAIN: self.on_train,
@@ -299,15 +301,23 @@ class Loop:
             self.stats.count("filter/dropped_groups", dropped)
             if not samples:
                 return
-        if self.cluster.names.get("ref"):
-            self.call(Call(Kind.REF, "ref/0", samples, call.version), samples)
-        else:
-            self.finish_groups(samples)
+        self.next_score(samples, call.version, after=None)
 
-    def on_ref(self, call: Call, result) -> None:
+    def next_score(self, samples: list[Sample], version: int, after: Kind | None) -> None:
+        """The per-token scores a rewarded group still needs, one role after another (the
+        reference's, then the teacher's, where the run has them); then the group is finished."""
+        order = SCORERS[SCORERS.index(after) + 1 :] if after else SCORERS
+        for kind in order:
+            workers = self.cluster.names.get(ROUTES[kind].roles[0])
+            if workers:
+                self.call(Call(kind, workers[0], samples, version), samples)
+                return
+        self.finish_groups(samples)
+
+    def on_scored(self, call: Call, result) -> None:
         samples, span = result
         self.timeline.add(span)
-        self.finish_groups(samples)
+        self.next_score(samples, call.version, after=call.kind)
 
     def finish_groups(self, samples: list[Sample]) -> None:
         by_group: dict[int, list[Sample]] = {}
@@ -520,7 +530,7 @@ class Loop:
         rewarded) as the driver last saw it: fresh, a partial response, or finished."""
         in_flight = [s for _, samples, _ in self.work for s in samples if s.group_id >= 0]
         for call in self.pending.values():
-            if call.kind in (Kind.GENERATE, Kind.REWARD, Kind.REF):
+            if call.kind in (Kind.GENERATE, Kind.REWARD, *SCORERS):
                 in_flight += call.samples
         in_flight += [s for group in self.groups.values() for s in group]
         return {

@@ -244,6 +244,21 @@ class RefActor(_Timed):
         return self.worker.score(samples), self._span("ref", start)
 
 
+class TeacherActor(_Timed):
+    """On-policy distillation's teacher (algo.distill.teacher): its logprobs of every sampled token."""
+
+    def __init__(self, cfg: Config, rank: int, threads: int):
+        _set_up_process(cfg, threads)
+        self.name = f"teacher/{rank}"
+        model = load_policy(cfg, cfg.train.dtype, path=cfg.algo.distill.teacher)
+        temperature = cfg.rollout.temperature  # the student's sampling one: μ and π_teacher alike
+        self.worker = RefWorker(model, cfg.train.micro_batch_tokens, temperature, "teacher_logprobs")
+
+    def score(self, samples: list[Sample]) -> tuple[list[Sample], Span]:
+        start = time.time()
+        return self.worker.score(samples), self._span("teacher", start)
+
+
 class CriticActor(_Timed, _DistMember):
     """PPO's value model (`tandem.train.critic`): values and GAE before the policy's step, its own
     update beside it. Its ranks form a torch.distributed world of their own (`join`)."""

@@ -124,6 +124,11 @@ _register(Role(
     worker=f"{ACTORS}:RefActor", simulated=f"{SIM}:sim_forward",
 ))  # fmt: skip
 _register(Role(
+    "teacher", task="teacher_logp", count=lambda cfg: int(bool(cfg.algo.distill.teacher)),
+    count_key="algo.distill.teacher", placed_with="actor_train",
+    worker=f"{ACTORS}:TeacherActor", simulated=f"{SIM}:sim_forward",
+))  # fmt: skip
+_register(Role(
     "critic", task="critic", count=critic_count, count_key="train.num_workers", placed_with="actor_train",
     worker=f"{ACTORS}:CriticActor", simulated=f"{SIM}:sim_forward",
 ))  # fmt: skip

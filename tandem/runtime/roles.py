@@ -205,6 +205,8 @@ def build_data(cfg: Config) -> Data:
             "Use an MoE checkpoint (qwen2_moe, qwen3_moe, mixtral; builtin:addition-moe) or turn it off."
         )
     limit, tokenizer, d = prompt_limit(cfg), load_checked_tokenizer(cfg), cfg.data
+    if cfg.algo.distill.teacher:
+        check_teacher(cfg, tokenizer)
     train = load_sources(cfg, d.train_files, "train", d.train_size, cfg.run.seed)
     train_ids = LazyPromptIds(limit, tokenizer, train)
     loader = PromptLoader(train_ids.prompts, train_ids, cfg.rollout.batch_size, d.shuffle, cfg.run.seed)
@@ -220,6 +222,23 @@ def build_data(cfg: Config) -> Data:
         check_data_sources(train + val)
     check_memory(cfg, model_cfg, [train_ids[i] for i in first], machine_memory())
     return Data(loader, val_prompts, val_ids)
+
+
+def check_teacher(cfg: Config, tokenizer) -> None:
+    """The distillation teacher's checkpoint reads, and its tokenizer maps every token to the id
+    the student's does: its logprobs are of the student's token ids."""
+    teacher = cfg.algo.distill.teacher
+    path = model_dir(teacher)
+    check_checkpoint(path)
+    theirs, ours = load_tokenizer(path).get_vocab(), tokenizer.get_vocab()
+    if theirs != ours:
+        differ = sum(theirs.get(t) != i for t, i in ours.items()) + len(theirs.keys() - ours.keys())
+        raise TandemError(
+            f"algo.distill.teacher={teacher} has another vocabulary than the student "
+            f"(model.path={cfg.model.path}): {len(theirs)} vs {len(ours)} tokens, {differ} of them "
+            "mapped differently. The teacher scores the student's token ids, so both need the same "
+            "tokenizer: pick a teacher of the student's family."
+        )
 
 
 def check_data_sources(sources: list[tuple[str, list[Prompt]]]) -> None:

@@ -302,8 +302,8 @@ class SimForward(DeviceWorker):
         return self.costs.cal.call_s + self.costs.forward_s(lengths, self.devices, self.colocated)
 
     def result(self, job: Job, now: float):
-        if job.method == "score":
-            return job.args[0], self.span("ref", job, now)
+        if job.method == "score":  # the reference or the teacher: its role names the span
+            return job.args[0], self.span(self.name.split("/")[0], job, now)
         if job.method == "estimate":
             return job.args[0], {}, self.span("values", job, now)
         if job.method == "train_step":

@@ -163,7 +163,33 @@ class TrainWorker:
 
     def advantages(self, samples: list[Sample], mask: Tensor) -> Tensor:
         """(B, R) advantages from the samples' rewards and groups, or (gae) the critic's per token;
-        each sample's mean is stored on it."""
+        with a distillation teacher, its per-token reverse KL (alone, or added to those); each
+        sample's mean is stored on it."""
+        adv = self.task_advantages(samples, mask)
+        distill = self.algo.distill
+        if distill.teacher:
+            adv = self.distill_advantages(samples, mask) + (adv if distill.task_reward else 0.0)
+        for s, row, m in zip(samples, adv, mask, strict=True):
+            s.advantage = float((row * m).sum() / m.sum().clamp(min=1))
+        return adv
+
+    def distill_advantages(self, samples: list[Sample], mask: Tensor) -> Tensor:
+        """coef x (log π_teacher - log μ) per sampled token: the negative of the per-token reverse
+        KL(student ‖ teacher) estimate, μ the student's own sampling logprobs. Where the teacher
+        finds a token likelier than the student did, the step raises it."""
+        missing = [s for s in samples if len(s.teacher_logprobs) != len(s.response_ids)]
+        if missing:
+            raise TandemError(
+                f"algo.distill.teacher is set but sample {missing[0].group_id}/{missing[0].index} has no "
+                "teacher_logprobs (the teacher worker scores every sample before it is trained on)."
+            )
+        width = mask.shape[1]
+        teacher = pad_rows([s.teacher_logprobs for s in samples], width)
+        student = pad_rows([s.logprobs for s in samples], width)
+        return self.algo.distill.coef * (teacher - student) * mask
+
+    def task_advantages(self, samples: list[Sample], mask: Tensor) -> Tensor:
+        """(B, R) advantages from the samples' rewards and groups, or (gae) the critic's per token."""
         if ADV_ESTIMATORS.traits(self.algo.adv_estimator).needs_critic:  # the critic computed them
             missing = [s for s in samples if len(s.token_advantages) != len(s.response_ids)]
             if missing:
@@ -184,8 +210,6 @@ class TrainWorker:
                 if s.episode_of is not None:
                     j = of[(s.group_id, s.episode_of)]
                     adv[i] = (adv[j] * mask[j]).sum() / mask[j].sum().clamp(min=1) * mask[i]
-        for s, row, m in zip(samples, adv, mask, strict=True):
-            s.advantage = float((row * m).sum() / m.sum().clamp(min=1))
         return adv
 
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
