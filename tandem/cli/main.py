@@ -1,5 +1,5 @@
-"""`tandem train | sft | eval | generate | export | convert | data make | simulate | report` — the
-command line.
+"""`tandem train | sft | eval | generate | export | convert | data make | simulate | report | serve`
+— the command line.
 
 A TandemError (bad config, bad data, unknown name, a bad flag) prints as one paragraph and exits
 with 2, as does a file-system error about a path; anything else is a bug and keeps its traceback.
@@ -196,6 +196,35 @@ def calibrate_here(recipe: str | None, overrides: list[str], ns: argparse.Namesp
     return {f"calibration_{k}": v for k, v in figures.items()}
 
 
+def cmd_serve(ns: argparse.Namespace) -> None:
+    # The trainer and the engine compute on two threads of this process, each with an OpenMP team;
+    # a team that spins while it waits (libgomp's default) takes the core the other needs. Set
+    # before torch is imported.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from tandem.config import load_config
+    from tandem.serve.app import serve
+
+    recipe, overrides = split_args(ns.args)
+    # Checkpoints go to runs/serve/ unless the recipe or an override names the run (later ones win).
+    serve(load_config(recipe, ["run.name=serve", *overrides]), ns.host, ns.port, ns.api_key, ns.full_weights)
+
+
+def add_serve(sub) -> None:
+    s = sub.add_parser("serve", help="a training service speaking the Tinker API (the tinker SDK's loops)")
+    s.add_argument(
+        "args", nargs="*", help="[recipe.yaml] [section.key=value ...]: the model, engine, devices"
+    )
+    s.add_argument("--host", default="127.0.0.1", help="any address but loopback needs --api-key")
+    s.add_argument("--port", type=at_least(1), default=8000)
+    s.add_argument(
+        "--api-key", default="", help="tml-...: required of every request (or TANDEM_SERVE_API_KEY)"
+    )
+    s.add_argument(
+        "--full-weights", action="store_true", help="train every weight, whatever LoRA rank is asked"
+    )
+    s.set_defaults(fn=cmd_serve)
+
+
 def cmd_report(ns: argparse.Namespace) -> None:
     from tandem.report import write_report
 
@@ -295,6 +324,7 @@ def parser() -> argparse.ArgumentParser:
     m.set_defaults(fn=cmd_data_make)
     add_simulate(sub)
     add_report(sub)
+    add_serve(sub)
     return p
 
 

@@ -1,0 +1,494 @@
+"""What the service holds between requests, with no HTTP in it: sessions, the training model, the
+samplers, and the futures the SDK polls.
+
+Every call that does work returns a request id at once; the work runs later and its result (or
+error) lands in that request's future, which `retrieve_future` waits on. Training requests run
+one at a time in the order of their seq_id (the SDK numbers a training client's requests; a chunked
+forward_backward may arrive out of order); sample requests queue apart and run batched, each
+batch one generate call, so sampling goes on while a training request runs on the other worker.
+
+One training model at a time: a create_model while another session's model is live (its session
+neither finished nor silent for `SESSION_TIMEOUT_S`) is refused; the engine serves one set of
+weights, the newest pushed, so only the newest sampler (or the base, before the first push) samples.
+"""
+
+import asyncio
+import dataclasses
+import heapq
+import itertools
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from tandem.config import Config
+from tandem.errors import TandemError
+from tandem.model.config import ModelConfig, model_dir
+from tandem.rollout.protocol import SamplingParams
+from tandem.serve.losses import check_request
+from tandem.serve.wire import FwdBwdRequest, forward_backward_output, sample_response
+from tandem.serve.workers import Workers, with_lora
+
+SESSION_TIMEOUT_S = 60.0  # the SDK beats every 10 s
+KEPT_RESULTS = 4096  # finished futures kept for a retry of their retrieval
+SAMPLE_GATHER_S = 0.01  # how long the first sample request of a burst waits for the rest
+
+
+class NotFound(TandemError):
+    """A model, sampler, checkpoint or request that does not exist (HTTP 404)."""
+
+
+@dataclasses.dataclass
+class Failure:
+    """A request's error, as `retrieve_future` reports it: "user" for a bad request, else "server"."""
+
+    message: str
+    category: str = "user"
+
+
+@dataclasses.dataclass
+class Model:
+    """The training model: its id, its LoRA shape, and its requests' order."""
+
+    model_id: str
+    session_id: str
+    base_model: str
+    rank: int
+    tokenizer_dir: str
+    next_seq: int = 1
+    last_seq: int = 0
+    queue: list = dataclasses.field(default_factory=list)  # heap of (seq_id, job)
+    draining: bool = False  # a task runs its queue
+    pushes: int = 0
+
+
+@dataclasses.dataclass
+class Sampler:
+    base_model: str
+    model_path: str | None
+    weights: str  # what must be served to sample it: "base:<n>" or its model_path
+
+
+@dataclasses.dataclass
+class SampleJob:
+    request_id: str
+    sampler: Sampler
+    prompt: list[int]
+    n: int
+    max_tokens: int
+    seed: int | None
+    params: SamplingParams
+    prompt_logprobs: bool
+
+
+class Service:
+    def __init__(self, cfg: Config, workers: Workers, full_weights: bool = False):
+        self.cfg, self.workers, self.full_weights = cfg, workers, full_weights
+        self.base_model = cfg.model.path
+        self.state_dir = Path(cfg.run.out_dir) / cfg.run.name
+        self.sessions: dict[str, float] = {}  # session id -> last heartbeat (monotonic)
+        self.model: Model | None = None
+        self.samplers: dict[str, Sampler] = {}
+        self.sampler_paths: set[str] = set()
+        self.resets = 0
+        self.serving = "base:0"  # what the engine holds: the base (after reset n) or a sampler path
+        self.shape: dict = {}  # the training model's LoRA shape, saved with its checkpoints
+        self.results: OrderedDict[str, asyncio.Future] = OrderedDict()
+        self.samples: asyncio.Queue[SampleJob] = asyncio.Queue()
+        self.ids = itertools.count(1)
+        self.loops: list[asyncio.Task] = []
+        model = ModelConfig.load(model_dir(cfg.model.path))
+        self.vocab, self.context = model.vocab_size, model.max_position_embeddings
+        self.timings: dict[str, float] = {}  # seconds in each worker call (role.method), summed
+
+    def start(self) -> None:
+        """The sampling loop, on the running event loop."""
+        self.loops.append(asyncio.create_task(self._sampling_loop()))
+
+    # -- futures ------------------------------------------------------------------------------------
+    def _future(self) -> tuple[str, asyncio.Future]:
+        request_id = f"req-{next(self.ids)}"
+        fut = asyncio.get_running_loop().create_future()
+        self.results[request_id] = fut
+        while len(self.results) > KEPT_RESULTS and next(iter(self.results.values())).done():
+            self.results.popitem(last=False)
+        return request_id, fut
+
+    def run(self, work: Callable[[], Awaitable[Any]]) -> str:
+        """Start `work` now -> its request id."""
+        request_id, fut = self._future()
+        asyncio.create_task(_settle(fut, work))
+        return request_id
+
+    async def result(self, request_id: str, wait_s: float) -> Any:
+        """The request's result or `Failure`, waiting up to wait_s; None while it still runs."""
+        fut = self.results.get(request_id)
+        if fut is None:
+            raise NotFound(f"No request {request_id!r} (finished ones are kept for a while, then dropped).")
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), wait_s)
+        except asyncio.TimeoutError:
+            return None
+
+    # -- sessions and the model ---------------------------------------------------------------------
+    def create_session(self) -> str:
+        session_id = f"session-{uuid.uuid4().hex[:12]}"
+        self.sessions[session_id] = time.monotonic()
+        return session_id
+
+    def heartbeat(self, session_id: str) -> None:
+        if session_id not in self.sessions:
+            raise NotFound(f"No session {session_id!r}.")
+        self.sessions[session_id] = time.monotonic()
+
+    def finish(self, session_id: str) -> None:
+        self.sessions.pop(session_id, None)
+
+    def _live(self, model: Model) -> bool:
+        beat = self.sessions.get(model.session_id)
+        return beat is not None and time.monotonic() - beat < SESSION_TIMEOUT_S
+
+    def check_base(self, base_model: str | None) -> str:
+        if base_model != self.base_model:
+            raise TandemError(
+                f"Base model {base_model!r} is not served here; this service serves {self.base_model!r}."
+            )
+        return base_model
+
+    def model_of(self, model_id: str) -> Model:
+        if self.model is None or self.model.model_id != model_id:
+            raise NotFound(f"No training model {model_id!r} here (one model at a time; see docs/serve.md).")
+        return self.model
+
+    def create_model(
+        self, session_id: str, seq: int, base: str, rank: int, seed: int, attn: bool, mlp: bool
+    ) -> str:
+        """A new training model -> the request id whose result is its model id. Refused while another
+        session's model is live."""
+        self.check_base(base)
+        if self.model is not None and self._live(self.model):
+            raise TandemError(
+                f"This service trains one model at a time and {self.model.model_id!r} is live (its "
+                "session has not finished). Close that ServiceClient, or start another `tandem serve` "
+                "for a second model."
+            )
+        rank = 0 if self.full_weights else rank
+        model_id = f"{session_id}:train:{seq}"
+        self.model = Model(model_id, session_id, base, rank, "")
+        model, shape = self.model, dict(rank=rank, seed=seed, attn=attn, mlp=mlp)
+
+        async def work():
+            await self._reset(model, shape)
+            return {"model_id": model_id, "type": "create_model"}
+
+        return self.run(work)
+
+    async def _reset(self, model: Model, shape: dict) -> None:
+        """Fresh workers for `model`: the base with new adapters of its shape, a new optimizer, an
+        engine at version 0 serving the base."""
+        cfg = with_lora(self.cfg, shape["rank"], shape["seed"], shape["attn"], shape["mlp"])
+        self.shape = shape
+        model.tokenizer_dir = await self._call("train", "reset", cfg)
+        await self._call("rollout", "reset", cfg)
+        self.resets += 1
+        self.serving = f"base:{self.resets}"
+
+    async def _call(self, role: str, method: str, *args):
+        cluster = self.workers.train if role == "train" else self.workers.rollout
+        start = time.perf_counter()
+        try:
+            return await asyncio.to_thread(self.workers.call, cluster, f"{role}/0", method, *args)
+        finally:
+            key = f"{role}.{method}"
+            self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - start
+
+    # -- training requests, in seq_id order ---------------------------------------------------------
+    def train(
+        self,
+        model_id: str,
+        seq_id: int | None,
+        work: Callable[[Model], Awaitable[Any]],
+        check: Callable[[], None] = lambda: None,
+    ) -> str:
+        """Queue `work` on the model's requests at seq_id (None: after the last) -> its request id.
+        `check` refuses a bad request (TandemError, a 400) before it is queued; its seq_id still
+        counts as used, since the SDK numbered it, so the requests after it are not held for it."""
+        model = self.model_of(model_id)
+        seq = seq_id if seq_id is not None else max(model.last_seq, model.next_seq - 1) + 1
+        if seq < model.next_seq or any(s == seq for s, *_ in model.queue):
+            raise TandemError(f"seq_id {seq} of model {model_id!r} was already used.")
+        model.last_seq = max(model.last_seq, seq)
+        request_id, fut = self._future()
+        try:
+            check()
+        except TandemError:
+            self._queue(model, seq, request_id, fut, _nothing)
+            raise
+        self._queue(model, seq, request_id, fut, work)
+        return request_id
+
+    def _queue(self, model: Model, seq: int, request_id: str, fut: asyncio.Future, work) -> None:
+        heapq.heappush(model.queue, (seq, request_id, fut, work))
+        if not model.draining:
+            model.draining = True
+            asyncio.create_task(self._drain(model))
+
+    async def _drain(self, model: Model) -> None:
+        """Run the model's queued requests while the next in order is there (a later one waits for
+        the gap before it to arrive)."""
+        try:
+            while model.queue and model.queue[0][0] == model.next_seq:
+                _, _, fut, work = heapq.heappop(model.queue)
+                await _settle(fut, lambda work=work: work(model))
+                model.next_seq += 1
+        finally:
+            model.draining = False
+
+    def forward_backward(self, req: FwdBwdRequest) -> str:
+        def check():
+            if req.error or not req.data:
+                raise TandemError(req.error or "forward_backward got no data.")
+            check_request(req.loss_fn, req.config, [set(d.inputs) for d in req.data])
+            self._check_tokens(req)
+
+        async def work(model: Model):
+            outputs, metrics = await self._call(
+                "train", "forward_backward", req.data, req.loss_fn, req.config, not req.forward_only
+            )
+            return forward_backward_output(outputs, metrics)
+
+        return self.train(req.model_id, req.seq_id, work, check)
+
+    def _check_tokens(self, req: FwdBwdRequest) -> None:
+        """Each datum: tokens in the vocabulary, within the context, targets the input shifted by one."""
+        vocab, context = self.limits()
+        for i, d in enumerate(req.data):
+            if not d.tokens or len(d.tokens) != len(d.targets):
+                raise TandemError(
+                    f"Datum {i}: {len(d.tokens)} input tokens and {len(d.targets)} target_tokens; "
+                    "give one target per input position (at least one)."
+                )
+            if len(d.tokens) + 1 > context:
+                raise TandemError(
+                    f"Datum {i}: {len(d.tokens) + 1} tokens, past the model's context of {context}."
+                )
+            if not all(0 <= t < vocab for t in d.tokens + d.targets):
+                raise TandemError(f"Datum {i}: a token id outside the vocabulary [0, {vocab}).")
+            if d.tokens[1:] != d.targets[:-1]:
+                raise TandemError(
+                    f"Datum {i}: target_tokens must be model_input shifted by one (target[t] = input[t+1]), "
+                    "as the SDK's helpers build them: the service scores the sequence input + [last target]."
+                )
+
+    def limits(self) -> tuple[int, int]:
+        """(vocabulary size, context length) of the served model."""
+        return self.vocab, self.context
+
+    def optim_step(self, model_id: str, seq_id: int | None, adam: dict) -> str:
+        def check():
+            if adam.get("type", "adam") != "adam":
+                raise TandemError(f"Only Adam is served, not {adam['type']!r}.")
+
+        args = (
+            adam.get("learning_rate", 1e-4),
+            (adam.get("beta1", 0.9), adam.get("beta2", 0.95)),
+            adam.get("eps", 1e-12),
+            adam.get("weight_decay", 0.0),
+            adam.get("grad_clip_norm", 0.0) or float("inf"),
+        )
+
+        async def work(model: Model):
+            return {"metrics": await self._call("train", "optim_step", *args)}
+
+        return self.train(model_id, seq_id, work, check)
+
+    # -- checkpoints and samplers -------------------------------------------------------------------
+    def state_path(self, model_id: str, kind: str, name: str) -> tuple[str, Path]:
+        """tinker://<model_id>/<kind>/<name> and its directory under run.out_dir/run.name."""
+        if not name or "/" in name or name in (".", ".."):
+            raise TandemError(f"Checkpoint name {name!r} must be a plain name (no '/').")
+        return f"tinker://{model_id}/{kind}/{name}", self.state_dir / quote(model_id, safe="") / kind / name
+
+    def parse_path(self, path: str) -> Path:
+        """A save_state path -> its directory; NotFound when nothing was saved there."""
+        parts = path.removeprefix("tinker://").split("/")
+        if not path.startswith("tinker://") or len(parts) != 3 or parts[1] != "weights":
+            raise TandemError(f"{path!r} is not a save_state path (tinker://<model_id>/weights/<name>).")
+        _, where = self.state_path(parts[0], "weights", parts[2])
+        if not (where / "serve.json").exists():
+            raise NotFound(f"No checkpoint at {path!r} (looked in {where}).")
+        return where
+
+    def save_state(self, model_id: str, seq_id: int | None, name: str, overwrite: bool) -> str:
+        path, where = f"tinker://{model_id}/weights/{name}", self.state_dir
+
+        def check():
+            nonlocal path, where
+            path, where = self.state_path(model_id, "weights", name)
+            if where.exists() and not overwrite:
+                raise TandemError(f"Checkpoint {path!r} exists; pass overwrite=True to replace it.")
+
+        async def work(model: Model):
+            where.mkdir(parents=True, exist_ok=True)
+            await self._call("train", "save", str(where))
+            meta = {"base_model": model.base_model, **self.shape}
+            (where / "serve.json").write_text(json.dumps(meta))  # last: a checkpoint without it is partial
+            return {"path": path, "type": "save_weights"}
+
+        return self.train(model_id, seq_id, work, check)
+
+    def load_state(self, model_id: str, seq_id: int | None, path: str, optimizer: bool) -> str:
+        async def work(model: Model):
+            await self._call("train", "load", str(self.parse_path(path)))
+            if not optimizer:
+                await self._call("train", "drop_optimizer_state")
+            return {"path": path, "model_id": model.model_id, "type": "load_weights"}
+
+        return self.train(model_id, seq_id, work, lambda: self.parse_path(path))
+
+    def create_from_state(self, session_id: str, seq: int, path: str, optimizer: bool) -> str:
+        """create_training_client_from_state: a new model shaped as the checkpoint's, then its state."""
+        where = self.parse_path(path)
+        meta = json.loads((where / "serve.json").read_text())
+        request_id = self.create_model(
+            session_id, seq, meta["base_model"], meta["rank"], meta["seed"], meta["attn"], meta["mlp"]
+        )
+        model, created = self.model, self.results[request_id]
+
+        async def work():
+            made = await created
+            if isinstance(made, Failure):
+                return made
+            await self._call("train", "load", str(where))
+            if not optimizer:
+                await self._call("train", "drop_optimizer_state")
+            return {"path": path, "model_id": model.model_id, "type": "load_weights"}
+
+        return self.run(work)
+
+    def save_for_sampler(self, model_id: str, seq_id: int | None, name: str | None) -> str:
+        """Push the trainer's weights to the engine as a new version -> a sampler for them (a path
+        when named, else a sampling session)."""
+        model = self.model_of(model_id)
+        path = self.state_path(model_id, "sampler_weights", name)[0] if name else None
+
+        async def work(model: Model):
+            model.pushes += 1
+            key = path or f"tinker://{model_id}/sampler_weights/push-{model.pushes}"
+            start = time.perf_counter()
+            await asyncio.to_thread(self.workers.push, model.pushes)
+            self.timings["push"] = self.timings.get("push", 0.0) + time.perf_counter() - start
+            self.serving = key
+            self.sampler_paths.add(key)
+            sampler_id = self.add_sampler(Sampler(model.base_model, key, key))
+            return {"path": key, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
+
+        return self.train(model.model_id, seq_id, work)
+
+    def add_sampler(self, sampler: Sampler) -> str:
+        sampler_id = f"sampler-{uuid.uuid4().hex[:12]}"
+        self.samplers[sampler_id] = sampler
+        return sampler_id
+
+    def create_sampler(self, model_path: str | None, base_model: str | None) -> str:
+        if model_path:
+            if model_path not in self.sampler_paths:
+                raise NotFound(f"No sampler weights at {model_path!r} (save_weights_for_sampler makes them).")
+            base = self.model.base_model if self.model else self.base_model
+            return self.add_sampler(Sampler(base, model_path, model_path))
+        return self.add_sampler(Sampler(self.check_base(base_model), None, f"base:{self.resets}"))
+
+    def sampler(self, sampler_id: str) -> Sampler:
+        if sampler_id not in self.samplers:
+            raise NotFound(f"No sampler {sampler_id!r}.")
+        return self.samplers[sampler_id]
+
+    # -- sampling, batched --------------------------------------------------------------------------
+    def sample(self, job: SampleJob) -> None:
+        self.samples.put_nowait(job)
+
+    async def _sampling_loop(self) -> None:
+        """Take every queued request (the first waits SAMPLE_GATHER_S for the rest of its burst) and
+        run those of the same sampling parameters as one generate call."""
+        while True:
+            jobs = [await self.samples.get()]
+            await asyncio.sleep(SAMPLE_GATHER_S)
+            while not self.samples.empty():
+                jobs.append(self.samples.get_nowait())
+            groups: dict[str, list[SampleJob]] = {}
+            for job in jobs:
+                groups.setdefault(repr(job.params), []).append(job)
+            for group in groups.values():
+                await self._sample_group(group)
+
+    async def _sample_group(self, jobs: list[SampleJob]) -> None:
+        ready = []
+        for job in jobs:
+            if job.sampler.weights != self.serving:
+                _fail(
+                    self.results[job.request_id],
+                    Failure(
+                        f"Sampler of {job.sampler.model_path or 'the base model'} is not served any more: "
+                        "the engine holds only the newest weights saved for a sampler (docs/serve.md). "
+                        "Sample from the newest sampler."
+                    ),
+                )
+            else:
+                ready.append(job)
+        if not ready:
+            return
+        try:
+            asks = [(j.prompt, j.n, j.max_tokens, j.seed) for j in ready]
+            outs = await self._call("rollout", "sample", asks, ready[0].params)
+            for job, sequences in zip(ready, outs, strict=True):
+                logprobs = (
+                    await self._call("rollout", "prompt_logprobs", job.prompt)
+                    if job.prompt_logprobs
+                    else None
+                )
+                self.results[job.request_id].set_result(sample_response(sequences, logprobs))
+        except Exception as e:  # every request of the call gets the error; the loop goes on
+            failure = _failure(e)
+            for job in ready:
+                _fail(self.results[job.request_id], failure)
+
+    def new_sample(self, sampler_id: str, **fields) -> tuple[str, list[str]]:
+        """Queue a sample request -> its request id and its sequences' ids."""
+        request_id, _ = self._future()
+        job = SampleJob(request_id, self.sampler(sampler_id), **fields)
+        self.sample(job)
+        return request_id, [f"{request_id}:{i}" for i in range(job.n)]
+
+    async def close(self) -> None:
+        for task in self.loops:
+            task.cancel()
+        self.workers.close()
+
+
+def _failure(e: BaseException) -> Failure:
+    if isinstance(e, TandemError):
+        return Failure(str(e), "user")
+    return Failure(f"{type(e).__name__}: {e}", "server")
+
+
+def _fail(fut: asyncio.Future, failure: Failure) -> None:
+    if not fut.done():
+        fut.set_result(failure)
+
+
+async def _nothing(model: Model) -> None:
+    """A refused request's place in its model's order."""
+
+
+async def _settle(fut: asyncio.Future, work: Callable[[], Awaitable[Any]]) -> None:
+    """Run `work` into `fut`: its result, or its error as a `Failure` (the service stays up)."""
+    try:
+        result = await work()
+    except Exception as e:
+        result = _failure(e)
+    if not fut.done():
+        fut.set_result(result)
