@@ -167,7 +167,7 @@ def test_a_key_is_required_off_loopback_and_checked_on_every_request():
     assert web.get("/api/v1/healthz", headers={"X-API-Key": KEY}).json() == {"status": "ok"}
 
 
-def start_service(out_dir: Path) -> tuple[subprocess.Popen, str]:
+def start_service(out_dir: Path, *overrides: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [
         sys.executable,
@@ -177,6 +177,7 @@ def start_service(out_dir: Path) -> tuple[subprocess.Popen, str]:
         "--port",
         str(port),
         f"run.out_dir={out_dir}",
+        *overrides,
     ]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -236,3 +237,26 @@ def test_the_sdk_rl_loop_takes_the_warm_start_past_95_percent(url):
         float, re.search(r"held-out accuracy: ([\d.]+)% before -> ([\d.]+)% after", out).groups()
     )
     assert before < 60 and after >= 95, out
+
+
+@pytest.mark.ray
+def test_the_service_runs_its_workers_as_ray_actors_with_run_cluster_ray(tmp_path):
+    """run.cluster=ray: the trainer and the engine are Ray actors placed as `tandem train` places
+    its roles (so ray.address can put them on other machines); the SDK sees the same service."""
+    process, url = start_service(tmp_path, "run.cluster=ray")
+    try:
+        with client(url) as service:
+            training = service.create_lora_training_client(base_model=MODEL, rank=8, seed=1).result()
+            data = carries(training.get_tokenizer())
+            losses = [sft_step(training, data) for _ in range(4)]
+            assert losses[-1] < losses[0], losses
+            sampler = training.save_weights_and_get_sampling_client().result()
+            prompt = types.ModelInput.from_ints(data[0].model_input.to_ints())
+            reply = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=4)).result()
+            assert len(reply.sequences) == 2
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()

@@ -177,7 +177,9 @@ class RayCluster:
         return self.actors["reward"][0]
 
     @classmethod
-    def start(cls, cfg: Config) -> "RayCluster":
+    def start(cls, cfg: Config, classes: dict[str, type] | None = None) -> "RayCluster":
+        """The run's actors, placed. `classes`: role -> a worker class to build instead of its row's
+        (a subclass with calls of its own: `tandem serve`'s trainer and engine)."""
         start_ray(cfg)
         have = ray.cluster_resources()
         placement.check_resources(cfg, have, "the Ray cluster")
@@ -202,7 +204,10 @@ class RayCluster:
         def build(role: Role) -> list:
             """The role's actors: each placed role's on its slots' bundles, with their CPUs and GPUs;
             a role placement leaves out (the reward actor: light) beside them, on no CPU of its own."""
-            actor, restarts = ray_actor(role.worker_class()), role.restarts(cfg)
+            actor, restarts = (
+                ray_actor((classes or {}).get(role.name) or role.worker_class()),
+                role.restarts(cfg),
+            )
             retries = dict(max_restarts=restarts, max_task_retries=restarts if role.retry_calls else 0)
             if not role.task:
                 return [

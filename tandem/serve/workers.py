@@ -9,12 +9,15 @@ reach the engine by the actor's own versioned push (`send_weights` / `receive_we
 saves and loads are the actor's checkpoints (`save` / `load`: weights, optimizer, schedule, RNGs).
 `ServeRollout` is a `RolloutActor`: sampling is its worker's generate call.
 
-Each worker gets a `LocalCluster` of its own (one call thread each, calls in order), so a sample
-runs while a forward_backward runs, on threads of one process. Ray placement is not wired yet:
-`RayCluster` builds its actors from `TrainActor` / `RolloutActor` themselves (docs/serve.md).
+In one process (run.cluster auto or local), each worker gets a `LocalCluster` of its own (one
+call thread each, calls in order), so a sample runs while a forward_backward runs, on threads of
+one process. With run.cluster=ray both are Ray actors of one `RayCluster`, placed as `tandem
+train`'s are (placement.*, ray.address to join a cluster of several machines): the roles table's
+trainer and engine rows, built as these subclasses.
 """
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,12 +28,15 @@ from tandem.rollout.protocol import SamplingParams
 from tandem.runtime.actors import RolloutActor, TrainActor, _plan
 from tandem.runtime.local import LocalCluster, cpu_threads
 from tandem.runtime.roles import build_rollout, build_trainer, load_checked_tokenizer
-from tandem.runtime.run import with_absolute_paths
+from tandem.runtime.run import in_one_process, with_absolute_paths
 from tandem.sample import Prompt, Sample
 from tandem.serve.losses import LOSSES
 from tandem.serve.wire import Datum, Sequence
 from tandem.sync import StagingBuffer
 from tandem.train.batch import pad_rows, score, sequence_logprobs
+
+if TYPE_CHECKING:  # imported where a run on Ray starts: one process never loads Ray
+    from tandem.runtime.cluster import RayCluster
 
 
 def with_lora(cfg: Config, rank: int, seed: int, attn: bool, mlp: bool) -> Config:
@@ -56,8 +62,8 @@ def as_samples(data: list[Datum]) -> list[Sample]:
 
 
 class ServeTrainer(TrainActor):
-    def __init__(self, cfg: Config, threads: int):
-        super().__init__(cfg, 0, threads, keep_ref=False)
+    def __init__(self, cfg: Config, rank: int, threads: int):
+        super().__init__(cfg, rank, threads, keep_ref=False)
 
     def reset(self, cfg: Config) -> str:
         """A fresh model: the base at model.path with new adapters (train.lora), a new optimizer
@@ -165,13 +171,14 @@ class ServeRollout(RolloutActor):
 
 @dataclasses.dataclass
 class Workers:
-    """The service's clusters, one per worker, and the call that waits on them."""
+    """The service's clusters (one per worker in one process; one Ray cluster for both), and the
+    call that waits on them."""
 
-    train: LocalCluster
-    rollout: LocalCluster
+    train: "LocalCluster | RayCluster"
+    rollout: "LocalCluster | RayCluster"
     timeout_s: float
 
-    def call(self, cluster: LocalCluster, worker: str, method: str, *args):
+    def call(self, cluster, worker: str, method: str, *args):
         """`worker.method(*args)` on its cluster, waited for (run it off the event loop)."""
         return cluster.get([cluster.submit(worker, method, *args)], self.timeout_s)[0]
 
@@ -183,6 +190,12 @@ class Workers:
         self.call(self.rollout, "rollout/0", "apply_pending")
 
     def close(self) -> None:
+        if not isinstance(self.train, LocalCluster):  # Ray: the actors go, and Ray if started here
+            import ray
+
+            self.train.close()
+            ray.shutdown()
+            return
         # LocalCluster.close also stops a reward pool and an agent, which the service has none of:
         # its call threads end at the sentinel.
         self.train.calls.put(None)
@@ -197,8 +210,13 @@ def resolve(cfg: Config) -> Config:
 def start_workers(cfg: Config) -> Workers:
     """The trainer and the engine of a resolved config, each on a call thread of its own, with
     every CPU thread (run.threads to share them out)."""
-    threads = cfg.run.threads or cpu_threads()
     load_checked_tokenizer(cfg)  # a bad tokenizer fails here, once
-    train = LocalCluster({"train/0": ServeTrainer(cfg, threads)}, {"train": ["train/0"]}, threads)
+    if not in_one_process(cfg):  # run.cluster=ray, or a setting one process cannot hold
+        from tandem.runtime.cluster import RayCluster
+
+        cluster = RayCluster.start(cfg, {"train": ServeTrainer, "rollout": ServeRollout})
+        return Workers(cluster, cluster, cfg.run.timeout_s)
+    threads = cfg.run.threads or cpu_threads()
+    train = LocalCluster({"train/0": ServeTrainer(cfg, 0, threads)}, {"train": ["train/0"]}, threads)
     rollout = LocalCluster({"rollout/0": ServeRollout(cfg, 0, threads)}, {"rollout": ["rollout/0"]}, threads)
     return Workers(train, rollout, cfg.run.timeout_s)
