@@ -211,6 +211,11 @@ def start_workers(cfg: Config) -> Workers:
     """The trainer and the engine of a resolved config, each on a call thread of its own, with
     every CPU thread (run.threads to share them out)."""
     load_checked_tokenizer(cfg)  # a bad tokenizer fails here, once
+    if cfg.train.num_workers > 1 or cfg.rollout.num_workers > 1:
+        raise TandemError(
+            f"tandem serve runs one trainer and one engine; train.num_workers={cfg.train.num_workers} "
+            f"and rollout.num_workers={cfg.rollout.num_workers} ask for more. Set both to 1."
+        )
     if not in_one_process(cfg):  # run.cluster=ray, or a setting one process cannot hold
         from tandem.runtime.cluster import RayCluster
 
