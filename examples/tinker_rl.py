@@ -3,6 +3,14 @@
     tandem serve                                   # in one terminal (loopback, port 8000)
     TINKER_API_KEY=tml-local python examples/tinker_rl.py
 
+On the real model (SmolLM2-135M-Instruct, the `real-model` extra), with the settings of
+recipes/smollm2-addition.yaml:
+
+    tandem serve recipes/smollm2-addition.yaml
+    TINKER_API_KEY=tml-local python examples/tinker_rl.py --model builtin:smollm2-135m-instruct \
+        --max-tokens 32 --temperature 0.5 --batch 8 --rank 16 --lr 2e-4 --steps 10 \
+        --system "You are a calculator. Answer with the number only."
+
 The loop is the SDK's quick-start shape: sample a group of answers per prompt, reward them, turn
 rewards into advantages, one forward_backward with the importance-sampling loss, one optim_step,
 then save the weights for a new sampler. It starts from tandem's warm start (`builtin:addition`,
@@ -47,9 +55,9 @@ def reward(text: str, answer: int) -> float:
     return float(bool(found) and int(found[-1]) == answer)
 
 
-def accuracy(sampler, tokenizer, prompts: list[list[int]], answers: list[int]) -> float:
+def accuracy(sampler, tokenizer, prompts: list[list[int]], answers: list[int], max_tokens: int) -> float:
     """The share of problems answered right greedily."""
-    greedy = types.SamplingParams(max_tokens=8, temperature=0.0)
+    greedy = types.SamplingParams(max_tokens=max_tokens, temperature=0.0)
     futures = [sampler.sample(types.ModelInput.from_ints(p), 1, greedy) for p in prompts]
     texts = [tokenizer.decode(f.result().sequences[0].tokens, skip_special_tokens=True) for f in futures]
     return sum(reward(t, a) for t, a in zip(texts, answers, strict=True)) / len(answers)
@@ -67,6 +75,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "--rank", type=int, default=32, help="LoRA rank (tandem serve --full-weights: all weights)"
     )
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-tokens", type=int, default=8, help="response tokens (a real model: 32)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling (a small real model: 0.5)")
+    p.add_argument("--system", default="", help="a system turn before each problem")
     p.add_argument("--held-out", type=int, default=256, help="problems (0: no evaluation)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -78,7 +89,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     tokenizer = training.get_tokenizer()
 
     def encode(question: str) -> list[int]:
-        chat = [{"role": "user", "content": question}]
+        chat = [{"role": "system", "content": args.system}] if args.system else []
+        chat.append({"role": "user", "content": question})
         text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -86,10 +98,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     test_prompts, test_answers = [encode(q) for q, _ in test], [a for _, a in test]
     train, rng = problems(20_000, "train", args.seed), random.Random(args.seed)
     sampler = service.create_sampling_client(base_model=args.model).result()
-    before = accuracy(sampler, tokenizer, test_prompts, test_answers) if test else float("nan")
+    before = (
+        accuracy(sampler, tokenizer, test_prompts, test_answers, args.max_tokens) if test else float("nan")
+    )
     print(f"held-out accuracy before: {before:.1%}", flush=True)
 
-    params = types.SamplingParams(max_tokens=8, temperature=1.0)
+    params = types.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     adam = types.AdamParams(learning_rate=args.lr, beta1=0.9, beta2=0.999, eps=1e-8, grad_clip_norm=1.0)
     start = time.time()
     for step in range(args.steps):
@@ -133,7 +147,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         )
 
     loop_s = time.time() - start
-    after = accuracy(sampler, tokenizer, test_prompts, test_answers) if test else float("nan")
+    after = (
+        accuracy(sampler, tokenizer, test_prompts, test_answers, args.max_tokens) if test else float("nan")
+    )
     print(f"held-out accuracy: {before:.1%} before -> {after:.1%} after {args.steps} steps")
     service.close("success").result()
     return {"accuracy_before": before, "accuracy_after": after, "loop_s": loop_s}
