@@ -64,8 +64,13 @@ def _task_groups(cfg: Config) -> tuple[list[list[str]], list[float]]:
         return [placed_roles()], [1.0]
     tasks = [[g] if isinstance(g, str) else list(g) for g in p.groups]
     groups = [[by_task(t).name for t in g if t != "logp"] for g in tasks]  # logp runs inside actor_train
-    for role in table():  # a role not named joins the group its row names
-        if role.task and role.placed_with and role.name not in {n for g in groups for n in g}:
+    for role in table():  # a role of this run not named joins the group its row names
+        if (
+            role.task
+            and role.placed_with
+            and role.count(cfg)
+            and role.name not in {n for g in groups for n in g}
+        ):
             next(g for g in groups if by_task(role.placed_with).name in g).append(role.name)
     return groups, list(p.ratios)
 
