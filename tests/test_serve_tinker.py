@@ -1,6 +1,6 @@
 """`tandem serve` driven by the official `tinker` SDK: SFT lowers the loss, bad requests get the SDK's
-errors and leave the service up, a checkpoint survives a killed service bit for bit, and (slow) the
-SDK-style RL loop of examples/tinker_rl.py takes the warm start past 95% held-out."""
+errors and leave the service up, a checkpoint survives a killed service bit for bit, and
+(integration) the SDK-style RL loop of examples/tinker_rl.py takes the warm start past 95% held-out."""
 
 import contextlib
 import os
@@ -228,7 +228,7 @@ def test_a_killed_service_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
     assert fresh != expected
 
 
-@pytest.mark.slow
+@pytest.mark.integration  # ~1-2 minutes: CI runs it (pytest's default selection leaves out only slow)
 def test_the_sdk_rl_loop_takes_the_warm_start_past_95_percent(url):
     env = {**os.environ, "TINKER_API_KEY": KEY}
     example = [sys.executable, str(ROOT / "examples" / "tinker_rl.py"), "--base-url", url, "--steps", "30"]
