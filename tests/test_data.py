@@ -260,8 +260,8 @@ def _uses_numbers_once(expr: str, numbers: list[int]) -> bool:
 
 
 def test_tasks_registry():
-    assert TASKS.names() == ["addition", "countdown", "multiply", "reverse"]
-    with pytest.raises(TandemError, match="addition, countdown, multiply, reverse"):
+    assert TASKS.names() == ["addition", "addition_judge", "countdown", "multiply", "reverse"]
+    with pytest.raises(TandemError, match="addition, addition_judge, countdown, multiply, reverse"):
         TASKS.get("sudoku")
 
 

@@ -171,8 +171,27 @@ class RolloutConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """reward.fn=judge (docs/rewards.md "Judge"): a generative reward model, served by a judge
+    worker with its own engine, reads each response through `template` and `parser` reads its
+    verdict as the reward."""
+
+    path: str = ""  # the judge model's checkpoint (a directory or builtin:<name>)
+    # The judge's user turn; {prompt} is the task's (its last user turn), {response} the policy's,
+    # {reference} the row's ground truth.
+    template: str = "{prompt}{response}?"
+    parser: str = "yes_no"  # how its output becomes a score (tandem.reward.judge.JUDGE_PARSERS)
+    max_new_tokens: int = 8  # the judge's output, greedy; one cut short is unparsable
+    timeout_s: float = 30.0  # one reward call's judging; samples unfinished by then are timeouts
+    # A reward spec, not "judge": it scores the held-out samples (so val/accuracy stays accuracy)
+    # and, beside the judge, each training sample it can, for reward/judge/agreement/mean.
+    verifier: str = "auto"
+
+
+@dataclass
 class RewardConfig:
-    fn: str = "auto"  # "auto" (by data_source), a verifier name, or "pkg.module:function"
+    # "auto" (by data_source), a verifier name, "pkg.module:function", or "judge" (reward.judge)
+    fn: str = "auto"
     num_workers: int = 2
     timeout_s: float = 10.0
     # Importing reward.fn's module may take this long (in the driver, and again in the reward
@@ -191,6 +210,13 @@ class RewardConfig:
     # timeout_s, less 1 s (docs/rewards.md).
     sandbox_timeout_s: float = 5.0
     sandbox_memory_mb: int = 512
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+
+    @property
+    def pool_fn(self) -> str:
+        """The spec the reward pool runs: reward.fn, or with reward.fn=judge the judge's verifier
+        (the pool then scores only held-out samples; the judge worker the training ones)."""
+        return self.judge.verifier if self.fn == "judge" else self.fn
 
 
 @dataclass

@@ -22,6 +22,7 @@ from tandem.data.reasoning_gym import PREFIX as REASONING_GYM
 from tandem.data.tasks import TASKS, build_task
 from tandem.dtypes import ROLLOUT_DTYPES, TRAIN_DTYPES
 from tandem.errors import TandemError
+from tandem.reward.judge import JUDGE_PARSERS, template_error
 from tandem.rollout.engines import ENGINES
 from tandem.rollout.protocol import LOGPROBS_MODES, ON_UPDATE_POLICIES
 from tandem.runtime.role_table import one_process_reasons, placement_tasks, table
@@ -45,6 +46,7 @@ def validate(cfg: Config) -> None:
         _check_sim_lengths,
         _check_data,
         _check_reward,
+        _check_judge,
         _check_algo,
         _check_correction_set,
         _check_corrections,
@@ -380,6 +382,36 @@ def _check_reward(cfg: Config) -> None:
         w.sandbox_memory_mb >= 32,
         "reward.sandbox_memory_mb",
         f"must be >= 32 (MiB of address space per test), got {w.sandbox_memory_mb}.",
+    )
+
+
+def _check_judge(cfg: Config) -> None:
+    """reward.fn=judge needs a judge (a model, a template, a parser); a judge without it is refused,
+    not ignored."""
+    w, j = cfg.reward, cfg.reward.judge
+    if w.fn != "judge":
+        _check(
+            not j.path,
+            "reward.judge.path",
+            f"is {j.path!r}, but reward.fn={w.fn!r} never asks a judge: set reward.fn=judge to score "
+            "with it, or leave reward.judge.path empty.",
+        )
+        return
+    _check(
+        bool(j.path),
+        "reward.judge.path",
+        "must name the judge model with reward.fn=judge: its checkpoint directory or builtin:<name>.",
+    )
+    one_of(j.parser, JUDGE_PARSERS.names(), "reward.judge.parser", JUDGE_PARSERS.kind)
+    why = template_error(j.template)
+    _check(not why, "reward.judge.template", f"{why} It is {j.template!r}.")
+    _check(j.max_new_tokens >= 1, "reward.judge.max_new_tokens", "must be >= 1.")
+    _check(j.timeout_s > 0, "reward.judge.timeout_s", "must be > 0 seconds.")
+    _check(
+        j.verifier not in ("", "judge"),
+        "reward.judge.verifier",
+        f"is {j.verifier!r}: it must be a reward spec other than judge (e.g. auto), which scores the "
+        "held-out samples, so that val/accuracy stays a verifier's accuracy.",
     )
 
 

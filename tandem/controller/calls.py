@@ -31,14 +31,20 @@ class Kind(str, Enum):
 
 @dataclass(frozen=True)
 class Route:
-    roles: tuple[str, ...]  # the roles whose workers run this kind of call
+    # The roles whose workers run this kind of call (a call one worker answers: the first role the
+    # run has, `Route.worker`).
+    roles: tuple[str, ...]
     method: str  # the worker method it calls (`tandem.runtime.actors`, `tandem.sim.workers`)
+
+    def worker(self, names: dict[str, list[str]]) -> str | None:
+        """Rank 0 of the first of `roles` that has workers in the run (`names`: role -> workers)."""
+        return next((names[r][0] for r in self.roles if names.get(r)), None)
 
 
 ROUTES: dict[Kind, Route] = {
     Kind.GENERATE: Route(("rollout",), "generate"),
     Kind.VAL: Route(("rollout",), "generate"),
-    Kind.REWARD: Route(("reward",), "score"),
+    Kind.REWARD: Route(("judge", "reward"), "score"),  # the judge where the run has one
     Kind.VAL_REWARD: Route(("reward",), "score"),
     Kind.REF: Route(("ref",), "score"),
     Kind.TEACHER: Route(("teacher",), "score"),

@@ -7,6 +7,7 @@ One training step, call by call (`calls.ROUTES` names each kind's role and worke
 
     admit -> dispatch    GENERATE  rollout/i.generate      -> on_generate: a group is whole
                          REWARD    reward/0.score          -> on_reward: (dynamic sampling)
+                                   (judge/0.score with reward.fn=judge)
                          REF       ref/0.score             -> on_scored (with algo.kl_coef > 0)
                          TEACHER   teacher/0.score         -> on_scored (with algo.distill.teacher)
                                    buffer.finish(group)    ... until a batch is ready:
@@ -290,7 +291,8 @@ class Loop:
             self.score(done, call.version)
 
     def score(self, samples: list[Sample], version: int) -> None:
-        self.call(Call(Kind.REWARD, "reward/0", samples, version), samples)
+        worker = ROUTES[Kind.REWARD].worker(self.cluster.names)
+        self.call(Call(Kind.REWARD, worker, samples, version), samples)
 
     def on_reward(self, call: Call, result) -> None:
         samples, metrics, span = result
@@ -308,9 +310,8 @@ class Loop:
         reference's, then the teacher's, where the run has them); then the group is finished."""
         order = SCORERS[SCORERS.index(after) + 1 :] if after else SCORERS
         for kind in order:
-            workers = self.cluster.names.get(ROUTES[kind].roles[0])
-            if workers:
-                self.call(Call(kind, workers[0], samples, version), samples)
+            if worker := ROUTES[kind].worker(self.cluster.names):
+                self.call(Call(kind, worker, samples, version), samples)
                 return
         self.finish_groups(samples)
 

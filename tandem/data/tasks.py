@@ -10,6 +10,7 @@ then has to improve). Responses are exactly the text the model should write befo
 | countdown | "3 7 12 -> 33"   | "3*7+12"  | {"target": 33, "numbers": [3, 7, 12]}   |
 | reverse   | "reverse: abcde" | "edcba"   | "edcba"                                 |
 | multiply  | "37*48="         | "<calc>37*48</calc><result>1776</result>1776" | "1776"      |
+| addition_judge | "23+58=71?" | "81 no"   | "no"                                    |
 
 "reasoning_gym:<dataset>" is any dataset of reasoning-gym (`ReasoningGym`, tandem.data.reasoning_gym):
 its question is the prompt, its answer the solution and ground truth; it has no flawed solution.
@@ -134,6 +135,58 @@ class Addition(Task):
 def _operands(row: dict[str, Any] | Prompt) -> tuple[int, int]:
     a, b = _content(row).removesuffix("=").split("+")
     return int(a), int(b)
+
+
+@TASKS.register("addition_judge")
+class AdditionJudge(Task):
+    """ "23+58=81?" -> "81 yes", "23+58=71?" -> "81 no": is the claimed sum right? The data of the
+    judge `recipes/sft-judge.yaml` trains (reward.fn=judge). It writes the sum it makes, then its
+    verdict: a model of a few million parameters checks a sum it has written much more reliably
+    than one it must hold in its head. Half the claims are right; the wrong ones are a policy's
+    mistakes (`wrong_sum`). Problems split as `addition`'s do, so its test problems stay unseen."""
+
+    name = "addition_judge"
+
+    def __init__(self, max_digits: int = 2):
+        self.addition = Addition(max_digits)
+
+    def draw(self, rng: random.Random) -> tuple[str, Any, str]:
+        text, truth, canonical = self.addition.draw(rng)
+        claim = truth if rng.random() < 0.5 else wrong_sum(int(truth), rng)
+        return f"{text}{claim}?", "yes" if claim == truth else "no", canonical
+
+    def solution(self, row: dict[str, Any] | Prompt) -> str:
+        problem, claim = _content(row).removesuffix("?").split("=", 1)
+        total = sum(int(x) for x in problem.split("+"))
+        return f"{total} {'yes' if claim == str(total) else 'no'}"
+
+    def flawed_solution(self, row: dict[str, Any] | Prompt, rng: random.Random) -> str:
+        """The right sum with the verdict turned round."""
+        total, verdict = self.solution(row).split()
+        return f"{total} {'no' if verdict == 'yes' else 'yes'}"
+
+
+def wrong_sum(total: int, rng: random.Random) -> str:
+    """A claim other than `total`: a carry dropped or misplaced, one digit off, a digit lost or
+    doubled, any number, or no number at all."""
+    digits = str(total)
+    while True:
+        pick = rng.random()
+        if pick < 0.3:  # one digit changed: what a dropped carry does to a sum
+            i = rng.randrange(len(digits))
+            claim = digits[:i] + str(rng.randrange(10)) + digits[i + 1 :]
+        elif pick < 0.5:
+            claim = str(max(0, total + rng.choice([-11, -10, -9, -2, -1, 1, 2, 9, 10, 11])))
+        elif pick < 0.65:  # a digit lost or doubled
+            i = rng.randrange(len(digits))
+            kept = digits[i] * 2 if rng.random() < 0.5 else ""
+            claim = digits[:i] + kept + digits[i + 1 :]
+        elif pick < 0.95:
+            claim = str(rng.randrange(200))
+        else:
+            claim = rng.choice(["", "+", "=", "?", "a"])
+        if not (claim.isdigit() and int(claim) == total):  # "081" is right to a verifier
+            return claim
 
 
 @TASKS.register("countdown")

@@ -31,7 +31,7 @@ from concurrent.futures import TimeoutError
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from pebble import ProcessExpired, ProcessFuture, ProcessPool
 
@@ -40,9 +40,6 @@ from tandem.reward.code import CodeLimits
 from tandem.reward.user_fn import AutoReward, RewardFn, canonical_spec, load_reward_fn, load_within
 from tandem.sample import Prompt, Sample
 from tandem.sandbox import die_with_parent
-
-if TYPE_CHECKING:
-    from tandem.config.schema import RewardConfig
 
 log = logging.getLogger("tandem.reward")
 
@@ -97,10 +94,11 @@ class RewardPool:
         self._closed = False
 
     @classmethod
-    def from_config(cls, cfg: "RewardConfig", output_log: Path | None = None) -> "RewardPool":
-        """The pool of a config's reward section."""
+    def from_config(cls, cfg: Any, output_log: Path | None = None) -> "RewardPool":
+        """The pool of a config's reward section (`tandem.config.schema.RewardConfig`: not imported,
+        since the config's validation reads the judge's parsers in this package)."""
         return cls(
-            cfg.fn,
+            cfg.pool_fn,
             cfg.num_workers,
             cfg.timeout_s,
             cfg.sandbox_timeout_s,

@@ -15,11 +15,14 @@ import torch
 
 from tandem.config import Config
 from tandem.controller.timeline import Span
+from tandem.data.tokenizer import load_tokenizer
 from tandem.determinism import make_deterministic
 from tandem.dtypes import DTYPES
-from tandem.model.config import resolve_model_path
-from tandem.reward import RewardPool
+from tandem.model.config import model_dir, resolve_model_path
+from tandem.reward import RewardPool, load_reward_fn
+from tandem.reward.judge import JudgeWorker
 from tandem.reward.shaping import overlong_penalty
+from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.protocol import SamplingParams
 from tandem.runtime.memory import process_peak
 from tandem.runtime.role_table import ref_count
@@ -29,6 +32,7 @@ from tandem.runtime.roles import (
     build_trainer,
     load_checked_tokenizer,
     load_policy,
+    pad_token_id,
     save_hf_model,
 )
 from tandem.sample import Sample
@@ -257,6 +261,28 @@ class TeacherActor(_Timed):
     def score(self, samples: list[Sample]) -> tuple[list[Sample], Span]:
         start = time.time()
         return self.worker.score(samples), self._span("teacher", start)
+
+
+class JudgeActor(_Timed):
+    """reward.fn=judge: a generative reward model on a built-in engine of its own
+    (`tandem.reward.judge`); it answers the training reward calls, the reward actor the held-out ones."""
+
+    def __init__(self, cfg: Config, rank: int, threads: int):
+        _set_up_process(cfg, threads)
+        self.name = f"judge/{rank}"
+        judge = cfg.reward.judge
+        model = load_policy(cfg, cfg.rollout.dtype, path=judge.path)
+        tokenizer = load_tokenizer(model_dir(judge.path))
+        engine = BuiltinEngine(model, [tokenizer.eos_token_id], pad_token_id(tokenizer), seed=cfg.run.seed)
+        verifier = load_reward_fn(judge.verifier)
+        positions = model.cfg.max_position_embeddings
+        self.worker = JudgeWorker(engine, tokenizer, judge, verifier, positions)
+
+    def score(self, samples: list[Sample], kind: str = "reward"):
+        """The judge's rewards, as `RewardActor.score` gives the verifier's: (samples, counters, span)."""
+        start = time.time()
+        metrics = self.worker.score(samples)
+        return samples, metrics, self._span("judge", start)
 
 
 class CriticActor(_Timed, _DistMember):

@@ -133,6 +133,11 @@ _register(Role(
     worker=f"{ACTORS}:CriticActor", simulated=f"{SIM}:sim_forward",
 ))  # fmt: skip
 _register(Role(
+    "judge", task="judge", count=lambda cfg: int(cfg.reward.fn == "judge"), count_key="reward.fn",
+    placed_with="generate", worker=f"{ACTORS}:JudgeActor", simulated=f"{SIM}:sim_reward",
+    restarts=lambda cfg: 1, retry_calls=True,  # greedy judging is pure: a restarted judge judges again
+))  # fmt: skip
+_register(Role(
     "reward", task="", count=lambda cfg: 1, count_key="",
     worker=f"{ACTORS}:RewardActor", simulated=f"{SIM}:sim_reward",
     restarts=lambda cfg: 3, retry_calls=True,  # scoring is pure: a restarted pool scores again

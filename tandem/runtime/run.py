@@ -121,7 +121,7 @@ def _train(cfg: Config, run_dir: Path, on_step, signals: "Signals", stack: ExitS
         require_wandb()
     begun = time.time()
     data = build_data(cfg)  # bad input fails here, before any actor starts
-    load_within(cfg.reward.fn, cfg.reward.import_timeout_s)  # a module that hangs at import ends it here
+    load_within(cfg.reward.pool_fn, cfg.reward.import_timeout_s)  # a module that hangs at import ends it here
     startup.append(Span("data", DRIVER, begun, time.time()))
     local, begun = in_one_process(cfg), time.time()
     if local:
