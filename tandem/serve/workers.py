@@ -23,12 +23,13 @@ import torch
 
 from tandem import devices
 from tandem.config import Config
+from tandem.config.validate import one_process_refusal
 from tandem.errors import TandemError
 from tandem.rollout.protocol import SamplingParams
 from tandem.runtime.actors import RolloutActor, TrainActor, _plan
 from tandem.runtime.local import LocalCluster, cpu_threads
 from tandem.runtime.roles import build_rollout, build_trainer, load_checked_tokenizer
-from tandem.runtime.run import in_one_process, with_absolute_paths
+from tandem.runtime.run import with_absolute_paths
 from tandem.sample import Prompt, Sample
 from tandem.serve.losses import LOSSES
 from tandem.serve.wire import Datum, Sequence
@@ -216,7 +217,9 @@ def start_workers(cfg: Config) -> Workers:
             f"tandem serve runs one trainer and one engine; train.num_workers={cfg.train.num_workers} "
             f"and rollout.num_workers={cfg.rollout.num_workers} ask for more. Set both to 1."
         )
-    if not in_one_process(cfg):  # run.cluster=ray, or a setting one process cannot hold
+    # Ray when asked for (run.cluster=ray) or when one process cannot hold the settings; not merely
+    # because Ray runs in this process already (a test session's), as `tandem train`'s auto would.
+    if cfg.run.cluster == "ray" or (cfg.run.cluster == "auto" and one_process_refusal(cfg)):
         from tandem.runtime.cluster import RayCluster
 
         cluster = RayCluster.start(cfg, {"train": ServeTrainer, "rollout": ServeRollout})
