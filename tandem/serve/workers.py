@@ -96,14 +96,8 @@ class ServeTrainer(TrainActor):
             loss = (loss_of(logp, mine, config) * mask[part].to(logp.device)).sum()
             return loss, {"loss:sum": float(loss.detach())}, logp.detach().cpu()
 
-        # Learner.accumulate starts a mini-batch by clearing the gradients; Tinker adds those of
-        # every forward_backward until optim_step, so the earlier ones are kept aside and added back.
-        params = list(learner.model.parameters())
-        kept = [p.grad for p in params]
-        sums, outputs = learner.accumulate(samples, micro_loss, backward=backward)
-        for p, g in zip(params, kept, strict=True):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
+        # Tinker adds the gradients of every forward_backward until optim_step (which clears them).
+        sums, outputs = learner.accumulate(samples, micro_loss, backward=backward, fresh=False)
         logp = torch.zeros(len(samples), width)
         for part, out in outputs:
             logp[part] = out

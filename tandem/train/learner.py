@@ -184,18 +184,21 @@ class Learner:
         return [order[i : i + size] for i in range(0, n, size)]
 
     def accumulate(
-        self, samples: list[Sample], micro_loss: MicroLoss, backward: bool = True
+        self, samples: list[Sample], micro_loss: MicroLoss, backward: bool = True, fresh: bool = True
     ) -> tuple[dict[str, float], list[tuple[list[int], Tensor]]]:
         """Backward of `micro_loss(part)` for each of this rank's micro-batches of a mini-batch ->
         the sums of their metric shares over every rank, and this rank's (part, output) for each
         output `micro_loss` returned. The gradients are left for `step`. backward=False: the
-        forwards alone, without autograd (a mini-batch whose loss is 0 whatever the weights)."""
+        forwards alone, without autograd (a mini-batch whose loss is 0 whatever the weights).
+        fresh=False: add to the gradients already there instead of clearing them first (`tandem
+        serve`: Tinker adds every forward_backward's until optim_step)."""
         if len(samples) < self.world:
             raise TandemError(
                 f"A mini-batch of {len(samples)} samples cannot be split over train.num_workers="
                 f"{self.world} ranks; raise train.mini_batch_size or lower train.num_workers."
             )
-        self.optimizer.zero_grad(set_to_none=True)
+        if fresh:
+            self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = defaultdict(float)
         outputs = []
         plan = self.plan(samples)
