@@ -237,30 +237,32 @@ class TrainActor(_Timed, _DistMember):
 
 
 class RefActor(_Timed):
-    def __init__(self, cfg: Config, rank: int, threads: int):
-        _set_up_process(cfg, threads)
-        self.name = f"ref/{rank}"
-        model = load_policy(cfg, cfg.train.dtype)  # frozen: the compute dtype loses nothing to rounding
-        self.worker = RefWorker(model, cfg.train.micro_batch_tokens, cfg.rollout.temperature)
+    """The reference policy's logprobs of every sampled token, at the sampling temperature."""
 
-    def score(self, samples: list[Sample]) -> tuple[list[Sample], Span]:
-        start = time.time()
-        return self.worker.score(samples), self._span("ref", start)
-
-
-class TeacherActor(_Timed):
-    """On-policy distillation's teacher (algo.distill.teacher): its logprobs of every sampled token."""
+    role, into = "ref", "ref_logprobs"  # its name and span, and the Sample field it fills
 
     def __init__(self, cfg: Config, rank: int, threads: int):
         _set_up_process(cfg, threads)
-        self.name = f"teacher/{rank}"
-        model = load_policy(cfg, cfg.train.dtype, path=cfg.algo.distill.teacher)
-        temperature = cfg.rollout.temperature  # the student's sampling one: μ and π_teacher alike
-        self.worker = RefWorker(model, cfg.train.micro_batch_tokens, temperature, "teacher_logprobs")
+        self.name = f"{self.role}/{rank}"
+        model = load_policy(cfg, cfg.train.dtype, path=self.model_path(cfg))  # frozen: no rounding lost
+        self.worker = RefWorker(model, cfg.train.micro_batch_tokens, cfg.rollout.temperature, self.into)
+
+    def model_path(self, cfg: Config) -> str:
+        return ""  # the policy's start (model.path)
 
     def score(self, samples: list[Sample]) -> tuple[list[Sample], Span]:
         start = time.time()
-        return self.worker.score(samples), self._span("teacher", start)
+        return self.worker.score(samples), self._span(self.role, start)
+
+
+class TeacherActor(RefActor):
+    """On-policy distillation's teacher (algo.distill.teacher): the reference worker on the
+    teacher's model, its logprobs into `Sample.teacher_logprobs`."""
+
+    role, into = "teacher", "teacher_logprobs"
+
+    def model_path(self, cfg: Config) -> str:
+        return cfg.algo.distill.teacher
 
 
 class JudgeActor(_Timed):
