@@ -127,10 +127,31 @@ def test_a_run_rewards_through_the_judge_and_validates_on_the_verifier(tmp_path)
         JUDGE_PARSERS.register("parity")(_parity)  # the one-process cluster holds the judge here
     out = tmp_path / "runs"
     judge = ["reward.fn=judge", "reward.judge.path=builtin:addition", "reward.judge.parser=parity"]
-    summary = run_training(load_config(None, [*TINY, *judge, f"run.out_dir={out}"]))
+    local = "run.cluster=local"  # the test's parser is registered in this process only, not in Ray's
+    summary = run_training(load_config(None, [*TINY, *judge, local, f"run.out_dir={out}"]))
     rows = [json.loads(line) for line in (out / "default" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "actor/pg_loss" in r]
     assert len(steps) == 4
     assert all("reward/judge/mean" in r and "reward/judge/agreement/mean" in r for r in steps)
     assert all(r["timing_s/judge"] > 0 for r in steps)
     assert 0.0 < summary["val/accuracy_final"] <= 1.0  # the verifier's: the judge never validates
+
+
+@pytest.mark.ray
+def test_on_ray_the_judge_worker_answers_every_reward_call_and_garbage_never_stops_the_run(tmp_path):
+    """run.mode=async on Ray: the judge is an actor of its own (its row of the roles table), the
+    reward calls of every step reach it, and a judge whose every verdict is garbage (builtin:addition
+    answers a number, never yes or no) costs its samples, counted, while the run goes on to its end."""
+    from tandem.runtime.run import run_training
+
+    out = tmp_path / "runs"
+    judge = ["reward.fn=judge", "reward.judge.path=builtin:addition", "reward.judge.parser=yes_no"]
+    overrides = [*TINY, *judge, "run.mode=async", "run.deterministic=false", f"run.out_dir={out}"]
+    summary = run_training(load_config(None, overrides))
+    rows = [json.loads(line) for line in (out / "default" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "actor/pg_loss" in r]
+    assert len(steps) == 4
+    assert sum(r.get("timing_s/judge", 0.0) for r in steps) > 0  # async: a step's window may hold none
+    assert sum(r["reward/errors"] for r in steps) == 4 * 4 * 4  # every sample of every step, counted
+    assert all(r["reward/judge/agreement/mean"] == 0.0 for r in steps)  # a failed verdict never agrees
+    assert 0.0 < summary["val/accuracy_final"] <= 1.0  # validation is the verifier's, unharmed
