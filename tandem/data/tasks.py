@@ -147,23 +147,30 @@ class AdditionJudge(Task):
 
     name = "addition_judge"
 
-    def __init__(self, max_digits: int = 2):
+    def __init__(self, max_digits: int = 2, echo: bool = False, dropped_carry: float = 0.0):
         self.addition = Addition(max_digits)
+        self.echo, self.dropped_carry = echo, dropped_carry
 
     def draw(self, rng: random.Random) -> tuple[str, Any, str]:
         text, truth, canonical = self.addition.draw(rng)
-        claim = truth if rng.random() < 0.5 else wrong_sum(int(truth), rng)
+        if rng.random() < 0.5:
+            claim = truth
+        else:
+            dropped = self.addition.flawed_solution({"prompt": [{"role": "user", "content": text}]}, rng)
+            use = dropped != truth and rng.random() < self.dropped_carry
+            claim = dropped if use else wrong_sum(int(truth), rng)
         return f"{text}{claim}?", "yes" if claim == truth else "no", canonical
 
     def solution(self, row: dict[str, Any] | Prompt) -> str:
         problem, claim = _content(row).removesuffix("?").split("=", 1)
         total = sum(int(x) for x in problem.split("+"))
-        return f"{total} {'yes' if claim == str(total) else 'no'}"
+        verdict = "yes" if claim == str(total) else "no"
+        return f"{total} {claim} {verdict}" if self.echo else f"{total} {verdict}"
 
     def flawed_solution(self, row: dict[str, Any] | Prompt, rng: random.Random) -> str:
         """The right sum with the verdict turned round."""
-        total, verdict = self.solution(row).split()
-        return f"{total} {'no' if verdict == 'yes' else 'yes'}"
+        *work, verdict = self.solution(row).split(" ")
+        return " ".join([*work, "no" if verdict == "yes" else "yes"])
 
 
 def wrong_sum(total: int, rng: random.Random) -> str:
