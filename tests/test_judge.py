@@ -49,12 +49,23 @@ def test_the_template_renders_prompt_response_and_reference_and_refuses_other_fi
 
 
 def test_the_judge_data_claims_right_and_wrong_sums_half_and_half():
-    task = build_task("addition_judge")
-    rows = task.make_rows(400, seed=0)
-    verdicts = [task.solution(r).split()[1] for r in rows]
+    """Half the claims right; about one in seven the sum with its carries dropped (the warm start's
+    own mistake: half the wrong claims where the problem has a carry). The working is the sum,
+    then the claim beside it, then the verdict."""
+    task, addition = build_task("addition_judge"), build_task("addition")
+    rows = task.make_rows(1000, seed=0)
+    verdicts = [task.solution(r).split(" ")[-1] for r in rows]
     assert [r["reward_model"]["ground_truth"] for r in rows] == verdicts
-    assert 0.4 < verdicts.count("yes") / len(rows) < 0.6
-    assert task.solution({"prompt": "23+58=71?", "reward_model": {}}) == "81 no"
+    assert 0.45 < verdicts.count("yes") / len(rows) < 0.55
+    claims = [r["prompt"][0]["content"].removesuffix("?").split("=", 1) for r in rows]
+    dropped = [
+        c
+        for (p, c), v in zip(claims, verdicts, strict=True)
+        if v == "no" and c == addition.flawed_solution({"prompt": p + "="}, None)
+    ]
+    assert 0.1 < len(dropped) / len(rows) < 0.18
+    assert task.solution({"prompt": "23+58=71?", "reward_model": {}}) == "81 71 no"
+    assert task.solution({"prompt": "23+58=81?", "reward_model": {}}) == "81 81 yes"
 
 
 def _judge(timeout_s: float = 30.0) -> JudgeWorker:
@@ -155,3 +166,21 @@ def test_on_ray_the_judge_worker_answers_every_reward_call_and_garbage_never_sto
     assert sum(r["reward/errors"] for r in steps) == 4 * 4 * 4  # every sample of every step, counted
     assert all(r["reward/judge/agreement/mean"] == 0.0 for r in steps)  # a failed verdict never agrees
     assert 0.0 < summary["val/accuracy_final"] <= 1.0  # validation is the verifier's, unharmed
+
+
+@pytest.mark.slow  # the judge's SFT takes minutes on 2 cores (docs/rewards.md "The addition judge")
+def test_the_recipes_train_a_judge_that_agrees_with_the_verifier_and_teaches_the_task(tmp_path):
+    """recipes/sft-judge.yaml, then recipes/judge.yaml for 30 steps: the judge agrees with the
+    addition verifier on at least 95% of the policy's samples, and its rewards alone take the
+    default task from 44.9% to at least 90% held-out."""
+    from tandem.runtime.run import run_training
+    from tandem.train.sft import run_sft
+
+    judge = run_sft(load_config("recipes/sft-judge.yaml", [f"sft.out={tmp_path / 'judge'}"]))
+    out = tmp_path / "runs"
+    overrides = [f"reward.judge.path={judge}", f"run.out_dir={out}", "run.steps=30", "run.progress=false"]
+    summary = run_training(load_config("recipes/judge.yaml", overrides))
+    rows = [json.loads(line) for line in (out / "judge" / "metrics.jsonl").read_text().splitlines()]
+    agreement = [r["reward/judge/agreement/mean"] for r in rows if "reward/judge/agreement/mean" in r]
+    assert len(agreement) == 30 and sum(agreement) / 30 >= 0.95
+    assert summary["val/accuracy_final"] >= 0.90

@@ -10,7 +10,7 @@ then has to improve). Responses are exactly the text the model should write befo
 | countdown | "3 7 12 -> 33"   | "3*7+12"  | {"target": 33, "numbers": [3, 7, 12]}   |
 | reverse   | "reverse: abcde" | "edcba"   | "edcba"                                 |
 | multiply  | "37*48="         | "<calc>37*48</calc><result>1776</result>1776" | "1776"      |
-| addition_judge | "23+58=71?" | "81 no"   | "no"                                    |
+| addition_judge | "23+58=71?" | "81 71 no" | "no"                                   |
 
 "reasoning_gym:<dataset>" is any dataset of reasoning-gym (`ReasoningGym`, tandem.data.reasoning_gym):
 its question is the prompt, its answer the solution and ground truth; it has no flawed solution.
@@ -139,36 +139,37 @@ def _operands(row: dict[str, Any] | Prompt) -> tuple[int, int]:
 
 @TASKS.register("addition_judge")
 class AdditionJudge(Task):
-    """ "23+58=81?" -> "81 yes", "23+58=71?" -> "81 no": is the claimed sum right? The data of the
-    judge `recipes/sft-judge.yaml` trains (reward.fn=judge). It writes the sum it makes, then its
-    verdict: a model of a few million parameters checks a sum it has written much more reliably
-    than one it must hold in its head. Half the claims are right; the wrong ones are a policy's
-    mistakes (`wrong_sum`). Problems split as `addition`'s do, so its test problems stay unseen."""
+    """ "23+58=81?" -> "81 81 yes", "23+58=71?" -> "81 71 no": is the claimed sum right? The data of
+    the judge `recipes/sft-judge.yaml` trains (reward.fn=judge). It writes the sum it makes, then the
+    claim again beside it, then its verdict: a model of a few million parameters compares two numbers
+    it has just written side by side far more reliably than a sum it must hold in its head with a
+    claim far back in the prompt (measured, docs/rewards.md "The addition judge"). Half the claims
+    are right; of the wrong ones where the problem has a carry, half are the sum with its carries
+    dropped (the warm-start policy's own mistake, the hardest to tell apart), and the rest a
+    policy's other mistakes (`wrong_sum`).
+    Problems split as `addition`'s do, so its test problems stay unseen."""
 
     name = "addition_judge"
 
-    def __init__(self, max_digits: int = 2, echo: bool = False, dropped_carry: float = 0.0):
+    def __init__(self, max_digits: int = 2):
         self.addition = Addition(max_digits)
-        self.echo, self.dropped_carry = echo, dropped_carry
 
     def draw(self, rng: random.Random) -> tuple[str, Any, str]:
         text, truth, canonical = self.addition.draw(rng)
         if rng.random() < 0.5:
             claim = truth
         else:
-            dropped = self.addition.flawed_solution({"prompt": [{"role": "user", "content": text}]}, rng)
-            use = dropped != truth and rng.random() < self.dropped_carry
-            claim = dropped if use else wrong_sum(int(truth), rng)
+            dropped = self.addition.flawed_solution({"prompt": text}, rng)
+            claim = dropped if dropped != truth and rng.random() < 0.5 else wrong_sum(int(truth), rng)
         return f"{text}{claim}?", "yes" if claim == truth else "no", canonical
 
     def solution(self, row: dict[str, Any] | Prompt) -> str:
         problem, claim = _content(row).removesuffix("?").split("=", 1)
         total = sum(int(x) for x in problem.split("+"))
-        verdict = "yes" if claim == str(total) else "no"
-        return f"{total} {claim} {verdict}" if self.echo else f"{total} {verdict}"
+        return f"{total} {claim} {'yes' if claim == str(total) else 'no'}"
 
     def flawed_solution(self, row: dict[str, Any] | Prompt, rng: random.Random) -> str:
-        """The right sum with the verdict turned round."""
+        """The right working with the verdict turned round."""
         *work, verdict = self.solution(row).split(" ")
         return " ".join([*work, "no" if verdict == "yes" else "yes"])
 
