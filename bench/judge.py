@@ -13,9 +13,7 @@ two-digit problems with three kinds of claim: the right sum, the sum with its ca
 
 import argparse
 import json
-import platform
 import random
-import subprocess
 from pathlib import Path
 
 import torch
@@ -24,6 +22,7 @@ from tandem.config import load_config
 from tandem.data.dataset import prompts_from_rows
 from tandem.data.tasks import Addition, wrong_sum
 from tandem.data.tokenizer import load_tokenizer
+from tandem.determinism import machine
 from tandem.model.checkpoint import load_model
 from tandem.model.config import model_dir
 from tandem.reward.judge import JudgeWorker
@@ -47,14 +46,6 @@ def claims(problems: int) -> dict[str, list[tuple[object, str, bool]]]:
     return kinds
 
 
-def cpu() -> str:
-    try:
-        lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--judge", default="runs/sft-judge", help="the judge checkpoint")
@@ -66,7 +57,7 @@ def main() -> None:
     model, tokenizer = load_model(path).eval(), load_tokenizer(path)
     engine = BuiltinEngine(model, [tokenizer.eos_token_id], tokenizer.pad_token_id, seed=0)
     judge = JudgeWorker(engine, tokenizer, cfg.reward.judge, None, model.cfg.max_position_embeddings)
-    figures: dict[str, object] = {"cpu": cpu()}
+    figures: dict[str, object] = {"cpu": machine("cpu")}
     for kind, items in claims(args.problems).items():
         samples = [Sample(prompt=p, prompt_ids=[0], response_text=c) for p, c, _ in items]
         with torch.no_grad():
