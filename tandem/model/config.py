@@ -265,11 +265,11 @@ def resolve_model_path(spec: str) -> Path:
     return builtin_path(spec.split(":", 1)[1], ModelConfig.from_hf)
 
 
-def model_dir(spec: str) -> Path:
-    """The checkpoint directory model.path names ("builtin:" resolved), or a TandemError."""
+def model_dir(spec: str, key: str = "model.path") -> Path:
+    """The checkpoint directory `spec` (the config's `key`) names ("builtin:" resolved), or a TandemError."""
     path = resolve_model_path(spec)
     if not path.is_dir():
-        raise TandemError(f"Model path {path} (model.path) does not exist or is not a directory.")
+        raise TandemError(f"Model path {path} ({key}) does not exist or is not a directory.")
     return path
 
 

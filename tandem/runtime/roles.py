@@ -207,6 +207,8 @@ def build_data(cfg: Config) -> Data:
     limit, tokenizer, d = prompt_limit(cfg), load_checked_tokenizer(cfg), cfg.data
     if cfg.algo.distill.teacher:
         check_teacher(cfg, tokenizer)
+    if cfg.reward.fn == "judge":
+        check_judge(cfg)
     train = load_sources(cfg, d.train_files, "train", d.train_size, cfg.run.seed)
     train_ids = LazyPromptIds(limit, tokenizer, train)
     loader = PromptLoader(train_ids.prompts, train_ids, cfg.rollout.batch_size, d.shuffle, cfg.run.seed)
@@ -228,7 +230,7 @@ def check_teacher(cfg: Config, tokenizer) -> None:
     """The distillation teacher's checkpoint reads, and its tokenizer maps every token to the id
     the student's does: its logprobs are of the student's token ids."""
     teacher = cfg.algo.distill.teacher
-    path = model_dir(teacher)
+    path = model_dir(teacher, "algo.distill.teacher")
     check_checkpoint(path)
     theirs, ours = load_tokenizer(path).get_vocab(), tokenizer.get_vocab()
     if theirs != ours:
@@ -239,6 +241,18 @@ def check_teacher(cfg: Config, tokenizer) -> None:
             "mapped differently. The teacher scores the student's token ids, so both need the same "
             "tokenizer: pick a teacher of the student's family."
         )
+
+
+def check_judge(cfg: Config) -> None:
+    """The judge's checkpoint reads, here in the driver, not only when its worker starts."""
+    judge = cfg.reward.judge.path
+    try:
+        check_checkpoint(model_dir(judge, "reward.judge.path"))
+    except TandemError as e:
+        raise TandemError(
+            f"{e} Train a judge first (recipes/sft-judge.yaml makes the one "
+            "recipes/judge.yaml reads) or point reward.judge.path at one."
+        ) from None
 
 
 def check_data_sources(sources: list[tuple[str, list[Prompt]]]) -> None:
