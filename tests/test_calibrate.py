@@ -18,6 +18,10 @@ RECIPE = str(ROOT / "recipes" / "sim-bench-cpu.yaml")
 SMALL = ["rollout.batch_size=4", "run.steps=3", "data.val_size=16"]
 
 
+# `tandem calibrate` measures for ~15 s once for the module: out of the unit tier, in CI's run
+pytestmark = pytest.mark.integration
+
+
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     """The command as a user runs it (without the actors' part: Ray), -> (file, figures, printed)."""

@@ -92,7 +92,10 @@ def real_vllm(checkpoint):
     params=[
         "builtin",
         "paged",
-        pytest.param("vllm", marks=pytest.mark.skipif(not HAS_VLLM, reason=NO_VLLM)),
+        # integration: starting real vLLM takes ~20 s, over the unit tier's budget (CI runs it)
+        pytest.param(
+            "vllm", marks=[pytest.mark.skipif(not HAS_VLLM, reason=NO_VLLM), pytest.mark.integration]
+        ),
     ]
 )
 def backend(request, checkpoint, monkeypatch) -> Backend:
