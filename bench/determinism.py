@@ -41,7 +41,7 @@ from tandem.model.config import resolve_model_path
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups
 from tandem.rollout.paged_engine import PagedEngine
-from tandem.rollout.protocol import SamplingParams
+from tandem.sample import SamplingParams
 from tandem.train.worker import TrainWorker
 
 

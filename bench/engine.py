@@ -63,8 +63,7 @@ from tandem.model.decoder import CausalLM, init_weights
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups
 from tandem.rollout.paged_engine import PagedEngine
-from tandem.rollout.protocol import SamplingParams
-from tandem.sample import Prompt, Sample
+from tandem.sample import Prompt, Sample, SamplingParams
 
 # compiled: the built-in engine with compile=True; graphs: the paged engine with cuda_graphs=True
 # (CUDA graphs per batch-size bucket on cuda; on the CPU their fixed-shape decode, run eagerly);

@@ -65,8 +65,7 @@ from tandem.model.decoder import CausalLM, init_weights
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups
 from tandem.rollout.paged_engine import PagedEngine
-from tandem.rollout.protocol import SamplingParams
-from tandem.sample import Prompt, Sample, Status
+from tandem.sample import Prompt, Sample, SamplingParams, Status
 from tandem.sync.dist import free_port
 from tandem.train.batch import pad_rows
 from tandem.train.worker import TrainWorker

@@ -60,8 +60,7 @@ from tandem.model.decoder import CausalLM, init_weights
 from tandem.model.lora import adapter_shapes, adapters_off, apply_lora
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups
-from tandem.rollout.protocol import SamplingParams
-from tandem.sample import Prompt, Sample, Status
+from tandem.sample import Prompt, Sample, SamplingParams, Status
 from tandem.sync import BucketPlan, ObjectStoreTransport, StagingBuffer
 from tandem.train.worker import TrainWorker
 

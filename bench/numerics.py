@@ -36,8 +36,7 @@ from tandem.model.config import resolve_model_path
 from tandem.model.experts import Routing, agreement, routing, set_router_dtype
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups
-from tandem.rollout.protocol import SamplingParams
-from tandem.sample import Sample
+from tandem.sample import Sample, SamplingParams
 from tandem.train.batch import packed, pad_rows
 from tandem.train.worker import TrainWorker
 

@@ -26,9 +26,8 @@ from tandem.reward.verifiers import VERIFIERS
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups
 from tandem.rollout.paged_engine import PagedEngine
-from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.worker import RolloutWorker, StopStrings
-from tandem.sample import Prompt, Sample, Status
+from tandem.sample import Prompt, Sample, SamplingParams, Status
 
 TOK = build_char_tokenizer()
 EOS = TOK.eos_token_id

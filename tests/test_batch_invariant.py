@@ -35,7 +35,7 @@ from tandem.model.invariance import (
 from tandem.model.logprobs import token_logprobs
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.paged_engine import PagedEngine
-from tandem.rollout.protocol import SamplingParams
+from tandem.sample import SamplingParams
 from tandem.train.batch import sequence_logprobs
 
 # Every path at 13 batch sizes in two dtypes: minutes where bf16 matmuls are emulated (AVX2 CPUs).

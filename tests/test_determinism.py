@@ -124,8 +124,7 @@ def test_a_greedy_request_gets_one_completion_in_any_batch(on):
     from tandem.rollout.engine import BuiltinEngine
     from tandem.rollout.group import make_groups
     from tandem.rollout.paged_engine import PagedEngine
-    from tandem.rollout.protocol import SamplingParams
-    from tandem.sample import Prompt
+    from tandem.sample import Prompt, SamplingParams
 
     rng = random.Random(0)
     model = tiny_model(std=0.3).to(torch.bfloat16).eval().requires_grad_(False)

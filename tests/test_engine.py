@@ -25,10 +25,9 @@ from tandem.errors import TandemError
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups
 from tandem.rollout.paged_engine import PagedEngine
-from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.sampler import filter_top_k_top_p
 from tandem.rollout.worker import RolloutWorker
-from tandem.sample import Prompt, Status
+from tandem.sample import Prompt, SamplingParams, Status
 
 
 def test_same_seed_same_samples_and_new_weights_change_them():

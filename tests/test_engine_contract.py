@@ -38,11 +38,10 @@ from tandem.model.decoder import CausalLM, init_weights
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups
 from tandem.rollout.paged_engine import PagedEngine
-from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.vllm_config import vllm_device
 from tandem.rollout.vllm_engine import VLLMEngine
 from tandem.rollout.worker import RolloutWorker
-from tandem.sample import Prompt, Sample, Status
+from tandem.sample import Prompt, Sample, SamplingParams, Status
 from tandem.train.batch import sequence_logprobs
 
 PAD, EOS = 0, 3  # the built-in tokenizer's <|pad|> and <|im_end|>

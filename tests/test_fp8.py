@@ -342,8 +342,7 @@ def fp8_engine(engine_cls, model: CausalLM, scale: str):
 
 def greedy(engine) -> list[tuple[list[int], list[float]]]:
     from tandem.rollout.group import make_groups
-    from tandem.rollout.protocol import SamplingParams
-    from tandem.sample import Prompt
+    from tandem.sample import Prompt, SamplingParams
 
     prompts = [[5, 9, 11, 20], [7, 7, 30], [40, 3, 8, 9, 10]]
     samples = make_groups([Prompt(text="p")] * 3, prompts, 2)

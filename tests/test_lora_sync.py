@@ -30,8 +30,7 @@ from tandem.model.fp8 import Fp8Linear, quantize_model
 from tandem.model.lora import adapter_names, adapter_shapes, apply_lora, merge_lora, merged, merged_weights
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.paged_engine import PagedEngine
-from tandem.rollout.protocol import SamplingParams
-from tandem.sample import Status
+from tandem.sample import SamplingParams, Status
 from tandem.sync import BucketPlan, StagingBuffer, pack_bucket
 from tandem.sync.bucket import collect
 from tandem.train.batch import sequence_logprobs

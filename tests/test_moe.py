@@ -17,8 +17,7 @@ from tandem.model.experts import Routing, SparseMoE, agreement, routing
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups
 from tandem.rollout.paged_engine import PagedEngine
-from tandem.rollout.protocol import SamplingParams
-from tandem.sample import Prompt
+from tandem.sample import Prompt, SamplingParams
 from tandem.train.batch import packed, padded, score
 
 BASE = dict(

@@ -24,9 +24,8 @@ from tandem.reward.pool import RewardPool  # noqa: E402
 from tandem.rollout.engine import BuiltinEngine  # noqa: E402
 from tandem.rollout.group import make_groups  # noqa: E402
 from tandem.rollout.paged_engine import PagedEngine  # noqa: E402
-from tandem.rollout.protocol import SamplingParams  # noqa: E402
 from tandem.rollout.worker import RolloutWorker  # noqa: E402
-from tandem.sample import Prompt, Status  # noqa: E402
+from tandem.sample import Prompt, SamplingParams, Status  # noqa: E402
 
 TOK = build_char_tokenizer()
 EOS = TOK.eos_token_id

@@ -22,8 +22,7 @@ from helpers import (
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups
 from tandem.rollout.paged_engine import PagedEngine
-from tandem.rollout.protocol import SamplingParams
-from tandem.sample import Prompt, Status
+from tandem.sample import Prompt, SamplingParams, Status
 
 
 def paged(model, **kw) -> PagedEngine:

@@ -30,8 +30,8 @@ from tandem.errors import TandemError
 from tandem.model.checkpoint import load_model
 from tandem.model.config import ModelConfig, resolve_model_path
 from tandem.rollout.engine import BuiltinEngine
-from tandem.rollout.protocol import SamplingParams
 from tandem.runtime.memory import check_memory
+from tandem.sample import SamplingParams
 
 pytestmark = pytest.mark.real_model
 

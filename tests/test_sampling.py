@@ -16,7 +16,6 @@ import tandem.rollout.engine as engine_module
 from tandem.model.logprobs import token_logprobs
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups
-from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.sampler import (
     apply_repetition_penalty,
     exponential_noise,
@@ -25,7 +24,7 @@ from tandem.rollout.sampler import (
     sample_next,
 )
 from tandem.rollout.worker import RolloutWorker, StopStrings
-from tandem.sample import Prompt, Sample, Status
+from tandem.sample import Prompt, Sample, SamplingParams, Status
 
 # Token i >= 3 decodes to one to three letters; 0-2 (pad, unused, EOS) are special and decode to "".
 PIECES = [""] * 3 + [chr(ord("a") + i % 26) * (1 + i % 3) for i in range(3, VOCAB)]

@@ -27,9 +27,8 @@ from tandem.errors import TandemError  # noqa: E402
 from tandem.model.decoder import CausalLM, init_weights  # noqa: E402
 from tandem.rollout.engine import BuiltinEngine  # noqa: E402
 from tandem.rollout.group import make_groups  # noqa: E402
-from tandem.rollout.protocol import SamplingParams  # noqa: E402
 from tandem.rollout.worker import RolloutWorker  # noqa: E402
-from tandem.sample import Prompt, Status  # noqa: E402
+from tandem.sample import Prompt, SamplingParams, Status  # noqa: E402
 
 TOK = build_char_tokenizer()
 EOS = TOK.eos_token_id

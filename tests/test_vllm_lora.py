@@ -30,9 +30,8 @@ from tandem.model.decoder import CausalLM
 from tandem.model.lora import adapter_names, apply_lora, base_weights, merge_lora
 from tandem.model.peft_format import save_adapter
 from tandem.rollout.engines import ENGINES
-from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.vllm_config import vllm_device, vllm_lora_args
-from tandem.sample import Sample, Status
+from tandem.sample import Sample, SamplingParams, Status
 from tandem.train.batch import sequence_logprobs
 
 PAD, EOS = 0, 3  # the built-in tokenizer's <|pad|> and <|im_end|>

@@ -24,7 +24,7 @@ from tandem.registry import Registry
 from tandem.sample import Prompt, Sample, Status
 
 if TYPE_CHECKING:  # the rollout package imports the engines: not needed to check a config
-    from tandem.rollout.protocol import SamplingParams
+    from tandem.sample import SamplingParams
 
 # One engine call, `RolloutWorker`'s: extends the samples' responses as `RolloutEngine.generate`
 # does (stop strings included) and returns the same list.

@@ -62,7 +62,7 @@ from tandem.sample import Prompt, Sample, Status
 
 if TYPE_CHECKING:
     from tandem.agent.openai_server import EndpointServer
-    from tandem.rollout.protocol import SamplingParams
+    from tandem.sample import SamplingParams
 
 log = logging.getLogger(__name__)
 

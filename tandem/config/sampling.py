@@ -3,7 +3,7 @@ the same ones the loop, the engine builders and `tandem eval` / `generate` use, 
 engines would refuse fails when the config loads."""
 
 from tandem.config.schema import Config
-from tandem.rollout.protocol import SamplingParams
+from tandem.sample import SamplingParams
 
 
 def sampling_params(cfg: Config, temperature: float) -> SamplingParams:

@@ -24,8 +24,9 @@ from tandem.dtypes import ROLLOUT_DTYPES, TRAIN_DTYPES
 from tandem.errors import TandemError
 from tandem.reward.judge import JUDGE_PARSERS, template_error
 from tandem.rollout.engines import ENGINES
-from tandem.rollout.protocol import LOGPROBS_MODES, ON_UPDATE_POLICIES
+from tandem.rollout.protocol import ON_UPDATE_POLICIES
 from tandem.runtime.role_table import one_process_reasons, placement_tasks, table
+from tandem.sample import LOGPROBS_MODES
 from tandem.sync.protocol import TRANSPORTS
 from tandem.train.optim import SCHEDULES
 

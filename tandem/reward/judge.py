@@ -21,8 +21,7 @@ from typing import Any
 
 from tandem.registry import Registry
 from tandem.reward.user_fn import RewardFn
-from tandem.rollout.protocol import SamplingParams
-from tandem.sample import Prompt, Sample, Status
+from tandem.sample import Prompt, Sample, SamplingParams, Status
 
 log = logging.getLogger("tandem.reward")
 

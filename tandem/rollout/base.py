@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from tandem.rollout.call import GenerateCall
-from tandem.rollout.protocol import ON_UPDATE_POLICIES, SamplingParams, StopCheck
-from tandem.sample import Sample
+from tandem.rollout.protocol import ON_UPDATE_POLICIES, StopCheck
+from tandem.sample import Sample, SamplingParams
 
 
 class Generation(Protocol):

@@ -2,8 +2,8 @@
 
 from dataclasses import dataclass
 
-from tandem.rollout.protocol import SamplingParams, StopCheck
-from tandem.sample import Sample
+from tandem.rollout.protocol import StopCheck
+from tandem.sample import Sample, SamplingParams
 
 
 @dataclass

@@ -10,7 +10,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from tandem.registry import Registry
-from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.vllm_config import (
     check_vllm_lora,
     check_vllm_model,
@@ -18,6 +17,7 @@ from tandem.rollout.vllm_config import (
     require_vllm,
     vllm_device,
 )
+from tandem.sample import SamplingParams
 
 
 def _nothing(*_: object) -> None:

@@ -7,7 +7,7 @@ top-p. A seeded row draws its noise from a generator of its own (`exponential_no
 import torch
 from torch import Tensor
 
-from tandem.rollout.protocol import SamplingParams
+from tandem.sample import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

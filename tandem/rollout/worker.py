@@ -8,8 +8,7 @@ from torch import Tensor
 
 from tandem.agent import AgentLoop, SingleTurn, context_end
 from tandem.rollout.base import RolloutEngine
-from tandem.rollout.protocol import SamplingParams
-from tandem.sample import Sample
+from tandem.sample import Sample, SamplingParams
 
 # Extra tokens a stop-string window decodes, for what decoding a window alone gets wrong at its
 # start: a leading space SentencePiece drops, a character whose first bytes fall before the window.

@@ -23,7 +23,6 @@ from tandem.reward import RewardPool, load_reward_fn
 from tandem.reward.judge import JudgeWorker
 from tandem.reward.shaping import overlong_penalty
 from tandem.rollout.engine import BuiltinEngine
-from tandem.rollout.protocol import SamplingParams
 from tandem.runtime.memory import process_peak
 from tandem.runtime.role_table import ref_count
 from tandem.runtime.roles import (
@@ -35,7 +34,7 @@ from tandem.runtime.roles import (
     pad_token_id,
     save_hf_model,
 )
-from tandem.sample import Sample
+from tandem.sample import Sample, SamplingParams
 from tandem.sync import TRANSPORTS, BucketPlan, StagingBuffer, init_world, new_group, sync_group
 from tandem.train.ref import RefWorker
 from tandem.train.state import CRITIC, load_state, save_state

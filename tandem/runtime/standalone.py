@@ -18,10 +18,9 @@ from tandem.controller.stats import val_stats
 from tandem.model.export import checkpoint_dir
 from tandem.reward import RewardPool
 from tandem.rollout.group import make_groups
-from tandem.rollout.protocol import SamplingParams
 from tandem.rollout.worker import RolloutWorker
 from tandem.runtime.roles import build_rollout, load_split
-from tandem.sample import Prompt, Sample, episodes
+from tandem.sample import Prompt, Sample, SamplingParams, episodes
 
 
 def evaluate(

@@ -26,7 +26,7 @@ from tinker import types
 
 from tandem.config import Config
 from tandem.errors import TandemError
-from tandem.rollout.protocol import SamplingParams
+from tandem.sample import SamplingParams
 from tandem.serve.service import Failure, NotFound, Service
 from tandem.serve.wire import parse_forward_backward
 from tandem.serve.workers import resolve, start_workers

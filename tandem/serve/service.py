@@ -28,7 +28,7 @@ from urllib.parse import quote
 from tandem.config import Config
 from tandem.errors import TandemError
 from tandem.model.config import ModelConfig, model_dir
-from tandem.rollout.protocol import SamplingParams
+from tandem.sample import SamplingParams
 from tandem.serve.losses import check_request
 from tandem.serve.wire import FwdBwdRequest, forward_backward_output, sample_response
 from tandem.serve.workers import Workers, with_lora

@@ -25,12 +25,11 @@ from tandem import devices
 from tandem.config import Config
 from tandem.config.validate import one_process_refusal
 from tandem.errors import TandemError
-from tandem.rollout.protocol import SamplingParams
 from tandem.runtime.actors import RolloutActor, TrainActor, _plan
 from tandem.runtime.local import LocalCluster, cpu_threads
 from tandem.runtime.roles import build_rollout, build_trainer, load_checked_tokenizer
 from tandem.runtime.run import with_absolute_paths
-from tandem.sample import Prompt, Sample
+from tandem.sample import Prompt, Sample, SamplingParams
 from tandem.serve.losses import LOSSES
 from tandem.serve.wire import Datum, Sequence
 from tandem.sync import StagingBuffer

@@ -48,9 +48,8 @@ from tandem.dtypes import DTYPES
 from tandem.model.config import ModelConfig, model_dir
 from tandem.model.decoder import CausalLM, meta_model
 from tandem.rollout.group import make_groups
-from tandem.rollout.protocol import SamplingParams
 from tandem.runtime.roles import build_engine, build_trainer, load_checked_tokenizer
-from tandem.sample import Prompt, Sample, Status
+from tandem.sample import Prompt, Sample, SamplingParams, Status
 from tandem.sim.costs import Calibration, Costs
 from tandem.sim.lengths import response_lengths
 from tandem.sim.run import shape_of
