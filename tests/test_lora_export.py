@@ -129,12 +129,18 @@ def test_eval_and_generate_serve_an_adapter_directory_as_its_merged_export(dirs,
     "case, pattern",
     [
         ("no base", r"names no base model \(base_model_name_or_path\)"),
-        ("hub base", r"adapter of the base 'Org/some-model'.*local checkpoints only.*--local-dir"),
+        ("hub base", r"adapter of the base 'Org/some-model'.*HF_HUB_OFFLINE.*hf download Org/some-model"),
         ("full", r"holds no LoRA adapter \(adapter_config.json\): it is a full Hugging Face checkpoint"),
         ("out", r"--out \S+ exists and is not an empty directory"),
     ],
 )
-def test_what_export_and_eval_cannot_read_is_refused_by_name(dirs, case, pattern, tmp_path, capsys):
+def test_what_export_and_eval_cannot_read_is_refused_by_name(
+    dirs, case, pattern, tmp_path, capsys, monkeypatch
+):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # the hub base: looked for in an empty cache
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     source, out = dirs["adapter"], tmp_path / "out"
     if case in ("no base", "hub base"):
         source = tmp_path / "adapter"

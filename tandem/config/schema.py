@@ -176,7 +176,7 @@ class JudgeConfig:
     worker with its own engine, reads each response through `template` and `parser` reads its
     verdict as the reward."""
 
-    path: str = ""  # the judge model's checkpoint (a directory or builtin:<name>)
+    path: str = ""  # the judge model's checkpoint (a directory, builtin:<name> or hub id ORG/NAME)
     # The judge's user turn; {prompt} is the task's (its last user turn), {response} the policy's,
     # {reference} the row's ground truth.
     template: str = "{prompt}{response}?"
@@ -225,7 +225,7 @@ class DistillConfig:
     token the student sampled, and the per-token reverse KL, log π_teacher - log μ_student, is the
     advantage (Thinking Machines' on-policy distillation; verl's, slime's)."""
 
-    teacher: str = ""  # the teacher's checkpoint (a directory or builtin:<name>); "" = off
+    teacher: str = ""  # the teacher's checkpoint (a directory, builtin:<name> or hub id); "" = off
     coef: float = 1.0  # the weight of the reverse-KL advantage
     # Add the task's advantages (algo.adv_estimator over reward.fn's rewards) to it; false: the
     # teacher's signal alone (the rewards are still computed and logged).

@@ -254,20 +254,28 @@ def _refuse_what_changes_the_computation(hf: dict[str, Any], source: str) -> Non
         )
 
 
-def resolve_model_path(spec: str) -> Path:
-    """A checkpoint directory, or "builtin:<name>": a warm start shipped in tandem/assets, or a
-    published model converted once into the cache (`tandem.model.builtins` lists them)."""
-    if not spec.startswith("builtin:"):
-        return Path(spec)
-    # Here, not at the top: the simulator reads this module for shapes and loads no converter.
-    from tandem.model.builtins import builtin_path
+def resolve_model_path(spec: str, key: str = "") -> Path:
+    """The checkpoint directory `spec` (the config's `key`, named in errors) names: a local
+    directory, "builtin:<name>" (a warm start shipped in tandem/assets, or a published model
+    converted once into the cache: `tandem.model.builtins` lists them), or a Hugging Face hub id
+    ORG/NAME[@REVISION] that is no local path, fetched into huggingface_hub's cache
+    (`tandem.model.hub`)."""
+    # Here, not at the top: the simulator reads this module for shapes and loads no converter or hub.
+    if spec.startswith("builtin:"):
+        from tandem.model.builtins import builtin_path
 
-    return builtin_path(spec.split(":", 1)[1], ModelConfig.from_hf)
+        return builtin_path(spec.split(":", 1)[1], ModelConfig.from_hf)
+    from tandem.model.hub import hub_id, snapshot
+
+    if (found := hub_id(spec)) is not None:
+        return snapshot(*found, spec, key)
+    return Path(spec)
 
 
 def model_dir(spec: str, key: str = "model.path") -> Path:
-    """The checkpoint directory `spec` (the config's `key`) names ("builtin:" resolved), or a TandemError."""
-    path = resolve_model_path(spec)
+    """The checkpoint directory `spec` (the config's `key`) names (resolved as `resolve_model_path`
+    does), or a TandemError."""
+    path = resolve_model_path(spec, key)
     if not path.is_dir():
         raise TandemError(f"Model path {path} ({key}) does not exist or is not a directory.")
     return path

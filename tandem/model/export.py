@@ -35,8 +35,8 @@ def adapter_only(path: Path) -> bool:
 
 def adapter_base(path: Path) -> Path:
     """The base checkpoint directory a PEFT adapter directory names (base_model_name_or_path: a
-    path, absolute or from the working directory, or builtin:<task>). TandemError when it names
-    none, or none that is a checkpoint directory here."""
+    path, absolute or from the working directory, builtin:<task>, or a Hugging Face hub id).
+    TandemError when it names none, or none that is a checkpoint directory here."""
     config = path / ADAPTER_CONFIG
     try:
         base = json.loads(config.read_text()).get("base_model_name_or_path")
@@ -48,13 +48,15 @@ def adapter_base(path: Path) -> Path:
             "base model (base_model_name_or_path): set it to the directory of the checkpoint it was "
             "trained on."
         )
-    found = resolve_model_path(base)
+    named = f"{path} is a PEFT adapter of the base {base!r} ({ADAPTER_CONFIG}'s base_model_name_or_path)"
+    try:
+        found = resolve_model_path(base)  # a Hugging Face hub id too, from huggingface_hub's cache
+    except TandemError as e:
+        raise TandemError(f"{named}: {e}") from None
     if not found.is_dir() or adapter_only(found):
         raise TandemError(
-            f"{path} is a PEFT adapter of the base {base!r} ({ADAPTER_CONFIG}'s base_model_name_or_path), "
-            "which is not a checkpoint directory here: tandem reads local checkpoints only. Download it "
-            f"(e.g. `huggingface-cli download {base} --local-dir DIR`) and set base_model_name_or_path "
-            "to DIR."
+            f"{named}, which is not a checkpoint directory here. Set base_model_name_or_path to the "
+            "directory of the checkpoint it was trained on, builtin:<name>, or a Hugging Face hub id."
         )
     return found
 

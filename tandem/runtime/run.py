@@ -18,6 +18,7 @@ from tandem.controller.loop import Loop, Stopped
 from tandem.controller.metrics import MetricsLogger, require_wandb
 from tandem.controller.timeline import Span
 from tandem.determinism import check_batch_invariance, machine
+from tandem.model.hub import hub_id
 from tandem.paths import check_writable, run_lock
 from tandem.reward.user_fn import canonical_spec, load_within
 from tandem.runtime.local import LocalCluster, cpu_threads
@@ -29,14 +30,18 @@ IMPORTED = time.time()  # process_start's fallback
 
 
 def with_absolute_paths(cfg: Config) -> Config:
-    """Actors may run in another directory (or on another node): give them absolute paths."""
+    """Actors may run in another directory (or on another node): give them absolute paths. A
+    model's "builtin:" name or Hugging Face hub id (ORG/NAME that is no path here) stays as it is."""
 
     def absolute(path: str) -> str:
         return str(Path(path).resolve()) if path and not path.startswith("builtin:") else path
 
+    def model(path: str) -> str:
+        return path if hub_id(path) else absolute(path)
+
     return replace(
         cfg,
-        model=replace(cfg.model, path=absolute(cfg.model.path), tokenizer=absolute(cfg.model.tokenizer)),
+        model=replace(cfg.model, path=model(cfg.model.path), tokenizer=model(cfg.model.tokenizer)),
         reward=replace(cfg.reward, fn=canonical_spec(cfg.reward.fn)),
         run=replace(cfg.run, out_dir=absolute(cfg.run.out_dir)),
     )
