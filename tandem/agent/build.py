@@ -4,11 +4,12 @@
 agents built on it."""
 
 import functools
-import importlib
 from collections.abc import Callable, Sequence
 
 from tandem.agent.loop import AGENTS, AgentLoop
+from tandem.agent.specs import load_agent_fn
 from tandem.errors import TandemError
+from tandem.loading import LoadError, load
 from tandem.registry import Registry
 
 # The agent kinds a prefix names ("<kind>:pkg.module:function"): episodes of the ecosystem that run
@@ -21,7 +22,7 @@ AGENT_KINDS: Registry[Callable[[str], Callable[..., AgentLoop]]] = Registry("age
 @AGENT_KINDS.register("openai")
 def _openai_agent(spec: str) -> Callable[..., AgentLoop]:
     """`OpenAIAgent` bound to the user's coroutine function."""
-    from tandem.agent.openai_agent import OpenAIAgent, load_agent_fn
+    from tandem.agent.openai_agent import OpenAIAgent
 
     load_agent_fn(spec)  # a missing module or a function that is not async: said now
     return functools.partial(OpenAIAgent, fn=spec)
@@ -50,20 +51,23 @@ def agent_class(spec: str) -> Callable[..., AgentLoop]:
         return AGENTS.get(spec)
     if endpoint_agent(spec):
         return AGENT_KINDS.get(spec.partition(":")[0])(spec)
-    module_name, sep, attr = spec.partition(":")
     kinds = " or ".join(f"'{k}:pkg.module:function'" for k in AGENT_KINDS.names())
     forms = f"An agent is one of {', '.join(AGENTS.names())}, 'pkg.module:Class', {kinds}."
-    if not sep or not module_name or not attr:
-        raise TandemError(f"Unknown agent {spec!r}. {forms}")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise TandemError(f"Cannot import module {module_name!r} of agent {spec!r}: {e}. {forms}") from None
-    cls = getattr(module, attr, None)
+        cls = load(spec)
+    except LoadError as e:
+        if e.reason == "shape":
+            raise TandemError(f"Unknown agent {spec!r}. {forms}") from None
+        if e.reason == "import":
+            raise TandemError(
+                f"Cannot import module {e.module!r} of agent {spec!r}: {e.error}. {forms}"
+            ) from None
+        cls = None
     if cls is None or not callable(getattr(cls, "run", None)):
+        module, _, attr = spec.partition(":")
         what = "has no attribute" if cls is None else "has no `run` method in"
         raise TandemError(
-            f"Agent {spec!r}: module {module_name!r} {what} {attr!r}. An agent class implements "
+            f"Agent {spec!r}: module {module!r} {what} {attr!r}. An agent class implements "
             "tandem.agent.AgentLoop's contract (its docstring; docs/agents.md)."
         )
     return cls

@@ -40,8 +40,6 @@ request cut short by a weight update is served again, continuing its tokens on t
 from __future__ import annotations
 
 import asyncio
-import importlib
-import inspect
 import itertools
 import json
 import logging
@@ -56,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 from tandem.agent.chat import ChatRenderer, parse_tool_calls, same_message
 from tandem.agent.loop import AgentLoop, Turn
 from tandem.agent.openai_request import EPISODE_HEADER, BadRequest, Choice, Request
+from tandem.agent.specs import load_agent_fn
 from tandem.agent.tools import TOOLS, openai_tool
 from tandem.errors import TandemError
 from tandem.sample import Prompt, Sample, Status
@@ -66,7 +65,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PREFIX = "openai:"
 BATCH_WAIT_S = 0.05  # a pause in arrivals this long ends a batch while served episodes are busy
 FIRST_WAIT_S = 5.0  # the longest a request waits for episodes yet to make their first request
 SCRATCH_INDEX = 1 << 20  # engine requests are numbered from here, apart from the samples' own keys
@@ -74,32 +72,6 @@ FAULTS = ("errors", "timeouts", "no_calls")
 STATS = ("turns", "tool_calls", "tool_parse_errors", *FAULTS, "bad_requests", "truncated", "samples",
          "prompt_tokens", "reused_prompt_tokens")  # fmt: skip
 EXTRA_INDEX = 1 << 16  # an episode's extra samples: index (i + 1) * EXTRA_INDEX + k for the group's sample i
-
-
-def named_attr(spec: str, prefix: str, form: str, before_import: Callable[[], None] = lambda: None) -> Any:
-    """ "<prefix>pkg.module:name" (or without the prefix) -> getattr(module, name, None);
-    TandemError naming `form` for a spec of another shape or a module that does not import.
-    `before_import` runs once the shape is right (a check that the agent's package is installed)."""
-    module_name, sep, attr = spec.removeprefix(prefix).partition(":")
-    if not sep or not module_name or not attr:
-        raise TandemError(f"Agent {spec!r}: expected {form}.")
-    before_import()
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise TandemError(f"Agent {spec!r}: cannot import module {module_name!r}: {e}.") from None
-    return getattr(module, attr, None)
-
-
-def load_agent_fn(spec: str) -> Callable:
-    """ "openai:pkg.module:function" (or without the prefix) -> the coroutine function."""
-    form = "rollout.agent=openai:pkg.module:function, with `async def function(client, task)`"
-    fn = named_attr(spec, PREFIX, form)
-    if fn is None or not inspect.iscoroutinefunction(fn):
-        module_name, _, attr = spec.removeprefix(PREFIX).partition(":")
-        what = "has no attribute" if fn is None else "is not an `async def` function:"
-        raise TandemError(f"Agent {spec!r}: module {module_name!r} {what} {attr!r}. Expected {form}.")
-    return fn
 
 
 @dataclass

@@ -33,7 +33,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from tandem.agent.openai_agent import OpenAIAgent, named_attr
+from tandem.agent.openai_agent import OpenAIAgent
+from tandem.agent.specs import named_attr
 from tandem.errors import TandemError
 
 if TYPE_CHECKING:

@@ -7,7 +7,6 @@ A spec is "auto" (dispatch on `Prompt.data_source`), a verifier name, "pkg.modul
 """
 
 import hashlib
-import importlib
 import importlib.util
 import inspect
 import numbers
@@ -19,6 +18,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from tandem.errors import TandemError
+from tandem.loading import LoadError, load
 from tandem.reward.code import CodeLimits
 from tandem.reward.verifiers import VERIFIERS, Verifier
 from tandem.sample import Prompt
@@ -172,7 +172,7 @@ def load_reward_fn(spec: str, code_limits: CodeLimits | None = None) -> RewardFn
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
         raise TandemError(f"Unknown reward function {spec!r}. {_spec_forms()}")
-    fn = _resolve_attr(_import_target(target, spec), attr, spec)
+    fn = _load(target, attr, spec)
     params = _parameters(fn, spec)
     if "solution_str" in params:
         return VerlReward(fn, spec)
@@ -226,17 +226,29 @@ def _is_file_target(target: str) -> bool:
     return target.endswith(".py") or os.sep in target or "/" in target
 
 
-def _import_target(target: str, spec: str) -> Any:
-    if _is_file_target(target):
-        return _import_file(target, spec)
+def _load(target: str, attr: str, spec: str) -> Callable:
+    """The callable `spec` names: its module imported (a file by its path), the attribute walked."""
+    module = _import_file(target, spec).__name__ if _is_file_target(target) else target
     try:
-        return importlib.import_module(target)
-    except ImportError as e:
+        obj = load(f"{module}:{attr}")
+    except LoadError as e:
+        if e.reason == "shape":
+            raise TandemError(f"Unknown reward function {spec!r}. {_spec_forms()}") from None
+        if e.reason == "import":
+            raise TandemError(
+                f"Cannot import module {target!r} of reward function {spec!r}: {e.error}. {_spec_forms()}"
+            ) from e.error
+        found = sys.modules[module]
+        public = [n for n in dir(found) if not n.startswith("_") and callable(getattr(found, n))]
         raise TandemError(
-            f"Cannot import module {target!r} of reward function {spec!r}: {e}. {_spec_forms()}"
-        ) from e
+            f"Reward function {spec!r}: {module!r} has no attribute {attr!r}. Its public callables are: "
+            f"{', '.join(public) or 'none'}."
+        ) from None
     except Exception as e:  # the user's module failed as it ran: say where, in one paragraph
         raise TandemError(f"Importing module {target!r} of reward function {spec!r} {_raised(e)}") from None
+    if not callable(obj):
+        raise TandemError(f"Reward function {spec!r} names a {type(obj).__name__}, which is not callable.")
+    return obj
 
 
 def _import_file(path: str, spec: str) -> Any:
@@ -268,21 +280,6 @@ def _raised(e: Exception) -> str:
     frames = traceback.extract_tb(e.__traceback__)
     at = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
     return f"raised {type(e).__name__}: {e}{at}."
-
-
-def _resolve_attr(module: Any, attr: str, spec: str) -> Callable:
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            public = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
-            raise TandemError(
-                f"Reward function {spec!r}: {getattr(module, '__name__', module)!r} has no attribute "
-                f"{attr!r}. Its public callables are: {', '.join(public) or 'none'}."
-            )
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise TandemError(f"Reward function {spec!r} names a {type(obj).__name__}, which is not callable.")
-    return obj
 
 
 def _parameters(fn: Callable, spec: str) -> list[str]:

@@ -5,10 +5,10 @@ role calls it through `tandem.runtime.roles.build_engine`). Importing this loads
 model. A new engine is one `ENGINES.register` here and its builder.
 """
 
-import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from tandem.loading import load
 from tandem.registry import Registry
 from tandem.rollout.vllm_config import (
     check_vllm_lora,
@@ -45,8 +45,7 @@ class EngineSpec:
     one_process: bool = True  # it can run in the driver's process (`tandem.runtime.local`)
 
     def builder(self) -> Callable:
-        module, _, name = self.build.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return load(self.build)
 
 
 ENGINES: Registry[EngineSpec] = Registry("engine")

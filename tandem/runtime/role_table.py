@@ -12,12 +12,12 @@ simulated builder (`tandem.sim.run`); every cluster builds it from the row. A wo
 as `Class(cfg, rank, threads)`.
 """
 
-import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from tandem.algo import ADV_ESTIMATORS
+from tandem.loading import load
 from tandem.registry import Registry
 from tandem.sync.protocol import TRANSPORTS
 
@@ -39,18 +39,13 @@ class Role:
     placed_with: str = ""  # left out of placement.groups, its task joins this task's group
 
     def worker_class(self) -> type:
-        return _imported(self.worker)
+        return load(self.worker)
 
     def simulator(self) -> Callable[..., list[Any]]:
-        return _imported(self.simulated)
+        return load(self.simulated)
 
     def workers(self, cfg: Config) -> list[str]:
         return [f"{self.name}/{rank}" for rank in range(self.count(cfg))]
-
-
-def _imported(path: str) -> Any:
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 ROLES: Registry[Role] = Registry("role")
