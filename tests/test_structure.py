@@ -184,9 +184,10 @@ def test_engines_agent_kinds_and_tool_parsers_are_asked_of_their_registry_never_
             if path == owners[kind]:
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
+                called = getattr(getattr(node, "func", None), "attr", "")
                 if isinstance(node, ast.Compare):
                     hits = [v for c in (node.left, *node.comparators) for v in _literals(c) if v in names]
-                elif kind == "agent kind" and getattr(getattr(node, "func", None), "attr", "") == "startswith":
+                elif kind == "agent kind" and called == "startswith":
                     hits = [v for a in node.args for v in _literals(a) if v.removesuffix(":") in names]
                 else:
                     continue
