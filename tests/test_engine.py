@@ -221,3 +221,26 @@ def test_compile_without_a_cpp_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("CXX", raising=False)
     with pytest.raises(TandemError, match="needs a C\\+\\+ compiler"):
         BuiltinEngine(tiny_model(), [EOS], pad_token_id=0, compile=True)
+
+
+@pytest.mark.parametrize("engine_cls", [BuiltinEngine, PagedEngine])
+def test_a_one_row_bf16_decode_on_the_matrix_vector_kernel_gives_the_trainers_logprobs(
+    engine_cls, monkeypatch
+):
+    """One row in bf16 on the CPU: the engine may run its matmuls on PyTorch's own matrix-vector
+    kernel instead of oneDNN (`tandem.model.gemv`, chosen by measuring); forced on here, so the
+    path runs on every CPU. Its logprobs are the trainer's full forward's, to bf16 rounding."""
+    from tandem.model import gemv
+
+    monkeypatch.setattr(gemv, "native_gemv_faster", lambda dtype: True)
+    used = []
+    real = gemv.onednn
+    monkeypatch.setattr(gemv, "onednn", lambda enabled: used.append(enabled) or real(enabled))
+    model = tiny_model(std=0.3).to(torch.bfloat16)
+    engine = engine_cls(model, [EOS], pad_token_id=0, seed=3)
+    (s,) = run(engine, prompts(1), SamplingParams(temperature=1.0, max_new_tokens=12), 1)
+    assert used and not any(used)  # the decode steps ran with oneDNN off
+    assert torch.backends.mkldnn.enabled  # and it is back on after them
+    with torch.no_grad():
+        recomputed = full_forward_logprobs(model, s.prompt_ids, s.response_ids)
+    assert_same_logprobs(s.logprobs, recomputed, model, [s], dtype=torch.bfloat16)

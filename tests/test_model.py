@@ -293,3 +293,23 @@ def test_rope_types_tandem_cannot_compute_are_refused_by_name(rope, message, tmp
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(TandemError, match=message):
         load_model(tmp_path)
+
+
+def test_an_engine_s_bf16_rmsnorm_equals_transformers_bit_for_bit():
+    """The engine's RMSNorm without autograd runs in two calls (torch's norm kernel, then the
+    weight) where the trainer's runs in four; both must give Hugging Face's bits, on this CPU."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from tandem.model.decoder import RMSNorm
+
+    torch.manual_seed(0)
+    for dim in (576, 896, 100):
+        ours, theirs = RMSNorm(dim, 1e-5).to(torch.bfloat16), LlamaRMSNorm(dim, 1e-5).to(torch.bfloat16)
+        with torch.no_grad():
+            ours.weight.copy_(torch.rand(dim) * 2)
+            theirs.weight.copy_(ours.weight)
+        x = (torch.randn(64, 3, dim) * torch.rand(64, 3, 1) * 10).to(torch.bfloat16)
+        with torch.no_grad():
+            fast, expected = ours(x), theirs(x)
+        assert torch.equal(fast, expected)
+        assert torch.equal(ours(x).detach(), expected)  # the trainer's path

@@ -18,10 +18,11 @@ from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups
 from tandem.rollout.sampler import (
     apply_repetition_penalty,
-    exponential_noise,
     filter_min_p,
+    inverse_cdf,
     processed_logprobs,
     sample_next,
+    uniform_draws,
 )
 from tandem.rollout.worker import RolloutWorker, StopStrings
 from tandem.sample import Prompt, Sample, SamplingParams, Status
@@ -150,20 +151,29 @@ def test_sample_next_draws_from_the_processed_distribution_and_returns_the_mode_
     n = 20000
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0, 2.5]]).expand(n, -1)
     seen = seen_mask([[5]], 6).expand(n, -1)
-    noise = exponential_noise((n, 6), torch.device("cpu"), torch.Generator().manual_seed(0))
+    draws = uniform_draws(n, torch.device("cpu"), torch.Generator().manual_seed(0))
     processed = SamplingParams(
         temperature=0.8, repetition_penalty=2.0, min_p=0.1, top_k=4, logprobs_mode="processed"
     )
-    tokens, logprobs = sample_next(logits, processed, noise, seen)
+    tokens, logprobs = sample_next(logits, processed, draws, seen)
     target = processed_logprobs(logits[:1], processed, seen[:1])[0]
     assert torch.isfinite(target).sum() == 4 and torch.isfinite(target[tokens]).all()
     freq = torch.bincount(tokens, minlength=6) / n
     torch.testing.assert_close(freq, target.exp(), atol=0.015, rtol=0)  # ~4 standard errors
     torch.testing.assert_close(logprobs, target[tokens])
     raw = SamplingParams(temperature=0.8, repetition_penalty=2.0, min_p=0.1, top_k=4)
-    same_tokens, raw_logprobs = sample_next(logits, raw, noise, seen)
+    same_tokens, raw_logprobs = sample_next(logits, raw, draws, seen)
     assert torch.equal(same_tokens, tokens)  # the mode changes the logprob, never the token
     torch.testing.assert_close(raw_logprobs, torch.log_softmax(logits[0] / 0.8, -1)[tokens])
+
+
+def test_inverse_cdf_draws_the_token_whose_cumulative_mass_first_exceeds_the_draw():
+    probs = torch.tensor([0.25, 0.0, 0.25, 0.5])
+    scores = probs.log()[None].expand(6, -1)  # log 0 = -inf: never drawn
+    draws = torch.tensor([0.0, 0.2499, 0.25, 0.4999, 0.5, 1 - 2**-53], dtype=torch.float64)
+    assert inverse_cdf(scores, draws).tolist() == [0, 0, 2, 2, 3, 3]
+    tail = torch.tensor([[0.0, 1.0, float("-inf"), float("-inf")]]).expand(2, -1)
+    assert inverse_cdf(tail, torch.tensor([0.0, 1 - 2**-53], dtype=torch.float64)).tolist() == [0, 1]
 
 
 FILTERS = dict(

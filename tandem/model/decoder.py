@@ -41,12 +41,18 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.batch_invariant = False  # set by CausalLM.batch_invariant
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype == self.weight.dtype == torch.float32 and not torch.is_grad_enabled():
             # The same product in one call (torch multiplies by the weight last): a third less time
             # for a decode step's rows. Not under autograd, whose backward would differ.
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if x.dtype == self.weight.dtype and not torch.is_grad_enabled() and not self.batch_invariant:
+            # bf16: the kernel normalises in fp32 and rounds once, then the weight multiplies, as
+            # below, in two calls instead of four (an engine's forward). Outside the batch-invariant
+            # mode, whose engine must run the trainer's very kernels.
+            return F.rms_norm(x, (x.shape[-1],), eps=self.eps) * self.weight
         # Normalise in fp32 whatever the weights' dtype, as Hugging Face does, so logits match.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
@@ -239,6 +245,9 @@ class CausalLM(nn.Module):
         self._batch_invariant = bool(on)
         for layer in self.model.layers:
             layer.self_attn.batch_invariant = layer.mlp.batch_invariant = bool(on)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.batch_invariant = bool(on)
 
     def compile_decode(self) -> "CausalLM":
         """Run every one-token forward (a decode step) through `torch.compile` from now on.

@@ -6,6 +6,7 @@ import itertools
 import os
 import shutil
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 
 import torch
 from torch import Tensor
@@ -16,6 +17,7 @@ from tandem.model.config import moe_layers
 from tandem.model.decoder import CausalLM, fuse_projections
 from tandem.model.experts import Routing, routing
 from tandem.model.fp8 import quantize_model, requantize
+from tandem.model.gemv import gemv_backend
 from tandem.rollout.adapters import MergedAdapters
 from tandem.rollout.base import RolloutEngine, Storages
 from tandem.rollout.call import GenerateCall
@@ -91,11 +93,15 @@ class DecoderEngine(RolloutEngine):
 
     def forward(self, *args) -> tuple[Tensor, Tensor | None]:
         """The model's forward (its arguments: input_ids (B, T), ...) -> (logits, the experts each of
-        its (B, T) tokens used, (B, T, L, k) int16, or None when the engine does not record routing)."""
-        if not self.moe_layers:
-            return self.model(*args), None
-        with routing(self.model, Routing(record=True)) as trace:
-            logits = self.model(*args)
+        its (B, T) tokens used, (B, T, L, k) int16, or None when the engine does not record routing).
+        A forward of one or two tokens runs its matmuls on the CPU's faster matrix-vector kernel
+        (`tandem.model.gemv`), outside the batch-invariant mode."""
+        dtype, rows = self.model.lm_head.weight.dtype, args[0].numel()
+        with nullcontext() if self.model.batch_invariant else gemv_backend(rows, dtype, self.device):
+            if not self.moe_layers:
+                return self.model(*args), None
+            with routing(self.model, Routing(record=True)) as trace:
+                logits = self.model(*args)
         return logits, trace.table().view(*args[0].shape[:2], len(self.moe_layers), -1)  # input_ids' (B, T)
 
     def sequences(self, samples: list[Sample], call: GenerateCall) -> list[Sequence]:

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from tandem.rollout.call import GenerateCall
-from tandem.rollout.sampler import exponential_noise, sample_next, seen_tokens
+from tandem.rollout.sampler import sample_next, seen_tokens, uniform_draws
 from tandem.sample import Sample, SamplingParams
 
 
@@ -80,16 +80,16 @@ def sample_tokens(
     live sample draws from its own stream at its response position, so its tokens depend on nothing
     else in the batch; the other rows draw from `generator`. live[r] False: row r's sequence has
     ended and its token is dropped (every row is live by default)."""
-    noise = seen = seeds = positions = None
+    draws = seen = seeds = positions = None
     if params.temperature > 0:
         if any(seq.sample.seed is not None for seq in seqs):  # else one draw, no per-row lists
             live = live or [True] * len(seqs)
             seeds = [seq.sample.seed if alive else None for seq, alive in zip(seqs, live, strict=True)]
             positions = [len(seq.token_ids) - len(seq.sample.prompt_ids) for seq in seqs]
-        noise = exponential_noise(tuple(logits.shape), logits.device, generator, seeds, positions)
+        draws = uniform_draws(logits.shape[0], logits.device, generator, seeds, positions)
     if params.repetition_penalty != 1.0:
         seen = seen_tokens([seq.token_ids for seq in seqs], logits.shape[-1], logits.device)
-    tokens, logprobs = sample_next(logits, params, noise, seen)
+    tokens, logprobs = sample_next(logits, params, draws, seen)
     return tokens.tolist(), logprobs.tolist()
 
 
