@@ -1,11 +1,12 @@
 """The rollout engines against transformers' generate, and what bounds them.
 
-    python bench/engine.py [--model builtin:addition | PATH | qwen2-0.5b-random]
-                           [--engine builtin graphs vllm] [--device cpu | cuda] [--dtype auto]
-                           [--layers N] [--parts fixed rl ...] [--json PATH]
+    python bench/engine.py [--model builtin:addition | builtin:smollm2-135m-instruct | PATH
+                                    | qwen2-0.5b-random] [--engine builtin graphs vllm]
+                           [--batches 1 8 64] [--device cpu | cuda] [--dtype auto] [--layers N]
+                           [--parts fixed rl ...] [--json PATH]
 
 All in one run, on one model:
-1. Fixed lengths: tokens/s of each --engine and of `generate` at batch 8 and 64. All sample
+1. Fixed lengths: tokens/s of each --engine and of `generate` at each --batches size. All sample
    (temperature 1) and ignore EOS, so each run makes exactly batch x new-tokens tokens; the runs
    alternate, best of --repeats. Then the RL workload, --groups (32) prompts x 8 samples that stop
    at EOS, in responses/s (`num_return_sequences` for transformers; the engines prefill each
@@ -28,6 +29,15 @@ All in one run, on one model:
 5. Ceiling: the same matmuls at M = each batch size give the tokens/s of a decode step that
    cost nothing but its matmuls (no attention, norms, sampling, Python), and so the largest ratio
    to `generate` any engine could reach on this machine in this dtype (`ceiling_ratio_b8`, ...).
+   And the machine's own ceiling, from two rates measured in the same run: a decode step can go
+   no faster than reading its matmul weights once at the memory bandwidth (a sum over 512 MB),
+   nor than its matmuls' FLOPs at the matmul peak of 4.; each engine's tokens/s as a share of it
+   (`ceiling_tokens_per_s_b64`, `ceiling_share_b64`, `vllm_ceiling_share_b64`, ...).
+
+The headline keys (issue 49): `b1_tok_s`, `b8_vs_vllm`, `b64_vs_vllm`, `rl_vs_vllm`,
+`b64_ceiling_share` (the builtin engine, the default; `*_vs_vllm` only when vLLM ran), `cpu`.
+`--dtype auto` is what `tandem train` computes in: bf16 on a GPU or a CPU with native bf16, else
+fp32. The default engines are builtin, paged, graphs and, when it is installed, vllm.
 
 `--model qwen2-0.5b-random` builds a random Qwen2-0.5B-shaped model (`--layers` overrides its
 depth) and loads the same weights into transformers' Qwen2ForCausalLM; it is meant for --device
@@ -57,6 +67,8 @@ from tandem.data.dataset import prompts_from_rows
 from tandem.data.tasks import TASKS
 from tandem.data.template import encode_prompts
 from tandem.data.tokenizer import load_tokenizer
+from tandem.determinism import machine
+from tandem.devices import cpu_has_native_bf16
 from tandem.model.checkpoint import load_model, save_model
 from tandem.model.config import ModelConfig, resolve_model_path
 from tandem.model.decoder import CausalLM, init_weights
@@ -449,14 +461,15 @@ def linear_shapes(model: CausalLM) -> Counter:
     return shapes
 
 
-def matmul_peak(model: CausalLM, m: int, repeats: int = 5) -> float:
+def matmul_peak(model: CausalLM, m: int, repeats: int = 5, dtype: torch.dtype | None = None) -> float:
     """GFLOP/s of x (m, in) @ W.T over the model's projection shapes, each weighted by its count:
-    sum(2 m in out) / sum(best time), in the model's dtype on its device."""
+    sum(2 m in out) / sum(best time), in `dtype` (default: the model's) on the model's device."""
     p = next(model.parameters())
+    dtype = dtype or p.dtype
     flops = seconds = 0.0
     for (fan_in, fan_out), count in linear_shapes(model).items():
-        x = torch.randn(m, fan_in, dtype=p.dtype, device=p.device)
-        w = torch.randn(fan_out, fan_in, dtype=p.dtype, device=p.device)
+        x = torch.randn(m, fan_in, dtype=dtype, device=p.device)
+        w = torch.randn(fan_out, fan_in, dtype=dtype, device=p.device)
         best = math.inf
         for _ in range(repeats + 1):  # the first is a warm-up
             sync(p.device)
@@ -527,20 +540,88 @@ def memory(setup: Setup, new_tokens: int, requests: int = 64) -> dict:
 # ---------------------------------------------------------------- 5. ceiling
 
 
-def ceiling(model: CausalLM, batches: list[int], figures: dict[str, float]) -> dict[str, float]:
-    """Per batch size: tokens/s of a decode made of the model's matmuls alone, against generate."""
+def memory_bandwidth(device: torch.device, mb: int = 512, repeats: int = 5) -> float:
+    """GB/s of reading `mb` MB once (a sum of fp32 ones, best of `repeats`): what a decode step that
+    streams its weights can reach at most."""
+    x = torch.ones(mb * 2**20 // 4, device=device)
+    best = math.inf
+    for _ in range(repeats + 1):
+        sync(device)
+        start = time.perf_counter()
+        x.sum()
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return mb * 2**20 / best / 1e9
+
+
+def ceiling(model: CausalLM, batches: list[int], figures: dict[str, float], peak_m: int) -> dict[str, float]:
+    """Per batch size: tokens/s of a decode made of the model's matmuls alone (at M = the batch,
+    against generate), and the machine's own ceiling on any engine, measured here: a step can go
+    no faster than reading every matmul weight once at the measured memory bandwidth, nor than
+    its matmuls' FLOPs at the measured matmul peak (M = --peak-m). Each engine's share of it."""
+    p = next(model.parameters())
     params = sum(i * o * n for (i, o), n in linear_shapes(model).items())
-    out, shown = {}, []
+    peak = figures.get("matmul_peak_gflops") or matmul_peak(model, peak_m)
+    bandwidth = memory_bandwidth(p.device)
+    out = {"memory_bandwidth_gbs": bandwidth, "matmul_peak_gflops": peak}
+    print(f"ceiling: memory {bandwidth:.1f} GB/s, matmuls {peak:.0f} GFLOP/s ({p.dtype}, measured here)")
     for b in batches:
         tokens_per_s = matmul_peak(model, b) * 1e9 / (2 * params)
         ratio = tokens_per_s / figures[f"hf_tokens_per_s_b{b}"]
-        out.update({f"matmul_only_tokens_per_s_b{b}": tokens_per_s, f"ceiling_ratio_b{b}": ratio})
-        shown.append(f"batch {b}: {tokens_per_s:.0f} tok/s = {ratio:.1f}x generate")
-    print(f"ceiling (a decode step that costs only its matmuls): {'; '.join(shown)}")
+        step_s = max(params * p.element_size() / (bandwidth * 1e9), 2 * params * b / (peak * 1e9))
+        roof = b / step_s
+        out.update(
+            {
+                f"matmul_only_tokens_per_s_b{b}": tokens_per_s,
+                f"ceiling_ratio_b{b}": ratio,
+                f"ceiling_tokens_per_s_b{b}": roof,
+            }
+        )
+        shares = []
+        for name in (*ENGINES, *OPTIONAL, "hf"):
+            key = key_prefix(name) if name != "hf" else "hf_"
+            rate = figures.get(f"{key}tokens_per_s_b{b}")
+            if rate is not None:
+                out[f"{key}ceiling_share_b{b}"] = rate / roof
+                shares.append(f"{name} {rate / roof:.0%}")
+        bound = "memory" if step_s > 2 * params * b / (peak * 1e9) else "matmul"
+        print(
+            f"  batch {b}: ceiling {roof:.0f} tok/s ({bound}-bound); matmuls alone (M={b}) "
+            f"{tokens_per_s:.0f} tok/s = {ratio:.1f}x generate; "
+            f"share of the ceiling: {', '.join(shares)}"
+        )
+    return out
+
+
+def headline(figures: dict[str, float], device: str) -> dict[str, float | str]:
+    """The figures issue 49 names, for the default engine (builtin): batch 1 tokens/s, its ratio
+    to vLLM's CPU build at batch 8 and 64 and on the RL workload, its share of the ceiling at
+    batch 64, and the CPU (or GPU) they were measured on."""
+    out: dict[str, float | str] = {"cpu": machine(device)}
+    named = {
+        "b1_tok_s": "tokens_per_s_b1",
+        "b8_vs_vllm": "builtin_vs_vllm_b8",
+        "b64_vs_vllm": "builtin_vs_vllm_b64",
+        "rl_vs_vllm": "builtin_vs_vllm_rl",
+        "b64_ceiling_share": "ceiling_share_b64",
+    }
+    out.update({k: figures[v] for k, v in named.items() if v in figures})
+    print(
+        "headline: "
+        + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in out.items())
+    )
     return out
 
 
 # ---------------------------------------------------------------- main
+
+
+def default_engines() -> list[str]:
+    """builtin, paged, graphs, and vllm where it is installed; compiled only when asked for (its
+    Inductor compile takes minutes on a real model)."""
+    import importlib.util
+
+    return ["builtin", "paged", "graphs"] + (["vllm"] if importlib.util.find_spec("vllm") else [])
 
 
 def parse_args() -> argparse.Namespace:
@@ -548,13 +629,22 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="builtin:addition", help=f"a checkpoint, builtin:<task> or {RANDOM}")
     ap.add_argument(
-        "--engine", nargs="+", choices=ENGINES + OPTIONAL, default=list(ENGINES), help="engines of table 1"
+        "--engine",
+        nargs="+",
+        choices=ENGINES + OPTIONAL,
+        default=default_engines(),
+        help="engines of table 1 (default: builtin paged graphs, and vllm when it is installed)",
     )
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    ap.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float32 on the CPU, else bfloat16")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="auto: as train.dtype=auto (bf16 where native, else fp32)",
+    )
     ap.add_argument("--layers", type=int, help="depth of a random model (a quick check on the CPU)")
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--batches", type=int, nargs="+", default=[8, 64])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--requests", type=int, default=256, help="requests of the continuous vs static test")
     ap.add_argument("--groups", type=int, default=32, help="prompts (x 8 samples) of the RL and prefix tests")
     ap.add_argument("--peak-m", type=int, default=2048, help="rows of the peak matmuls")
@@ -572,7 +662,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     device = torch.device(args.device)
-    dtype_name = args.dtype if args.dtype != "auto" else ("float32" if device.type == "cpu" else "bfloat16")
+    native = device.type == "cuda" or cpu_has_native_bf16()
+    dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if native else "float32")
     setup = load(args.model, args.device, getattr(torch, dtype_name), args.layers)
     longest = max(map(len, setup.prompts(max(args.batches))[1])) + args.new_tokens
     seqs = max(*args.batches, 8 * args.groups)
@@ -606,9 +697,10 @@ def main() -> None:
     if "peak" in parts and "fixed" in parts:
         figures.update(peak_fraction(setup.model, args.peak_m, figures, max(args.batches)))
     if "ceiling" in parts and "fixed" in parts:
-        figures.update(ceiling(setup.model, args.batches, figures))
+        figures.update(ceiling(setup.model, args.batches, figures, args.peak_m))
     if "memory" in parts:
         figures.update(memory(setup, args.new_tokens))
+    figures.update(headline(figures, args.device))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)

@@ -17,9 +17,17 @@ own, alternating configurations between repeats:
 `recipes/smollm2-addition.yaml` (8 prompts x 8 samples of SmolLM2-135M-Instruct) measures the
 trainer on a real model.
 
+Each configuration also states how far its step is from the machine's limit: `matmul_share` is the
+ideal time of the step's matmuls — 6 x the matmul weights (lm_head included) x the batch's tokens
+(forward 2, backward 4; attention's own products and the loss are not counted), at the GFLOP/s that
+plain matmuls of the model's shapes reach in the same process (`bench/engine.py: matmul_peak`, M =
+train.micro_batch_tokens rows, the compute dtype) — over the step's measured time: 1 would be a
+step that is all matmuls at the machine's peak.
+
 `--json` writes step_speedup (legacy / default step time), fsdp2_vs_ddp_step_time (fsdp2 / ddp),
-optimizer_bytes_per_rank_ratio (fsdp2 / ddp, rank 0's AdamW state), peak_rss_mb_<config> and
-step_s_<config> (medians).
+optimizer_bytes_per_rank_ratio (fsdp2 / ddp, rank 0's AdamW state), peak_rss_mb_<config>,
+step_s_<config> (medians), matmul_share_<config>, `matmul_share` (the default configuration's),
+`matmul_peak_gflops` (the default's dtype) and `cpu`.
 """
 
 import argparse
@@ -34,10 +42,12 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from engine import linear_shapes, matmul_peak
 
 from tandem import devices
 from tandem.config import load_config
 from tandem.config.sampling import sampling_params
+from tandem.determinism import machine
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups
 from tandem.runtime.roles import (
@@ -92,14 +102,27 @@ def measure(
         times.append(time.perf_counter() - start)
     state = [t for s in trainer.learner.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     local = [t.to_local() if hasattr(t, "to_local") else t for t in state]
+    step_s = statistics.median(times[1:])
     result = dict(
-        step_s=statistics.median(times[1:]),
+        step_s=step_s,
         rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         optimizer_bytes=sum(t.numel() * t.element_size() for t in local),
+        **ideal_matmuls(trainer, samples, step_s, world),
     )
     Path(out, f"{name}-{rank}.json").write_text(json.dumps(result))
     if world > 1:
         destroy_world()
+
+
+def ideal_matmuls(trainer, samples, step_s: float, world: int) -> dict[str, float]:
+    """The step's matmul FLOPs (6 x matmul weights x tokens, this rank's share), the peak GFLOP/s of
+    the model's matmul shapes here, and the share of the step those matmuls would take at it."""
+    learner = trainer.learner
+    params = sum(i * o * n for (i, o), n in linear_shapes(learner.model).items())
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples) / world
+    flops = 6 * params * tokens
+    peak = matmul_peak(learner.model, learner.cfg.micro_batch_tokens, dtype=learner.dtype)
+    return dict(matmul_gflop=flops / 1e9, peak_gflops=peak, matmul_share=flops / (peak * 1e9) / step_s)
 
 
 def run(name: str, batch: Path, steps: int, out: str, recipe: str | None) -> dict[str, float]:
@@ -111,6 +134,8 @@ def run(name: str, batch: Path, steps: int, out: str, recipe: str | None) -> dic
         step_s=max(r["step_s"] for r in ranks),
         rss_mb=max(r["rss_mb"] for r in ranks),
         optimizer_bytes=ranks[0]["optimizer_bytes"],
+        matmul_share=min(r["matmul_share"] for r in ranks),
+        peak_gflops=ranks[0]["peak_gflops"],
     )
 
 
@@ -131,17 +156,25 @@ def main() -> None:
     step = {n: statistics.median(r["step_s"] for r in rs) for n, rs in results.items()}
     rss = {n: max(r["rss_mb"] for r in rs) for n, rs in results.items()}
     opt = {n: rs[0]["optimizer_bytes"] for n, rs in results.items()}
+    share = {n: statistics.median(r["matmul_share"] for r in rs) for n, rs in results.items()}
     figures = {
         "step_speedup": step["legacy"] / step["default"],
         "fsdp2_vs_ddp_step_time": step["fsdp2"] / step["ddp"],
         "optimizer_bytes_per_rank_ratio": opt["fsdp2"] / opt["ddp"],
         **{f"step_s_{n}": v for n, v in step.items()},
         **{f"peak_rss_mb_{n}": v for n, v in rss.items()},
+        **{f"matmul_share_{n}": v for n, v in share.items()},
+        "matmul_share": share["default"],
+        "matmul_peak_gflops": results["default"][0]["peak_gflops"],
+        "cpu": machine("cpu"),
     }
     for n in CONFIGS:
         mb = opt[n] / 2**20
-        print(f"{n:>8}: {step[n]:.3f} s/step  peak RSS {rss[n]:.0f} MB  AdamW state/rank {mb:.1f} MB")
-    print(f"default vs legacy: {figures['step_speedup']:.2f}x faster per step")
+        print(
+            f"{n:>8}: {step[n]:.3f} s/step  peak RSS {rss[n]:.0f} MB  AdamW state/rank {mb:.1f} MB  "
+            f"matmuls at peak: {share[n]:.0%} of the step"
+        )
+    print(f"default vs legacy: {figures['step_speedup']:.2f}x faster per step ({figures['cpu']})")
     print(f"fsdp2 vs ddp (2 ranks): {figures['fsdp2_vs_ddp_step_time']:.2f}x the step time, "
           f"{figures['optimizer_bytes_per_rank_ratio']:.2f}x the optimizer bytes per rank")  # fmt: skip
     if args.json:
