@@ -18,11 +18,12 @@ own, alternating configurations between repeats:
 trainer on a real model.
 
 Each configuration also states how far its step is from the machine's limit: `matmul_share` is the
-ideal time of the step's matmuls — 6 x the matmul weights (lm_head included) x the batch's tokens
-(forward 2, backward 4; attention's own products and the loss are not counted), at the GFLOP/s that
-plain matmuls of the model's shapes reach in the same process (`bench/engine.py: matmul_peak`, M =
-train.micro_batch_tokens rows, the compute dtype) — over the step's measured time: 1 would be a
-step that is all matmuls at the machine's peak.
+ideal time of the step's matmuls — their FLOPs as PyTorch's FlopCounterMode counts them in one more
+step (every mm, bmm and attention product, forward and backward, as they run: a shared prompt
+once, the lm_head on response rows only), at the GFLOP/s that plain matmuls of the model's shapes
+reach in the same process (`bench/engine.py: matmul_peak`, M = train.micro_batch_tokens rows, the
+compute dtype) — over the step's measured time: 1 would be a step that is all matmuls at the
+machine's peak.
 
 `--json` writes step_speedup (legacy / default step time), fsdp2_vs_ddp_step_time (fsdp2 / ddp),
 optimizer_bytes_per_rank_ratio (fsdp2 / ddp, rank 0's AdamW state), peak_rss_mb_<config>,
@@ -42,7 +43,8 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from engine import linear_shapes, matmul_peak
+from engine import matmul_peak
+from torch.utils.flop_counter import FlopCounterMode
 
 from tandem import devices
 from tandem.config import load_config
@@ -107,20 +109,23 @@ def measure(
         step_s=step_s,
         rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         optimizer_bytes=sum(t.numel() * t.element_size() for t in local),
-        **ideal_matmuls(trainer, samples, step_s, world),
+        **ideal_matmuls(trainer, samples, step_s),
     )
     Path(out, f"{name}-{rank}.json").write_text(json.dumps(result))
     if world > 1:
         destroy_world()
 
 
-def ideal_matmuls(trainer, samples, step_s: float, world: int) -> dict[str, float]:
-    """The step's matmul FLOPs (6 x matmul weights x tokens, this rank's share), the peak GFLOP/s of
-    the model's matmul shapes here, and the share of the step those matmuls would take at it."""
+def ideal_matmuls(trainer, samples, step_s: float) -> dict[str, float]:
+    """The matmul FLOPs of one more step (this rank's; counted by PyTorch's FlopCounterMode: every
+    mm, bmm and attention product forward and backward, so shared prompts and the lm_head's
+    response-only rows count as they run), the peak GFLOP/s of the model's matmul shapes here, and
+    the share of the step those FLOPs would take at that peak."""
     learner = trainer.learner
-    params = sum(i * o * n for (i, o), n in linear_shapes(learner.model).items())
-    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples) / world
-    flops = 6 * params * tokens
+    with FlopCounterMode(display=False) as counter:
+        trainer.version = 0
+        trainer.train_step(samples)
+    flops = counter.get_total_flops()
     peak = matmul_peak(learner.model, learner.cfg.micro_batch_tokens, dtype=learner.dtype)
     return dict(matmul_gflop=flops / 1e9, peak_gflops=peak, matmul_share=flops / (peak * 1e9) / step_s)
 

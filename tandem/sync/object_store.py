@@ -44,13 +44,17 @@ from tandem.sync.protocol import TRANSPORTS
 from tandem.sync.staging import StagingBuffer
 
 
-def _put(array: np.ndarray) -> Any:
-    """`array` into Ray's object store -> its ObjectRef; a copy of it where Ray is not running (a
-    run in one process)."""
+def _ray_running() -> bool:
     ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        return ray.put(array)
-    return array.copy()
+    return ray is not None and ray.is_initialized()
+
+
+def _put(array: np.ndarray, owned: bool = False) -> Any:
+    """`array` into Ray's object store -> its ObjectRef. Where Ray is not running (a run in one
+    process): the array itself when it is the caller's to give away (`owned`), else a copy."""
+    if _ray_running():
+        return sys.modules["ray"].put(array)
+    return array if owned else array.copy()
 
 
 @dataclass(frozen=True)
@@ -105,10 +109,15 @@ class ObjectStoreTransport:
         tensors = collect(self.plan, named_tensors)
         base = self._delta_base()
         refs, self.sent_bytes = [], 0
+        # Ray's put copies, so one scratch buffer serves every bucket. In one process a full push
+        # hands each bucket over as it is, packed into a buffer of its own: a scratch buffer would
+        # hold another bucket's bytes (512 MB) for the whole run, beside the copies.
+        scratch = _ray_running() or self.delta is not None
         for i in range(self.plan.num_buckets):
-            bucket = pack_bucket(self.plan, i, tensors, version, out=self._buffer(tensors)).cpu()
+            out = self._buffer(tensors) if scratch else None
+            bucket = pack_bucket(self.plan, i, tensors, version, out=out).cpu()
             message = bucket if self.delta is None else self.delta.encode(bucket, base)
-            refs.append(_put(message.numpy()))  # put copies, so one scratch buffer serves all
+            refs.append(_put(message.numpy(), owned=not scratch))
             self.sent_bytes += message.numel()
         chain = () if base is None else (*self._sent.chain, Push(self._sent.version, self._sent.refs))
         plan = self.plan
