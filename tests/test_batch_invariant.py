@@ -228,7 +228,17 @@ def test_engine_logprobs_equal_the_trainers_bit_for_bit(dtype):
     trainer.compute.batch_invariant = True
     engines = [BuiltinEngine(model_in(dtype), [EOS], 0, max_batch_size=b, seed=b) for b in (1, 3, 64)] + [
         PagedEngine(model_in(dtype), [EOS], 0, block_size=4, max_num_batched_tokens=24, seed=5),
-        PagedEngine(model_in(dtype), [EOS], 0, block_size=4, num_kv_blocks=24, max_num_seqs=8, seed=6),
+        # preemption, the prefix cache off: with it on, see the known failure below
+        PagedEngine(
+            model_in(dtype),
+            [EOS],
+            0,
+            block_size=4,
+            num_kv_blocks=24,
+            max_num_seqs=8,
+            seed=6,
+            prefix_caching=False,
+        ),
         # the CUDA graphs' padded, fixed-shape decode (run eagerly on the CPU), bucket-padded rows
         PagedEngine(model_in(dtype), [EOS], 0, block_size=4, max_num_seqs=6, cuda_graphs=True, seed=7),
     ]
@@ -239,6 +249,26 @@ def test_engine_logprobs_equal_the_trainers_bit_for_bit(dtype):
             got = torch.tensor(s.logprobs)
             assert torch.equal(got, row[: len(got)]), f"engine {i} ({type(engine).__name__})"
     assert engines[-2].num_preemptions > 0 and engines[-1].runner.graphs.num_steps > 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known bug (found 2026-11-28): in bf16, a sequence preempted and recomputed with the "
+    "prefix cache on can get logprobs off the trainer's from a later token on (1 sample in ~10 "
+    "such runs, on main before then too: its seeds never hit it); docs/determinism.md",
+)
+def test_a_preempted_sequence_with_the_prefix_cache_keeps_the_trainers_logprobs_bf16():
+    """PagedEngine with a KV budget that forces preemption and the prefix cache on, bf16, the
+    batch-invariant forward: every behaviour logprob must be the trainer's recompute. These seeds
+    give one sample (its response holds the pad id, then a recompute) off from token 6 on."""
+    dtype = torch.bfloat16
+    trainer = train_worker(tiny_model(std=0.3), train=dict(micro_batch_tokens=300), dtype=dtype)
+    trainer.compute.batch_invariant = True
+    engine = PagedEngine(model_in(dtype), [EOS], 0, block_size=4, num_kv_blocks=24, max_num_seqs=8, seed=6)
+    samples = engine_samples(engine, 16, 4, seed=4)
+    assert engine.num_preemptions > 0
+    for s, row in zip(samples, trainer.compute_logprobs(samples), strict=True):
+        assert torch.equal(torch.tensor(s.logprobs), row[: len(s.logprobs)])
 
 
 @pytest.mark.parametrize(
