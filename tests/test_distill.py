@@ -84,6 +84,7 @@ def test_a_teacher_with_another_vocabulary_is_refused_by_name(tmp_path):
         run_training(cfg)
 
 
+@pytest.mark.integration  # seconds of CPU: out of the unit tier (< 2 minutes)
 def test_a_teacher_equal_to_the_student_gives_exactly_zero_advantages_in_a_deterministic_run(tmp_path):
     """run.deterministic: the teacher's forward is the trainer's and the engine's, bit for bit, so a
     teacher that is the student's own start finds every sampled token exactly as likely as the
@@ -112,6 +113,7 @@ def _steps(out, overrides: list[str]) -> list[dict]:
     return [r for r in rows if "actor/pg_loss" in r]
 
 
+@pytest.mark.integration  # seconds of CPU: out of the unit tier (< 2 minutes)
 def test_a_lora_student_distills_with_adapter_only_pushes(tmp_path):
     steps = _steps(tmp_path, ["train.lora.rank=4", "train.lr=1e-3"])
     assert len(steps) == 4 and all(r["actor/no_signal_fraction"] < 1 for r in steps)

@@ -129,6 +129,7 @@ def _parity(text: str) -> float | None:
     return float(int(text) % 2) if text.strip().isdigit() else None
 
 
+@pytest.mark.integration  # seconds of CPU: out of the unit tier (< 2 minutes)
 def test_a_run_rewards_through_the_judge_and_validates_on_the_verifier(tmp_path):
     """The loop's reward calls go to the judge worker, its failures are counted, not fatal, and the
     held-out accuracy is the verifier's."""

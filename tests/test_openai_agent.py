@@ -321,6 +321,7 @@ def test_malformed_tool_call_json_comes_back_as_content_and_is_counted():
     assert s.agent_stats["tool_parse_errors"] == 1 and s.agent_reward == 0.0
 
 
+@pytest.mark.integration  # seconds of CPU: out of the unit tier (< 2 minutes)
 def test_each_fault_ends_its_episode_with_reward_0_and_the_others_go_on():
     w = worker("mixed", engine_cls=Counting, options={"timeout_s": 2.0})
     samples = episodes(6)

@@ -41,6 +41,7 @@ GROWTH = textwrap.dedent(
 )
 
 
+@pytest.mark.integration  # seconds of CPU: out of the unit tier (< 2 minutes)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads glibc's mallinfo2")
 def test_bf16_matmuls_of_ever_new_shapes_hold_bounded_memory():
     # oneDNN keeps every bf16 matmul primitive it builds (with its JIT'd kernel) in caches of 1024

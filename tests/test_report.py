@@ -85,6 +85,7 @@ def test_the_page_renders_in_a_headless_browser(runs, tmp_path):
     assert not_blank(shot)
 
 
+@pytest.mark.integration  # seconds of CPU: out of the unit tier (< 2 minutes)
 def test_wandb_offline_logs_every_metrics_line(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -174,6 +174,7 @@ def task_dict(s) -> dict:
 
 
 # -- the tests ---------------------------------------------------------------------------------------
+@pytest.mark.integration  # seconds of CPU: out of the unit tier (< 2 minutes)
 def test_the_reward_is_the_rubrics_and_the_second_turn_extends_the_first():
     """Turn 1 answers 131 (wrong), turn 2 answers 132 (right): reward 0.5 = 0.5 x final_answer."""
     renderer = ChatRenderer(TOK)
@@ -199,6 +200,7 @@ def test_the_reward_is_the_rubrics_and_the_second_turn_extends_the_first():
         assert rubric_of(task_dict(s), answers(s)) == rubric
 
 
+@pytest.mark.integration  # seconds of CPU: out of the unit tier (< 2 minutes)
 def test_rewards_of_random_episodes_are_the_rubrics():
     rows_ = TASKS.get("addition")().make_rows(3, 1, "train")
     w = worker(random_model())

