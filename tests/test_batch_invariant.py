@@ -252,7 +252,7 @@ def test_engine_logprobs_equal_the_trainers_bit_for_bit(dtype):
 
 
 @pytest.mark.xfail(
-    strict=True,
+    strict=False,  # these seeds hit it on an AVX512-BF16 EPYC; another CPU's bf16 may sample past it
     reason="known bug (found 2026-11-28): in bf16, a sequence preempted and recomputed with the "
     "prefix cache on can get logprobs off the trainer's from a later token on (1 sample in ~10 "
     "such runs, on main before then too: its seeds never hit it); docs/determinism.md",
