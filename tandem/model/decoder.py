@@ -243,10 +243,8 @@ class CausalLM(nn.Module):
     @batch_invariant.setter
     def batch_invariant(self, on: bool) -> None:
         self._batch_invariant = bool(on)
-        for layer in self.model.layers:
-            layer.self_attn.batch_invariant = layer.mlp.batch_invariant = bool(on)
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
+        for module in self.model.modules():  # every part that declares the flag: attention, MLP, MoE, norms
+            if hasattr(module, "batch_invariant"):
                 module.batch_invariant = bool(on)
 
     def compile_decode(self) -> "CausalLM":
