@@ -244,3 +244,33 @@ def test_a_one_row_bf16_decode_on_the_matrix_vector_kernel_gives_the_trainers_lo
     with torch.no_grad():
         recomputed = full_forward_logprobs(model, s.prompt_ids, s.response_ids)
     assert_same_logprobs(s.logprobs, recomputed, model, [s], dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("engine_cls", [BuiltinEngine, PagedEngine])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_packed_weights_follow_every_update_and_a_sleep(engine_cls, dtype):
+    """On the CPU the engine also keeps its linear weights packed for oneDNN
+    (`tandem.model.packed`), made again after each update: four rows a step (past the matrix-vector
+    kernel's two) multiply by them, and after a push, and after a sleep and the push that wakes it,
+    their logprobs are the new weights' full forward's, not the weights packed at the start."""
+    from tandem.model.packed import PackedLinear, packed_bytes, packing_available
+
+    if not packing_available(dtype, torch.device("cpu")):
+        pytest.skip(f"this PyTorch or CPU packs no {dtype} weights for oneDNN")
+    engine = engine_cls(tiny_model(seed=0, std=0.3).to(dtype), [EOS], pad_token_id=0, seed=3, pack=True)
+    assert engine.packed and isinstance(engine.model.lm_head, PackedLinear)
+    auto = engine_cls(tiny_model().to(dtype), [EOS], pad_token_id=0)  # rollout.pack_weights=null
+    assert auto.packed == (dtype == torch.bfloat16)
+    held = packed_bytes(engine.model)
+    assert held > 0 and engine.engine_bytes() >= held
+    params = SamplingParams(temperature=1.0, max_new_tokens=10)
+    for version, seed in ((1, 1), (2, 2)):
+        new = tiny_model(seed=seed, std=0.3).to(dtype)
+        if version == 2:
+            assert engine.sleep()["memory/engine_bytes"] >= held and packed_bytes(engine.model) == 0
+        engine.load_weights(new.named_parameters(), version)
+        samples = run(engine, prompts(4, seed=seed), params, 1)
+        for s in samples:
+            with torch.no_grad():
+                recomputed = full_forward_logprobs(new, s.prompt_ids, s.response_ids)
+            assert_same_logprobs(s.logprobs, recomputed, new, [s], dtype=dtype)

@@ -127,6 +127,10 @@ class RolloutConfig:
     # of two, as DeepGEMM's scales).
     quantization: Quantization = "none"
     fp8_scale: Fp8Scale = "fp32"
+    # builtin, paged on the CPU: the linear weights also kept packed for oneDNN, made again after every
+    # push (tandem.model.packed): faster matmuls for one more copy of them. null = auto: in bf16 only
+    # (in fp32 the copy would put the real-model recipe over its memory bound).
+    pack_weights: bool | None = None
     # Sleep while the trainer trains: the engine frees its weights and KV cache before each train
     # step and re-allocates them for the next push (run.mode=sync only). null = auto: on when the
     # run is sync on cuda with rollout and training on the same GPUs (docs/rollout.md).

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from tandem.errors import TandemError
 from tandem.model import batch_invariant as bi
+from tandem.model import packed
 from tandem.model.config import ModelConfig, moe_layers
 from tandem.model.experts import SparseMoE
 from tandem.model.kv_cache import KVCache
@@ -71,6 +72,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.fused: tuple[Tensor, Tensor | None] | None = None  # q|k|v weight, bias: fuse_projections
+        self.packed: Tensor | None = None  # the fused weight for oneDNN: tandem.model.packed
         self.batch_invariant = False  # set by CausalLM.batch_invariant
 
     def forward(
@@ -114,7 +116,7 @@ class Attention(nn.Module):
         if self.batch_invariant:  # one fixed-shape matmul whether fused (engine) or not (trainer)
             qkv = bi.linear(x, *(self.fused or _stacked([self.q_proj, self.k_proj, self.v_proj])))
         elif self.fused is not None:
-            qkv = F.linear(x, *self.fused)
+            qkv = packed.linear(x, *self.fused, self.packed)
         if qkv is not None and not self.cfg.qk_norm:
             qkv = qkv.view(b, t, -1, d).transpose(1, 2)  # (B, H + 2 Hkv, T, D)
             q, k = apply_rope(qkv[:, : h + kv], cos, sin).split([h, kv], dim=1)
@@ -167,6 +169,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.fused: tuple[Tensor, Tensor | None] | None = None  # gate|up weight, bias: fuse_projections
+        self.packed: Tensor | None = None  # the fused weight for oneDNN: tandem.model.packed
         self.batch_invariant = False  # set by CausalLM.batch_invariant
 
     def forward(self, x: Tensor) -> Tensor:
@@ -174,7 +177,7 @@ class MLP(nn.Module):
             gate_up = self.fused or _stacked([self.gate_proj, self.up_proj])
             return bi.mlp(x, *gate_up, _weight(self.down_proj), self.down_proj.bias)
         if self.fused is not None:
-            gate, up = F.linear(x, *self.fused).chunk(2, dim=-1)
+            gate, up = packed.linear(x, *self.fused, self.packed).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)

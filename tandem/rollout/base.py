@@ -236,8 +236,9 @@ class RolloutEngine:
         if self.asleep:
             return {"memory/engine_bytes": 0.0, "perf/sleep_s": 0.0, "perf/wake_s": 0.0}
         start = time.perf_counter()
+        freed = self.engine_bytes()
         self._on_sleep()
-        freed = self.memory.free()
+        self.memory.free()
         if self.device.type == "cuda":  # hand the memory back to the driver, for another process
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()

@@ -18,6 +18,7 @@ from tandem.model.decoder import CausalLM, fuse_projections
 from tandem.model.experts import Routing, routing
 from tandem.model.fp8 import quantize_model, requantize
 from tandem.model.gemv import gemv_backend
+from tandem.model.packed import drop, pack_model, packed_bytes, packing_available, repack
 from tandem.rollout.adapters import MergedAdapters
 from tandem.rollout.base import RolloutEngine, Storages
 from tandem.rollout.call import GenerateCall
@@ -32,6 +33,9 @@ class DecoderEngine(RolloutEngine):
     quantization="fp8": the linear weights of attention and MLPs (experts included) multiply as
     float8 e4m3 in 128x128 blocks with `fp8_scale` scales (`tandem.model.fp8`); the parameters keep
     the pushed high-precision values by name and are quantised again after every update.
+    pack (on the CPU, bf16 or fp32, not fp8 or compiled): the linear weights also kept packed for
+    oneDNN, made again after every update (`tandem.model.packed`): faster matmuls from 3 rows on,
+    for one more copy of the linear weights. None: in bf16 only.
     record_routing (an MoE model): every token's experts go to `Sample.routing` (routing replay).
     lora (rank > 0): a LoRA run's engine: `named_weights()` are the adapters (and modules_to_save),
     which pushes carry, merged into the weights after every update (`tandem.rollout.adapters`).
@@ -49,6 +53,7 @@ class DecoderEngine(RolloutEngine):
         compile: bool = False,
         quantization: str = "none",
         fp8_scale: str = "fp32",
+        pack: bool | None = None,
         record_routing: bool = False,
         lora: LoraConfig | None = None,
     ):
@@ -69,6 +74,12 @@ class DecoderEngine(RolloutEngine):
         if compile:  # decode steps through torch.compile
             check_compiler(self.model)
             self.model.compile_decode()
+        dtype = self.model.lm_head.weight.dtype
+        if pack is None:
+            pack = dtype == torch.bfloat16
+        self.packed = pack and not (compile or self.quantized) and packing_available(dtype, self.device)
+        if self.packed:
+            pack_model(self.model)
         self.pad_token_id = pad_token_id
         # On the model's device: a sampling draw must come from a generator of the noise's device.
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -119,6 +130,14 @@ class DecoderEngine(RolloutEngine):
             self.adapters.merge()
         if self.quantized:  # from the merged weights
             requantize(self.model)
+        if self.packed:
+            repack(self.model)
+
+    def _on_sleep(self) -> None:
+        drop(self.model)  # made again from the weights after the update that wakes the engine
+
+    def engine_bytes(self) -> int:
+        return super().engine_bytes() + packed_bytes(self.model)
 
     def rng_state(self) -> Tensor:
         return self.generator.get_state()

@@ -70,6 +70,7 @@ class PagedEngine(DecoderEngine):
         self.memory = Storages([*self.weight_tensors(), *self.runner.cache.k, *self.runner.cache.v])
 
     def _on_sleep(self) -> None:
+        super()._on_sleep()
         self.block_manager.reset_prefix_cache()  # the cached keys are gone with the pools
         if self.runner.graphs is not None:  # they point at the memory freed now
             self.runner.graphs.reset()

@@ -316,6 +316,7 @@ def _on_tandem_model(engine_cls, cfg: Config, tokenizer, seed: int, **engine_kw)
         compile=r.compile,
         quantization=r.quantization,
         fp8_scale=r.fp8_scale,
+        pack=r.pack_weights,
         record_routing=cfg.algo.routing_replay,
         lora=cfg.train.lora,
         **engine_kw,
