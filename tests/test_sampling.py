@@ -176,6 +176,23 @@ def test_inverse_cdf_draws_the_token_whose_cumulative_mass_first_exceeds_the_dra
     assert inverse_cdf(tail, torch.tensor([0.0, 1 - 2**-53], dtype=torch.float64)).tolist() == [0, 1]
 
 
+@pytest.mark.parametrize("block", [1, 4, 7, 256])
+def test_inverse_cdf_in_blocks_draws_what_one_running_sum_over_the_vocabulary_draws(block):
+    """The two-level search (the block the draw falls in, then the token within it) gives the token
+    a single float64 cumsum over the whole row gives, blocks that do not divide the vocabulary and
+    runs of zero-mass tokens across block edges included."""
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(64, 50, generator=g) * 3
+    scores[:, 5:17] = float("-inf")  # a run of zero mass over block edges
+    scores[::3, -6:] = float("-inf")  # and at the end of some rows
+    draws = torch.rand(64, generator=g, dtype=torch.float64)
+    draws[:4] = torch.tensor([0.0, 1 - 2**-53, 0.5, 2**-40], dtype=torch.float64)
+    cdf = torch.softmax(scores, -1).double().cumsum(-1)
+    expected = torch.searchsorted(cdf, (draws[:, None] * cdf[:, -1:]), right=True).squeeze(-1)
+    expected = torch.where(expected >= 50, scores.argmax(-1), expected)
+    assert inverse_cdf(scores, draws, block=block).tolist() == expected.tolist()
+
+
 FILTERS = dict(
     temperature=0.8, top_k=8, min_p=0.05, repetition_penalty=1.5, stop_token_ids=list(range(3, 10))
 )

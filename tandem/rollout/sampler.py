@@ -6,6 +6,7 @@ top-p. A token is drawn by inverting the cumulative distribution with one unifor
 """
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from tandem.sample import SamplingParams
@@ -132,16 +133,29 @@ def uniform_draws(
     return draws
 
 
-def inverse_cdf(scores: Tensor, draws: Tensor) -> Tensor:
+def inverse_cdf(scores: Tensor, draws: Tensor, block: int = 256) -> Tensor:
     """scores (B, V) log-probs up to a constant per row (-inf: never drawn), draws (B,) U[0, 1)
     -> tokens (B,): row b's first token whose cumulative probability exceeds draws[b], so token i
-    comes with probability softmax(scores)_i. Row by row (softmax and cumsum run along each row
-    alone), so a row's token depends on nothing else in the batch; the sum in float64, so the
-    cumulative mass of a 49k vocabulary loses no token to rounding."""
+    comes with probability softmax(scores)_i. Row by row (every operation runs along each row
+    alone), so a row's token depends on nothing else in the batch; the sums in float64, so the
+    cumulative mass of a 49k vocabulary loses no token to rounding.
+
+    In two levels, so the (B, V) probabilities are read once more, not copied to float64 and
+    summed: the running mass of `block`-token blocks finds the block the draw falls in, a cumsum of
+    that block alone the token (at B = 64 over a 49k vocabulary: 15 ms a decode step instead of 22
+    on 2 Zen 4 cores). A token of zero mass has its predecessor's running mass, so no draw lands
+    on it."""
     probs = torch.softmax(scores, dim=-1)
-    cdf = probs.double().cumsum(-1)  # (B, V)
-    target = draws[:, None].to(cdf) * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=scores.shape[-1] - 1)
+    rows, vocab = probs.shape
+    pad = -vocab % block
+    blocks = (F.pad(probs, (0, pad)) if pad else probs).view(rows, -1, block)
+    ends = blocks.sum(-1, dtype=torch.float64).cumsum_(-1)  # (B, V / block): mass up to each block's end
+    target = (draws.to(ends) * ends[:, -1])[:, None]
+    b = torch.searchsorted(ends, target, right=True).clamp_(max=ends.shape[1] - 1)  # (B, 1)
+    start = torch.where(b > 0, ends.gather(-1, (b - 1).clamp(min=0)), 0.0)
+    inside = blocks.gather(1, b[:, :, None].expand(-1, 1, block)).squeeze(1).double().cumsum_(-1) + start
+    offset = torch.searchsorted(inside, target, right=True).clamp_(max=block - 1)
+    tokens = (b * block + offset).squeeze(-1).clamp_(max=vocab - 1)
     # A draw that rounds up to the row's total mass would land past the last token with any:
     # take the row's likeliest then (a chance of ~1e-16).
     empty = probs.gather(-1, tokens[:, None]).squeeze(-1) == 0
