@@ -10,8 +10,9 @@ How: every reduction runs in an order tandem fixes, never one a library picks fo
 hand. A BLAS (MKL, oneDNN, cuBLAS) chooses its kernel, its blocking and how it splits the work
 between threads by the shape of the call, so each call here has ONE shape whatever the batch:
 
-- Matmuls (`linear`): the rows are padded with zeros to a multiple of ROW_TILE and multiplied
-  ROW_TILE at a time, every call (ROW_TILE, K) x (K, N'), N' the weight's rows padded to a multiple
+- Matmuls (`linear`): the rows are padded with zeros to a multiple of the dtype's row tile
+  (`row_tile`) and multiplied a tile at a time, every call (tile, K) x (K, N'), N' the weight's
+  rows padded to a multiple
   of COL_TILE (on an AMD EPYC with MKL, a weight of 261 rows split between 16 threads gave its last
   columns another kernel; one of 272 did not). The layout this replaces, one GEMM over all rows
   padded to a multiple of 4, rested on what one CPU's BLAS was seen to do; on an Intel Xeon with
@@ -35,9 +36,12 @@ a batched matmul computes each entry the same whatever the number of entries, an
 a shape gets does not change with the thread count. `tandem.model.invariance` checks all three on
 the machine at hand, in the run's dtype and shapes, before a deterministic run starts.
 
-Cost (docs/results.md#determinism): a batch of fewer rows than ROW_TILE pays for ROW_TILE of them,
-so a decode step of 8 sequences multiplies 256 rows; RL's batches (hundreds of sequences to
-generate, thousands of tokens to train) fill the tiles.
+Cost (docs/results.md#determinism): a batch of fewer rows than a tile pays for a tile of them, so a
+decode step of 8 sequences multiplies 128 rows in bf16 (256 in fp32); RL's batches (hundreds of
+sequences to generate, thousands of tokens to train) fill the tiles. The tile trades the two: on
+SmolLM2-135M in bf16 (2 Zen 4 cores, 64 sequences decoding), tiles of 64 / 128 / 256 rows cost
+the engine 1.09x / 1.71x / 2.7x and the train step 1.56x / 1.24x / 1.24x; fp32 matmuls lose
+more at small tiles (a train step's matmuls 1.3x slower at 128 rows than at 256), so fp32 keeps 256.
 """
 
 import math
@@ -46,7 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-ROW_TILE = 256  # rows per matmul call
+ROW_TILE = 256  # rows per matmul call (fp32 and fp16; `row_tile`)
+ROW_TILES = {torch.bfloat16: 128}  # dtypes whose matmuls lose little at fewer rows a call
 COL_TILE = 64  # a weight's rows are padded to a multiple of this
 QUERY_TILE = 4  # attention: query rows (query heads x tokens) per matmul entry
 KEY_TILE = 32  # attention: keys per matmul entry
@@ -64,12 +69,19 @@ def _threads_used(numel: int) -> int:
     return 1 if numel < GRAIN_SIZE else min(torch.get_num_threads(), -(-numel // GRAIN_SIZE))
 
 
-def padded_rows(m: int, width: int) -> int:
-    """-> the row count >= m, a multiple of ROW_TILE, at which an element-wise op over (rows, width)
-    splits between threads at row boundaries (`_threads_used`)."""
-    rows = round_up(m, ROW_TILE)
+def row_tile(dtype: torch.dtype) -> int:
+    """Rows per matmul call in `dtype`: one number per dtype, so the engine and the trainer (which
+    compute in the same dtype in a deterministic run) multiply a row by the same kernel."""
+    return ROW_TILES.get(dtype, ROW_TILE)
+
+
+def padded_rows(m: int, width: int, dtype: torch.dtype) -> int:
+    """-> the row count >= m, a multiple of `row_tile(dtype)`, at which an element-wise op over
+    (rows, width) splits between threads at row boundaries (`_threads_used`)."""
+    tile = row_tile(dtype)
+    rows = round_up(m, tile)
     while rows % _threads_used(rows * width):
-        rows += ROW_TILE
+        rows += tile
     return rows
 
 
@@ -81,14 +93,14 @@ def pad_rows(x: Tensor, rows: int) -> Tensor:
 
 
 def tiled_mm(x: Tensor, weight: Tensor) -> Tensor:
-    """x (M, K), weight (N, K) -> x @ weight.T (M, N), as (ROW_TILE, K) x (K, N') calls (no autograd)."""
+    """x (M, K), weight (N, K) -> x @ weight.T (M, N), as (row_tile, K) x (K, N') calls (no autograd)."""
     m, n = x.shape[0], weight.shape[0]
-    cols = round_up(n, COL_TILE)
+    cols, tile = round_up(n, COL_TILE), row_tile(x.dtype)
     wt = pad_rows(weight, cols).t()  # (K, N')
-    rows = pad_rows(x, round_up(m, ROW_TILE)).contiguous()
+    rows = pad_rows(x, round_up(m, tile)).contiguous()
     out = rows.new_empty(rows.shape[0], cols)
-    for i in range(0, rows.shape[0], ROW_TILE):
-        torch.mm(rows[i : i + ROW_TILE], wt, out=out[i : i + ROW_TILE])
+    for i in range(0, rows.shape[0], tile):
+        torch.mm(rows[i : i + tile], wt, out=out[i : i + tile])
     return out[:m, :n]
 
 
@@ -131,7 +143,7 @@ def mlp(
     down(silu(gate(x)) * up(x)) over `padded_rows` rows, SiLU reading the gate half in place."""
     rows = x.reshape(-1, x.shape[-1])  # (M, E)
     m, width = rows.shape[0], down.shape[1]
-    h = _mm(pad_rows(rows, padded_rows(m, width)), gate_up)  # (M', 2I)
+    h = _mm(pad_rows(rows, padded_rows(m, width, rows.dtype)), gate_up)  # (M', 2I)
     if gate_up_bias is not None:
         h = h + gate_up_bias
     gate, up = h.chunk(2, dim=-1)  # strided views: the activation loops row by row

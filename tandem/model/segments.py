@@ -10,7 +10,9 @@ A shared prompt (`Segments.shared`): the samples of one GRPO group share their p
 once, followed by every response; each response attends to the prompt and to itself, at the
 positions it would have alone. Every token then sees exactly the context it has in a sequence of
 its own, so its logits are those of that sequence (up to the kernels' summation order), and the
-prompt's forward and backward run once for the group instead of once a sample.
+prompt's forward and backward run once for the group instead of once a sample. In the
+batch-invariant mode (`tree_attention`) each response's keys are laid out as in that sequence, so
+they are the same bits.
 """
 
 from collections.abc import Callable
@@ -77,9 +79,9 @@ class Segments:
                 # (1, h, count·L, D) -> (count, h, L, D): a view when the run is contiguous
                 return x[0, :, start : start + count * length].unflatten(1, (count, length)).transpose(0, 1)
 
-            if tree is not None:
-                if attention is not None:
-                    raise ValueError("a shared prompt has no batch-invariant attention: pack it plainly")
+            if tree is not None and attention is not None:
+                out = tree_attention(run(q), run(k), run(v), *tree, attention)
+            elif tree is not None:
                 # built once per micro-batch, not once per layer
                 allowed = self._masks.get(start)
                 if allowed is None or allowed.device != q.device:
@@ -99,6 +101,34 @@ class Segments:
                 out = causal_attention(run(q), run(k), run(v))
             outs.append(out.transpose(0, 1).flatten(1, 2))  # (H, count·L, D)
         return torch.cat(outs, dim=1)[None]
+
+
+def tree_attention(
+    q: Tensor, k: Tensor, v: Tensor, prompt: int, responses: list[int], attention: Callable[..., Tensor]
+) -> Tensor:
+    """q (1, H, L, D), k, v (1, Hkv, L, D) of a prompt followed by its responses -> (1, H, L, D), by a
+    batch-invariant `attention` (q, k, v, additive mask), each token's the bits of a sequence of
+    its own: such an attention sums over keys in tiles counted from the sequence's first key, so
+    the prompt attends as a sequence of its own, and every response to a copy of the prompt's keys
+    followed by its own, from key 0, as the engine's cache holds them. The responses go in one
+    call, padded to the longest: padding keys trail every row's visible ones, masked (adding
+    exact zeros); padding query rows are dropped. Only the prompt's keys are copied, never its
+    forward: the matmuls and norms around attention still run once for the group."""
+    device, longest = q.device, max(responses)
+    causal = torch.full((prompt, prompt), float("-inf"), device=device).triu(1)
+    head = attention(q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], causal[None, None])
+    starts = [prompt + sum(responses[:i]) for i in range(len(responses))]
+    steps = torch.arange(longest, device=device)
+    last = torch.tensor(responses, device=device)[:, None] - 1  # (n, 1)
+    own = torch.tensor(starts, device=device)[:, None] + steps.minimum(last)  # (n, longest): in the row
+    keys = torch.cat([torch.arange(prompt, device=device).expand(len(responses), -1), own], dim=1)
+    # query t (a padding row: the response's last) sees the prompt and the response up to t
+    visible = torch.arange(prompt + longest, device=device) <= prompt + steps.minimum(last)[..., None]
+    mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))[:, None]
+    gathered = (x[0][:, index].transpose(0, 1) for x, index in ((q, own), (k, keys), (v, keys)))
+    out = attention(*gathered, mask)  # (n, H, longest, D)
+    parts = [head[0]] + [out[i, :, :r] for i, r in enumerate(responses)]
+    return torch.cat(parts, dim=1)[None]
 
 
 def tree_mask(prompt: int, responses: list[int], device: torch.device | str = "cpu") -> Tensor:

@@ -136,10 +136,9 @@ class Learner:
 
     @property
     def sharing(self) -> bool:
-        """train.share_prompts, in packed rows, outside the batch-invariant mode (run.deterministic:
-        a token's logits there are bit-identical to the engine's only in a sequence of its own)."""
-        invariant = getattr(self.compute, "batch_invariant", False)
-        return self.cfg.share_prompts and self.cfg.padding_free and not invariant
+        """train.share_prompts, in packed rows (in the batch-invariant mode too: its attention lays
+        each response's keys out as in a sequence of its own, `tandem.model.segments.tree_attention`)."""
+        return self.cfg.share_prompts and self.cfg.padding_free
 
     def plan(self, samples: list[Sample]) -> list[list[int]]:
         """This rank's micro-batches of `samples` (see `batch.rank_micro_batches`). When prompts are
