@@ -361,6 +361,13 @@ CASES: dict[str, tuple[list[str], str]] = {
         r"task 'sudoku'.*addition",
     ),
     "data make without --out": (["data", "make", "addition"], r"the following arguments are required: --out"),
+    # tandem convert: where it writes is checked before it reads (issue 51)
+    "convert into a file's folder": (
+        ["convert", "{m}", "{r}/rows.csv/out"],
+        r"^error: Cannot write \S*rows.csv/out: \S*rows.csv is not a directory",
+    ),
+    "convert into an existing directory": (["convert", "{m}", "{r}"], r"^error: \S+ exists already"),
+    "convert of no source": (["convert", "{r}/nope.gguf", "{r}/out"], r"^error: \S*nope.gguf does not exist"),
     "empty prompt to generate": (["generate", ""], r"^error: tandem generate: the prompt is empty"),
     "blank prompt to generate": (["generate", "  "], r"^error: tandem generate: the prompt is empty"),
     # checked before anything starts (issue 25)

@@ -4,12 +4,15 @@ pytest's tmp dir. tandem's decoder, engine and the converted tokenizer files are
 transformers on the same weights, and the weights against the GGUF's own tensors dequantised.
 
 The refusals of `tandem convert` (a truncated file, an architecture tandem does not implement, a
-tensor type gguf cannot dequantise, a write that fails half-way) run on small files made here; only
-the truncated copy needs the wheel.
+tensor type gguf cannot dequantise, a place it cannot write, a write that fails half-way) run on
+small files made here; only the truncated copy needs the wheel.
 """
 
+import contextlib
 import importlib.util
+import io
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -51,6 +54,7 @@ class Real:
     gguf: Path  # the wheel's file
     gguf_model: torch.nn.Module  # transformers' model as read from the GGUF for the conversion
     gguf_tokenizer: object
+    said: str  # what the conversion wrote to stderr
 
 
 def wheel_gguf() -> Path:
@@ -69,16 +73,16 @@ def real(tmp_path_factory) -> Iterator[Real]:
     file = wheel_gguf()
     read, read_gguf = {}, convert.read_gguf
 
-    def keep(src, check_model):
-        read["model"], read["tokenizer"] = found = read_gguf(src, check_model)
+    def keep(src, check_model, say):
+        read["model"], read["tokenizer"] = found = read_gguf(src, check_model, say)
         return found
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TANDEM_CACHE", str(tmp_path_factory.mktemp("tandem-cache")))
-        with pytest.MonkeyPatch.context() as spy:
+        with pytest.MonkeyPatch.context() as spy, contextlib.redirect_stderr(io.StringIO()) as said:
             spy.setattr(convert, "read_gguf", keep)
             path = resolve_model_path(f"builtin:{NAME}")
-        yield Real(path, file, read["model"], read["tokenizer"])
+        yield Real(path, file, read["model"], read["tokenizer"], said.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +118,17 @@ def test_the_builtin_is_converted_once_into_the_cache(real, monkeypatch):
 
     monkeypatch.setattr(builtins, "convert_checkpoint", again)
     assert resolve_model_path(f"builtin:{NAME}") == real.path
+
+
+def test_the_first_conversion_says_what_it_does_as_it_goes(real):
+    """Not ~45 s of silence: that it converts, once, from where to where, each step as it starts
+    (transformers' own bar counts the tensors dequantised), and what it wrote."""
+    said = real.said.replace("\r", "\n")
+    assert f"converting {real.gguf} into {real.path} (once;" in said
+    steps = [f"reading {real.gguf}", "reading its config (llama, 272 tensors)", "dequantising 272 tensors"]
+    steps += ["272/272", "reading the tokenizer", f"writing {real.path}", f"wrote {real.path}: llama"]
+    found = [said.find(step) for step in steps]
+    assert -1 not in found and found == sorted(found), said
 
 
 def permute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -226,6 +241,35 @@ def test_an_architecture_tandem_does_not_implement_is_refused_by_name(tmp_path, 
     assert "model_type 'gpt2' is not supported" in refused(capsys, src, tmp_path / "out")
 
 
+@pytest.mark.parametrize(
+    "out, message",
+    [
+        ("blocker/out", "Cannot write blocker/out: blocker is not a directory"),  # a file in the way
+        ("models/out", "Cannot write models/out: Permission denied in models"),  # a folder it may not write
+    ],
+)
+def test_where_it_writes_is_checked_before_the_source_is_read(tmp_path, capsys, monkeypatch, out, message):
+    """Refused in milliseconds, not after dequantising the whole file, naming the path as typed (not
+    the hidden sibling it writes into), with nothing made."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    (tmp_path / "blocker").write_text("")
+    (tmp_path / "models").mkdir()
+
+    def read(*_):
+        raise AssertionError("read the source before checking where it writes")
+
+    def denied(path, *_, **__):  # as a folder of another user, or a read-only disk: root writes anywhere
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(convert, "read_gguf", read)
+    if out.startswith("models"):
+        monkeypatch.setattr(os, "mkdir", denied)
+    err = refused(capsys, Path("model.gguf"), Path(out))
+    assert message in err and ".partial" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blocker", "model.gguf", "models"]
+
+
 def gguf_file(path: Path, arch: str, tensor) -> Path:
     """A GGUF file of one tensor and no metadata but its architecture."""
     import gguf
@@ -294,7 +338,8 @@ def test_the_cache_converts_once_and_clears_what_a_killed_conversion_left(tmp_pa
     stale.mkdir(parents=True)
     assert builtins.cached(out, src, ModelConfig.from_hf) == out
     assert not stale.exists() and (out / "model.safetensors").is_file()
-    assert "converting" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"converting {src} into {out}" in err and f"writing {out}" in err and f"wrote {out}: qwen2" in err
     assert builtins.cached(out, src, ModelConfig.from_hf) == out
     assert capsys.readouterr().err == ""  # found, not converted again
 

@@ -95,13 +95,14 @@ def cache_dir() -> Path:
 def cached(out: Path, src: Path, check_model: CheckModel) -> Path:
     """`src` converted into `out` by one process: a driver and its actors resolving the same name at
     once convert it once, the others wait on a lock and then find it. What a converter killed
-    half-way left (its partial directory) is removed first: under the lock, no one else writes it."""
+    half-way left (its partial directory) is removed first: under the lock, no one else writes it.
+    The conversion says on stderr that it runs, where to, each step as it starts, and what it wrote."""
     with _locked(out.parent / f".{out.name}.lock"):
         if not out.is_dir():
             for stale in out.parent.glob(f".{out.name}.partial-*"):
                 shutil.rmtree(stale, ignore_errors=True)
             print(f"converting {src} into {out} (once; later runs read it from there)", file=sys.stderr)
-            convert_checkpoint(src, out, check_model)
+            print(convert_checkpoint(src, out, check_model).line(), file=sys.stderr)
     return out
 
 

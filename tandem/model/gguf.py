@@ -26,6 +26,7 @@ MAGIC = b"GGUF"
 # (config.json as a dict, where it came from) -> TandemError when tandem cannot run that model:
 # ModelConfig.from_hf, passed in because tandem.model.config resolves builtin: names through here.
 CheckModel = Callable[[dict[str, Any], str], object]
+Say = Callable[[str], None]  # one line of what a conversion is doing, as it starts doing it
 
 
 def require_gguf(file: Path) -> None:
@@ -116,18 +117,23 @@ def architecture(reader: GGUFReader) -> str:
     return field.contents() if field is not None else "(none: general.architecture is missing)"
 
 
-def read_gguf(file: Path, check_model: CheckModel) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def read_gguf(
+    file: Path, check_model: CheckModel, say: Say
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The file's model, dequantised to float32, and its tokenizer (chat template included), as
-    transformers reads them; TandemError naming the file when gguf is missing, the file is damaged,
-    a tensor type cannot be dequantised or the architecture is not one tandem runs."""
+    transformers reads them, saying each step as it starts (the dequantising shows its tensors done
+    out of the total); TandemError naming the file when gguf is missing, the file is damaged, a
+    tensor type cannot be dequantised or the architecture is not one tandem runs."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     require_gguf(file)
+    say(f"reading {file}")
     reader = open_gguf(file)
     check_tensor_types(reader, file)
     arch = architecture(reader)
     folder, name = str(file.parent), file.name
+    say(f"reading its config ({arch}, {len(reader.tensors)} tensors)")
     try:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
     except ValueError as e:  # "GGUF model with architecture X is not supported yet."
@@ -139,8 +145,12 @@ def read_gguf(file: Path, check_model: CheckModel) -> tuple[PreTrainedModel, Pre
     hf = {k: v for k, v in config.to_dict().items() if k != "quantization_config"}
     check_model(hf, f"{file} (GGUF architecture {arch!r})")
     check_sizes(reader, arch, hf, file)
-    # config= spares transformers a second parse of the file's metadata (seconds: the vocabulary
-    # and merges are ~100k fields)
+    # The longest step (~20 s for SmolLM2-135M): transformers parses the metadata once more and maps
+    # the tensors' names before its own bar of the tensors dequantised appears. config= spares it a
+    # further parse (seconds: the vocabulary and merges are ~100k fields).
+    n, kind = len(reader.tensors), hf["model_type"]
+    say(f"dequantising {n} tensors into a float32 {kind} model (the longest step)")
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config, dtype=torch.float32)
+    say(f"reading the tokenizer ({hf['vocab_size']} tokens)")
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return model, tokenizer
