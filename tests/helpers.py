@@ -1,6 +1,7 @@
 """Builders shared by tests: a tiny random model, samples with made-up responses, engine calls,
 train workers, gloo process groups and tiny runs on Ray."""
 
+import errno
 import json
 import random
 import tempfile
@@ -440,11 +441,33 @@ def nothing_may_start(monkeypatch, error: Exception) -> None:
     monkeypatch.setattr("tandem.runtime.local.LocalCluster.start", start)
 
 
+class Crash(BaseException):
+    """An error that is neither an `Exception` nor a stop request, as torch's `CheckpointException` is."""
+
+
+def raising(error: BaseException) -> Callable[..., Any]:
+    """A stand-in for a function or method: raises `error`, whatever it is given."""
+
+    def stand_in(*args: Any, **kwargs: Any) -> Any:
+        raise error
+
+    return stand_in
+
+
+def full_disk(*args, **kwargs) -> None:
+    """`torch.distributed.checkpoint.save` on a full disk: the OSError inside DCP's
+    `CheckpointException` (a BaseException), as a failed save raises it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    raise CheckpointException("save", {0: (OSError(errno.ENOSPC, "No space left on device"), None)})
+
+
 def local_ray():
     """Ray for the tests on it, started here if it is not running (4 logical CPUs, so split
     placements fit on 2 cores; the tests' directory on the workers' path, for actor classes defined
-    in a test module). A module may have stopped the session's Ray (test_cluster.py's two-node
-    cluster does): the next test to ask starts it again. -> the ray module."""
+    in a test module): an instance of its own (address "local"), never a cluster that `ray start`
+    recorded on this machine. A module may have stopped the session's Ray (test_cluster.py's
+    two-node cluster does): the next test to ask starts it again. -> the ray module."""
     import os
 
     import ray
@@ -452,7 +475,13 @@ def local_ray():
     if not ray.is_initialized():
         tests = os.path.dirname(os.path.abspath(__file__))
         env = {"PYTHONPATH": os.pathsep.join([tests, os.getcwd()])}
-        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", runtime_env={"env_vars": env})
+        ray.init(
+            address="local",
+            num_cpus=4,
+            include_dashboard=False,
+            logging_level="WARNING",
+            runtime_env={"env_vars": env},
+        )
     return ray
 
 

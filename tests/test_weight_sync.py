@@ -341,7 +341,8 @@ def peers():
     if ray.is_initialized():
         ray.shutdown()
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": tests_dir}})
+    env = {"PYTHONPATH": tests_dir}
+    ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={"env_vars": env})
     sender = Peer.remote("trainer-0", seed=0)
     receivers = [Peer.remote(f"rollout-{i}", seed=10 + i) for i in range(2)]
     addr, port, pair_port = ray.get(sender.rendezvous.remote())

@@ -1,10 +1,15 @@
 """The loop's cluster on Ray: start (or join) Ray, reserve the placement, create the run's actors,
 and run the loop's calls on them (`tandem.controller.protocol.Cluster`).
 
-Ray starts locally by itself; `ray.address=auto` joins a running cluster. Each actor gets its own
+Ray starts locally by itself, an instance of the run's own even where `ray start` recorded a
+cluster on this machine; only `ray.address` (`auto`, or host:port) joins one. Each actor gets its own
 bundle of one placement group (`tandem.runtime.placement`), so roles land on the CPUs their task
 group was given, across nodes when there are several. When the run needs torch.distributed (more
 than one train worker, or the broadcast weight transport) every actor joins one world.
+
+An actor's call that raises ends with Ray's RayTaskError and the actor serves the next call, a
+`BaseException` raised (torch's CheckpointException) included: the loop gets a CallFailed naming
+it (`tests/test_call_threads.py`). A SystemExit ends the actor's process (WorkerDied).
 """
 
 import logging
@@ -50,7 +55,9 @@ RAY_CONNECT_TIMEOUT_S = 30.0  # the longest wait for ray.address to answer (or r
 
 
 def start_ray(cfg: Config) -> bool:
-    """Start (or join) Ray for the run -> whether this call did (False: it was up already)."""
+    """Start (or join) Ray for the run -> whether this call did (False: it was up already). With
+    ray.address empty, a Ray of the run's own: `ray.init()` with no address would join the cluster
+    recorded in /tmp/ray/ray_current_cluster (by `ray start`, or left by a head that died)."""
     if ray.is_initialized():
         return False
     # Actors import reward functions by dotted path from the current directory, as the driver does.
@@ -70,7 +77,7 @@ def start_ray(cfg: Config) -> bool:
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     try:
         ray.init(
-            address=cfg.ray.address or None,
+            address=cfg.ray.address or "local",
             num_cpus=(cfg.ray.num_cpus or None) if not cfg.ray.address else None,
             include_dashboard=False,
             logging_level=logging.WARNING,

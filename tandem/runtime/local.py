@@ -13,6 +13,10 @@ The calls run one after another, in the order submitted, on one thread of their 
 worker objects `RayCluster` would have made actors of (`tandem.runtime.actors`); the loop waits on
 them as it waits on Ray, so a stop signal is seen within `STOP_POLL_S` while a call hangs (a
 reward function that never returns), and `close` ends such a call by stopping what it waits on.
+Whatever a call raises ends that call with the error and the thread goes on to the next, a
+`BaseException` that is no stop request included (torch's `CheckpointException` is one: a damaged
+checkpoint's load, a save on a full disk); a thread that died of it would leave its call and every
+later one waiting `run.timeout_s`. A stop request (`STOP_REQUESTS`) ends its call, then the thread.
 Arguments and results cross by pickle, as they cross Ray, so no call shares a mutable object with
 the loop (numpy arrays travel out of band, not copied, as Ray's object store hands them to a
 reader on the same node). Weight pushes take the object-store
@@ -39,6 +43,12 @@ from tandem.controller.timeline import Span
 from tandem.errors import TandemError
 from tandem.runtime import placement
 from tandem.runtime.role_table import in_run
+
+STOP_REQUESTS = (KeyboardInterrupt, SystemExit)  # raised by a call, they end the calls' thread too
+
+
+class CallStopped(CallFailed):
+    """The call raised a stop request (`STOP_REQUESTS`): it ended, and so did the calls' thread."""
 
 
 def cpu_threads() -> int:
@@ -78,7 +88,8 @@ class LocalCluster:
         self.pending: list[LocalCall] = []  # submitted, result not taken yet, in submission order
         self.calls: queue.SimpleQueue[LocalCall | None] = queue.SimpleQueue()
         # A daemon thread: a call that never ends must not keep the process from exiting.
-        threading.Thread(target=self._serve, args=(threads,), name="tandem-calls", daemon=True).start()
+        self.thread = threading.Thread(target=self._serve, args=(threads,), name="tandem-calls", daemon=True)
+        self.thread.start()
 
     @classmethod
     def start(cls, cfg: Config) -> "LocalCluster":
@@ -100,24 +111,31 @@ class LocalCluster:
         return cls(workers, names, threads, spans)
 
     def _serve(self, threads: int) -> None:
+        """Run the calls in order, each ended with its result or error, until `close`'s None or a
+        call's stop request."""
         if threads:
             torch.set_num_threads(threads)  # a thread's OpenMP team size is its own
         while (call := self.calls.get()) is not None:
             call.result, call.error = self._run(call)
             call.ended.set()
+            if isinstance(call.error, CallStopped):
+                return
             del call  # not held here until the next call comes: the loop frees it when done
 
     def _run(self, call: LocalCall) -> tuple[Any, Exception | None]:
-        """`worker.method(*args)` -> (its result, None) or (None, the error that ended it). A handle
-        among the args gives its call's result (it ran before: calls run in order), or fails this
-        call with its error, as Ray fails a call whose argument failed."""
+        """`worker.method(*args)` -> (its result, None) or (None, the error that ended it: a
+        TandemError as raised; anything else, BaseException included, as a CallFailed with its
+        traceback, a CallStopped for a stop request). A handle among the args gives its call's
+        result (it ran before: calls run in order), or fails this call with its error, as Ray fails
+        a call whose argument failed."""
         try:
             args = [_result(a) if isinstance(a, LocalCall) else a for a in call.args]
             return _crossed(getattr(self.workers[call.worker], call.method)(*_crossed(args))), None
         except TandemError as e:
             return None, e
-        except Exception:
-            return None, CallFailed(f"{call.worker}.{call.method}: {traceback.format_exc()}")
+        except BaseException as e:  # torch's CheckpointException is one, not an Exception
+            failed = CallStopped if isinstance(e, STOP_REQUESTS) else CallFailed
+            return None, failed(f"{call.worker}.{call.method}: {traceback.format_exc()}")
 
     def submit(self, worker: str, method: str, *args: Any, until_restarted: bool = False) -> LocalCall:
         call = LocalCall(worker, method, args)

@@ -269,7 +269,8 @@ def ray_figures(cfg: Config, costs: Costs, repeats: int = 20) -> dict[str, float
     cfg = replace(cfg, run=replace(cfg.run, out_dir=scratch))
     started_here = not ray.is_initialized()
     if started_here:
-        ray.init(num_cpus=cfg.placement.num_cpus or None, include_dashboard=False, logging_level="ERROR")
+        cpus = cfg.placement.num_cpus or None  # a Ray of its own, not a cluster `ray start` recorded
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level="ERROR")
     cluster = RayCluster.start(cfg)
     try:
         ray.get(cluster.built[1], timeout=cfg.run.timeout_s)  # every actor built
