@@ -27,13 +27,13 @@ import json
 import time
 
 from tandem import devices
-from tandem.config import load_config
 from tandem.config.sampling import sampling_params
 from tandem.data.dataset import prompts_from_rows
 from tandem.data.tasks import TASKS
 from tandem.data.template import encode_prompts
 from tandem.rollout.group import make_groups
 from tandem.runtime.roles import build_rollout
+from tandem.runtime.startup import load_config
 
 BUILTIN = ["rollout.agent=single_turn"]
 ENDPOINT = ["rollout.agent=openai:tandem.agent.examples:answer"]

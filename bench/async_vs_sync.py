@@ -17,8 +17,8 @@ import time
 
 import ray
 
-from tandem.config import load_config
 from tandem.runtime.run import run_training
+from tandem.runtime.startup import load_config
 
 MODES = {
     "sync": ["run.mode=sync"],

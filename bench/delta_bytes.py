@@ -21,13 +21,14 @@ import numpy as np
 import torch
 
 from tandem import devices
-from tandem.config import AlgoConfig, TrainConfig, load_config
+from tandem.config import AlgoConfig, TrainConfig
 from tandem.config.sampling import sampling_params
 from tandem.dtypes import DTYPES
 from tandem.model.decoder import CausalLM, init_weights
 from tandem.reward.user_fn import load_reward_fn
 from tandem.rollout.group import make_groups
 from tandem.runtime.roles import build_data, build_rollout, build_trainer, load_checked_tokenizer
+from tandem.runtime.startup import load_config
 from tandem.sample import Prompt, Sample, Status
 from tandem.sync import BucketPlan, DeltaEncoder, ObjectStoreTransport, StagingBuffer, pack_bucket
 from tandem.sync.delta import element_size, elements

@@ -11,9 +11,10 @@ On one model (the default task's, in the run's dtype: bf16 on a CPU with native 
 2. Train step: one train step (recompute of π_old, then the update) on those samples, off and on,
    alternating, best of --repeats. `overhead_train` = step time on / step time off.
 3. Greedy repeatability: one greedy request submitted --greedy (1,000) times, mixed into batches of
-   random sizes (1..64) among random other prompts (up to a quarter of a batch its copies), on the built-in and the paged engine with the
-   forward on; `unique_greedy_completions` is the number of distinct completions over both (1 =
-   every copy returned the same tokens), `unique_greedy_completions_off` the same with it off.
+   random sizes (1..64) among random other prompts (up to a quarter of a batch its copies), on
+   the built-in and the paged engine with the forward on; `unique_greedy_completions` is the
+   number of distinct completions over both (1 = every copy returned the same tokens),
+   `unique_greedy_completions_off` the same with it off.
 4. Mismatch: max |engine logprob - trainer logprob| over the sampled tokens of (1) at the same
    weights, off and on (`mismatch_max_off`, `mismatch_max_on`; on must be exactly 0).
 
@@ -69,8 +70,7 @@ def greedy_completions(engines: list, tokenizer, copies: int, seed: int) -> int:
     completions it got. Several copies a batch, so 1,000 copies take ~200 batches, not 1,000 (the
     bench did not finish in 15 minutes on an AVX2 CPU with one a batch)."""
     rng = random.Random(seed)
-    pool, pool_ids = prompts(tokenizer, 64, seed)
-    target, target_ids = pool[0], pool_ids[0]
+    pool, pool_ids = prompts(tokenizer, 64, seed)  # pool[0] is the request
     params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
     seen, done, calls = set(), 0, 0
     while done < copies:

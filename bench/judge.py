@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from tandem.config import load_config
 from tandem.data.dataset import prompts_from_rows
 from tandem.data.tasks import Addition, wrong_sum
 from tandem.data.tokenizer import load_tokenizer
@@ -27,6 +26,7 @@ from tandem.model.checkpoint import load_model
 from tandem.model.config import model_dir
 from tandem.reward.judge import JudgeWorker
 from tandem.rollout.engine import BuiltinEngine
+from tandem.runtime.startup import load_config
 from tandem.sample import Sample
 
 ROOT = Path(__file__).resolve().parents[1]

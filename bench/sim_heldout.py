@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from tandem.config import load_config
+from tandem.runtime.startup import load_config
 from tandem.sim.costs import Calibration
 from tandem.sim.run import simulate_run
 

@@ -47,7 +47,6 @@ from engine import matmul_peak
 from torch.utils.flop_counter import FlopCounterMode
 
 from tandem import devices
-from tandem.config import load_config
 from tandem.config.sampling import sampling_params
 from tandem.determinism import machine
 from tandem.rollout.engine import BuiltinEngine
@@ -59,6 +58,7 @@ from tandem.runtime.roles import (
     load_policy,
     pad_token_id,
 )
+from tandem.runtime.startup import load_config
 from tandem.sync import destroy_world, free_port, init_world
 
 CONFIGS = {

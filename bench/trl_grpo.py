@@ -63,10 +63,10 @@ def trl_worker(recipe: str, overrides: list[str], out: str) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from tandem import devices
-    from tandem.config import load_config
     from tandem.model.config import resolve_model_path
     from tandem.reward.verifiers import VERIFIERS
     from tandem.runtime.roles import build_data
+    from tandem.runtime.startup import load_config
 
     cfg = devices.resolve(load_config(recipe, overrides), 0, "this machine")
     data = build_data(cfg)

@@ -416,8 +416,8 @@ TINY = [  # 4 steps of 4 groups of 4 from the warm start, validating every 2
 def train(out: Path, *overrides: str, on_step: Callable | None = None) -> tuple[dict, list[dict], list[dict]]:
     """A TINY run with `overrides` under `out` (run.out_dir), on the local Ray -> (its summary, each
     train step's metrics, each validation's)."""
-    from tandem.config import load_config
     from tandem.runtime.run import run_training  # here, not above: it imports Ray, unit tests need not
+    from tandem.runtime.startup import load_config
 
     cfg = load_config(None, [*TINY, f"run.out_dir={out}", *overrides])
     summary = run_training(cfg, on_step=on_step)

@@ -16,7 +16,6 @@ from helpers import Scripted, tiny_config
 from tandem.agent import AGENTS, TOOLS, AgentLoop, ToolAgent, ToolError, agent_class, build_agent
 from tandem.agent import tools as tools_module
 from tandem.agent.tools import calculate
-from tandem.config import load_config
 from tandem.controller.stats import rollout_stats
 from tandem.data.tasks import TASKS
 from tandem.data.tokenizer import build_char_tokenizer
@@ -27,6 +26,7 @@ from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups
 from tandem.rollout.paged_engine import PagedEngine
 from tandem.rollout.worker import RolloutWorker, StopStrings
+from tandem.runtime.startup import load_config
 from tandem.sample import Prompt, Sample, SamplingParams, Status
 
 TOK = build_char_tokenizer()

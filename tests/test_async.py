@@ -9,8 +9,8 @@ import ray
 import torch
 from helpers import TINY, train
 
-from tandem.config import load_config
 from tandem.errors import TandemError
+from tandem.runtime.startup import load_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_local")]
 

@@ -25,15 +25,15 @@ from safetensors.torch import load_file, save_file
 
 import tandem.runtime.cluster as cluster
 from tandem.cli.main import main
-from tandem.config import load_config
 from tandem.config.loader import UniqueKeyLoader
-from tandem.config.validate import check_training
 from tandem.data.dataset import save_rows
 from tandem.data.tokenizer import build_char_tokenizer
 from tandem.errors import TandemError
 from tandem.model.config import ModelConfig, resolve_model_path
 from tandem.runtime.memory import check_memory
 from tandem.runtime.roles import PromptLimit
+from tandem.runtime.startup import load_config
+from tandem.runtime.train_checks import check_training
 from tandem.sample import Prompt
 
 FAST = ["rollout.batch_size=2", "rollout.n=2", "data.train_size=16", "data.val_size=4", "run.progress=false"]
@@ -204,6 +204,11 @@ CASES: dict[str, tuple[list[str], str]] = {
         r"Model path \S*nomodel \(model.path\) does not exist",
     ),
     "unknown built-in model": (["train", "model.path=builtin:sudoku"], r"No built-in model 'builtin:sudoku'"),
+    "distillation without its teacher": (  # as `tandem train recipes/distill.yaml` before its teacher
+        ["train", "algo.distill.teacher={r}/noteacher"],
+        r"\S*noteacher \(algo.distill.teacher\) does not exist.*a plain `tandem train` leaves "
+        r"runs/default/checkpoints/final, the one recipes/distill.yaml reads",
+    ),
     "no config.json": (["train", "model.path={r}/m_no_config"], r"No config.json in \S*m_no_config"),
     "config.json not JSON": (
         ["train", "model.path={r}/m_config_text"],

@@ -18,7 +18,6 @@ import pytest
 import torch
 from helpers import EOS, VOCAB, prompts, random_samples, run, tiny_model, train_worker
 
-from tandem.config import load_config
 from tandem.determinism import check_batch_invariance
 from tandem.errors import TandemError
 from tandem.model import batch_invariant as bi
@@ -35,6 +34,7 @@ from tandem.model.invariance import (
 from tandem.model.logprobs import token_logprobs
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.paged_engine import PagedEngine
+from tandem.runtime.startup import load_config
 from tandem.sample import SamplingParams
 from tandem.train.batch import sequence_logprobs
 

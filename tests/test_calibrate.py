@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tandem.cli.main import main
-from tandem.config import load_config
+from tandem.runtime.startup import load_config
 from tandem.sim.calibrate import SOURCES, ray_figures
 from tandem.sim.costs import Calibration, Costs
 from tandem.sim.run import shape_of

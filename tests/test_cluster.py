@@ -12,9 +12,9 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from tandem.config import load_config
 from tandem.runtime.cluster import start_ray
 from tandem.runtime.run import run_training
+from tandem.runtime.startup import load_config
 from tandem.sync import free_port
 
 pytestmark = pytest.mark.ray

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tandem.config import Config, load_config, save_config
+from tandem.config import Config, save_config
 from tandem.config.verl import VERL_KEYS
 from tandem.errors import TandemError
+from tandem.runtime.startup import load_config
 from tandem.train.optim import lr_factor
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,8 +17,8 @@ from tandem.algo import (
     mismatch_metrics,
     old_logprob_source,
 )
-from tandem.config import load_config
 from tandem.errors import TandemError
+from tandem.runtime.startup import load_config
 from tandem.sample import Sample
 from tandem.train.batch import pad_rows
 from tandem.train.worker import MiniBatch, TrainWorker

@@ -192,8 +192,8 @@ def test_critic_ranks_equal_one_critic(strategy):
 def test_a_run_with_a_critic_logs_its_metrics_and_resumes_with_it(tmp_path):
     import json
 
-    from tandem.config import load_config
     from tandem.runtime.run import run_training
+    from tandem.runtime.startup import load_config
 
     tiny = [
         "run.progress=false",

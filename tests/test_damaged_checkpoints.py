@@ -15,11 +15,11 @@ from helpers import TINY, nothing_may_start
 from safetensors.torch import load_file, save_file
 
 from tandem.cli.main import main
-from tandem.config import load_config
 from tandem.errors import TandemError
 from tandem.model.checkpoint import load_model
 from tandem.model.config import resolve_model_path
 from tandem.runtime.run import run_training
+from tandem.runtime.startup import load_config
 
 
 class RayStarted(Exception):

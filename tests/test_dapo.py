@@ -6,10 +6,10 @@ import json
 import pytest
 
 from tandem.buffer import RolloutBuffer
-from tandem.config import load_config
 from tandem.controller.dynamic_sampling import DynamicSampling, uninformative_groups
 from tandem.errors import TandemError
 from tandem.reward.shaping import overlong_penalty
+from tandem.runtime.startup import load_config
 from tandem.sample import Prompt, Sample
 
 

@@ -15,8 +15,9 @@ import pytest
 import torch
 from helpers import TINY, local_ray, random_samples, tiny_model, train_worker
 
-from tandem.config import Config, load_config
+from tandem.config import Config
 from tandem.errors import TandemError
+from tandem.runtime.startup import load_config
 from tandem.sync import (
     TRANSPORTS,
     BucketPlan,

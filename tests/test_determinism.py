@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.config import load_config
 from tandem.errors import TandemError
 from tandem.rollout.sampler import request_seed
+from tandem.runtime.startup import load_config
 
 # Wall-clock figures differ between any two runs; everything else must not.
 # Wall-clock readings: seconds and rates, and how many of the groups generating ahead had finished

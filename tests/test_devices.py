@@ -3,8 +3,8 @@
 import pytest
 
 import tandem.devices as devices
-from tandem.config import load_config
 from tandem.errors import TandemError
+from tandem.runtime.startup import load_config
 
 
 def resolve(overrides, gpus=0):

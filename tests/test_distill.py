@@ -8,10 +8,10 @@ import torch
 from helpers import random_samples, train_worker, write_tiny_checkpoint
 from test_determinism import TINY
 
-from tandem.config import load_config
 from tandem.config.schema import DistillConfig
 from tandem.errors import TandemError
 from tandem.runtime.role_table import in_run
+from tandem.runtime.startup import load_config
 from tandem.train.batch import pad_rows
 
 
@@ -82,6 +82,26 @@ def test_a_teacher_with_another_vocabulary_is_refused_by_name(tmp_path):
     cfg = load_config(None, [*TINY, f"algo.distill.teacher={teacher}", f"run.out_dir={tmp_path / 'runs'}"])
     with pytest.raises(TandemError, match=rf"algo.distill.teacher={teacher} has another vocabulary"):
         run_training(cfg)
+
+
+def test_a_vocabulary_mismatch_counts_within_each_vocabulary(tmp_path):
+    """Once "261 vs 261 tokens, 512 of them mapped differently": the student's tokens missing from
+    the teacher's and the teacher's missing from the student's were summed into one count."""
+    from tandem.runtime.run import run_training
+
+    teacher = write_tiny_checkpoint(tmp_path / "teacher")
+    tokenizer_file = teacher / "tokenizer.json"
+    data = json.loads(tokenizer_file.read_text())
+    special = {t["content"] for t in data["added_tokens"]}
+    vocab = data["model"]["vocab"]  # every byte's token renamed: 256 tokens neither vocabulary shares
+    data["model"]["vocab"] = {(t if t in special else f"{t}'"): i for t, i in vocab.items()}
+    tokenizer_file.write_text(json.dumps(data))
+    cfg = load_config(None, [*TINY, f"algo.distill.teacher={teacher}", f"run.out_dir={tmp_path / 'runs'}"])
+    with pytest.raises(TandemError) as e:
+        run_training(cfg)
+    message = " ".join(str(e.value).split())
+    assert "261 vs 261 tokens; 256 of the student's 261 have another id in the teacher's or none" in message
+    assert "and 256 of the teacher's 261 are not the student's" in message
 
 
 @pytest.mark.integration  # seconds of CPU: out of the unit tier (< 2 minutes)

@@ -7,13 +7,13 @@ import json
 import pytest
 from test_determinism import TINY
 
-from tandem.config import load_config
 from tandem.config.schema import JudgeConfig
 from tandem.data.tasks import build_task
 from tandem.errors import TandemError
 from tandem.reward.judge import JUDGE_PARSERS, JudgeWorker, render, template_error
 from tandem.reward.user_fn import load_reward_fn
 from tandem.runtime.role_table import in_run
+from tandem.runtime.startup import load_config
 from tandem.sample import Prompt, Sample
 
 

@@ -5,11 +5,11 @@ goes to Ray."""
 import pytest
 from test_determinism import _run
 
-from tandem.config import load_config
 from tandem.controller.protocol import CallFailed
 from tandem.errors import TandemError
 from tandem.runtime.local import LocalCluster
 from tandem.runtime.run import in_one_process
+from tandem.runtime.startup import load_config
 
 
 @pytest.mark.parametrize(

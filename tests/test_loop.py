@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from tandem.config import load_config
 from tandem.controller.inputs import Data
 from tandem.controller.loop import Loop, Stopped
 from tandem.controller.protocol import CallFailed, WorkerDied
 from tandem.data.loader import PromptLoader
 from tandem.errors import TandemError
+from tandem.runtime.startup import load_config
 from tandem.sample import Prompt, Sample, Status
 from tandem.sim.cluster import Job, SimCluster
 from tandem.sim.workers import TimedWorker

@@ -18,7 +18,7 @@ from helpers import (
     write_tiny_checkpoint,
 )
 
-from tandem.config import Config, LoraConfig, load_config
+from tandem.config import Config, LoraConfig
 from tandem.data.tokenizer import build_char_tokenizer
 from tandem.errors import TandemError
 from tandem.model.checkpoint import load_model, save_model
@@ -36,6 +36,7 @@ from tandem.model.lora import (
 from tandem.model.peft_format import adapter_state_dict, refuse_adapter_dir
 from tandem.runtime.resume import check_compatible
 from tandem.runtime.roles import save_hf_model
+from tandem.runtime.startup import load_config
 from tandem.train.state import load_state, save_state
 from tandem.train.worker import TrainWorker
 

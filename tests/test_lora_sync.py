@@ -22,7 +22,7 @@ from helpers import (
 )
 from test_lora import LORA, lora_worker, trained
 
-from tandem.config import LoraConfig, load_config
+from tandem.config import LoraConfig
 from tandem.model.checkpoint import load_model
 from tandem.model.config import resolve_model_path
 from tandem.model.decoder import CausalLM, init_weights
@@ -30,6 +30,7 @@ from tandem.model.fp8 import Fp8Linear, quantize_model
 from tandem.model.lora import adapter_names, adapter_shapes, apply_lora, merge_lora, merged, merged_weights
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.paged_engine import PagedEngine
+from tandem.runtime.startup import load_config
 from tandem.sample import SamplingParams, Status
 from tandem.sync import BucketPlan, StagingBuffer, pack_bucket
 from tandem.sync.bucket import collect

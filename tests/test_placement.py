@@ -4,10 +4,10 @@ from dataclasses import replace
 
 import pytest
 
-from tandem.config import load_config
 from tandem.errors import TandemError
 from tandem.rollout.engines import ENGINES
 from tandem.runtime.placement import bundles, check_fits, describe, plan
+from tandem.runtime.startup import load_config
 
 
 def slots_by_role(overrides, cpus, gpus=0):

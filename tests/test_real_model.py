@@ -27,13 +27,13 @@ from safetensors import safe_open
 import tandem.model.builtins as builtins
 import tandem.model.convert as convert
 from tandem.cli.main import main
-from tandem.config import load_config
 from tandem.data.tokenizer import load_tokenizer
 from tandem.errors import TandemError
 from tandem.model.checkpoint import load_model
 from tandem.model.config import ModelConfig, resolve_model_path
 from tandem.rollout.engine import BuiltinEngine
 from tandem.runtime.memory import check_memory
+from tandem.runtime.startup import load_config
 from tandem.sample import SamplingParams
 
 pytestmark = pytest.mark.real_model

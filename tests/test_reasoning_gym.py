@@ -13,11 +13,11 @@ import sys
 
 import pytest
 
-from tandem.config import load_config
 from tandem.data.dataset import prompts_from_rows
 from tandem.data.tasks import build_task, split_of
 from tandem.errors import TandemError
 from tandem.reward import RewardPool, load_reward_fn
+from tandem.runtime.startup import load_config
 from tandem.sample import Prompt, Sample
 
 needs_rg = pytest.mark.skipif(

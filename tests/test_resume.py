@@ -13,11 +13,12 @@ import torch
 from helpers import nothing_may_start, on_gloo_ranks, random_samples, records, tiny_model, train, train_worker
 
 from tandem.cli.main import main
-from tandem.config import load_config, save_config
+from tandem.config import save_config
 from tandem.controller.loop import Stopped
 from tandem.errors import TandemError
 from tandem.model.checkpoint import load_model
 from tandem.runtime.run import run_training, with_absolute_paths
+from tandem.runtime.startup import load_config
 from tandem.train.state import load_state, save_state
 from tandem.train.worker import TrainWorker
 

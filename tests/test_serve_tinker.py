@@ -22,8 +22,8 @@ import uvicorn  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 from tinker import types  # noqa: E402
 
-from tandem.config import load_config  # noqa: E402
 from tandem.errors import TandemError  # noqa: E402
+from tandem.runtime.startup import load_config  # noqa: E402
 from tandem.serve.app import build_app, check_key  # noqa: E402
 from tandem.serve.service import Service  # noqa: E402
 from tandem.serve.workers import resolve, start_workers  # noqa: E402

@@ -3,10 +3,10 @@
 import transformers
 
 from tandem.cli.main import main
-from tandem.config import load_config
 from tandem.data.tasks import TASKS
 from tandem.data.tokenizer import build_char_tokenizer
 from tandem.model.checkpoint import load_model
+from tandem.runtime.startup import load_config
 from tandem.train.sft import demonstrations
 
 TINY = [

@@ -5,6 +5,7 @@ that of a step over unshared rows; the row is shorter by the repeated prompts.""
 
 import copy
 
+import pytest
 import torch
 from helpers import (
     assert_same_gradients,
@@ -72,13 +73,20 @@ def test_the_mask_lets_each_response_see_the_prompt_and_itself_only():
     assert torch.equal(allowed, expected)
 
 
-def test_the_batch_invariant_mode_packs_each_sequence_alone():
-    """run.deterministic: the engine's logprobs are bit-identical to the trainer's only for a token
-    computed in a sequence of its own, so prompts are not shared there."""
-    w = train_worker(train=dict(micro_batch_tokens=60))
-    assert w.learner.sharing
-    w.compute.batch_invariant = True
-    assert not w.learner.sharing
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_batch_invariant_mode_shares_prompts_bit_for_bit(dtype):
+    """run.deterministic shares prompts too: each response attends to a copy of its prompt's keys
+    laid out as in a sequence of its own (`tree_attention`), so the logprobs of a micro-batch with
+    shared prompts equal those of each sequence packed alone, bit for bit, while the packed row
+    holds each prompt once."""
     samples = random_samples(2, 4, seed=2)
-    rows = w.learner.rows(samples)
-    assert rows.ids.shape[1] == sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    shared, alone_ = (
+        train_worker(train=dict(micro_batch_tokens=400, share_prompts=on), dtype=dtype)
+        for on in (True, False)
+    )
+    for w in (shared, alone_):
+        w.compute.batch_invariant = True
+    assert shared.learner.sharing and not alone_.learner.sharing
+    rows = shared.learner.rows(samples)
+    assert rows.ids.shape[1] < sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    assert torch.equal(shared.compute_logprobs(samples), alone_.compute_logprobs(samples))

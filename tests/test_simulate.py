@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from tandem.cli.main import main
-from tandem.config import load_config
 from tandem.errors import TandemError
 from tandem.model.config import ModelConfig
+from tandem.runtime.startup import load_config
 from tandem.sample import Prompt, Sample, Status
 from tandem.sim import compare
 from tandem.sim.cluster import Job, SimCluster

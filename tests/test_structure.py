@@ -216,3 +216,18 @@ def test_the_clusters_build_every_role_from_the_roles_table():
     assert found == []
     for role in table():  # every row's worker class and simulated builder import
         assert callable(role.worker_class()) and callable(role.simulator()), role.name
+
+
+def test_config_is_a_leaf():
+    """`tandem.config` reads and types recipes; it imports nothing of tandem above it (the value checks,
+    which ask engines, losses and tasks, run at start-up: `tandem.runtime.checks`)."""
+    known = modules()
+    allowed = {"tandem", "tandem.errors", "tandem.sample"}
+    above = {
+        f"{name} -> {target}"
+        for name, path in known.items()
+        if name == "tandem.config" or name.startswith("tandem.config.")
+        for target in imported(name, path, known)
+        if target not in allowed and not target.startswith("tandem.config")
+    }
+    assert above == set()

@@ -7,13 +7,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tandem.config import load_config
 from tandem.errors import TandemError
 from tandem.rollout import vllm_config, vllm_engine
 from tandem.rollout.engines import ENGINES
 from tandem.rollout.sampler import processed_logprobs
 from tandem.rollout.vllm_config import choose_logprobs_mode, vllm_logprobs_modes
 from tandem.rollout.vllm_engine import VLLMEngine
+from tandem.runtime.startup import load_config
 from tandem.sample import SamplingParams
 
 

@@ -21,7 +21,6 @@ from helpers import at_step, logprob_tolerance, run, sample_logits, vllm_checkpo
 from helpers import prompts as draw_prompts
 
 from tandem.cli.main import main
-from tandem.config import load_config
 from tandem.config.schema import LoraConfig
 from tandem.data.tokenizer import build_char_tokenizer
 from tandem.errors import TandemError
@@ -31,6 +30,7 @@ from tandem.model.lora import adapter_names, apply_lora, base_weights, merge_lor
 from tandem.model.peft_format import save_adapter
 from tandem.rollout.engines import ENGINES
 from tandem.rollout.vllm_config import vllm_device, vllm_lora_args
+from tandem.runtime.startup import load_config
 from tandem.sample import Sample, SamplingParams, Status
 from tandem.train.batch import sequence_logprobs
 

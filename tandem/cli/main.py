@@ -71,9 +71,9 @@ def split_args(args: list[str]) -> tuple[str | None, list[str]]:
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    from tandem.config import load_config
     from tandem.controller.loop import Stopped
     from tandem.runtime.run import run_training
+    from tandem.runtime.startup import load_config
 
     try:  # run_training checks that run.out_dir is writable before anything starts
         summary = run_training(load_config(*split_args(ns.args)))
@@ -96,15 +96,15 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
 
 def cmd_sft(ns: argparse.Namespace) -> None:
-    from tandem.config import load_config
+    from tandem.runtime.startup import load_config
     from tandem.train.sft import run_sft
 
     print(f"saved {run_sft(load_config(*split_args(ns.args)))}")
 
 
 def cmd_eval(ns: argparse.Namespace) -> None:
-    from tandem.config import load_config
     from tandem.runtime.standalone import evaluate_checkpoint
+    from tandem.runtime.startup import load_config
 
     recipe, overrides = split_args(ns.args)
     flags = {}
@@ -120,8 +120,8 @@ def cmd_eval(ns: argparse.Namespace) -> None:
 
 
 def cmd_generate(ns: argparse.Namespace) -> None:
-    from tandem.config import load_config
     from tandem.runtime.standalone import generate_text
+    from tandem.runtime.startup import load_config
 
     if not ns.prompt.strip():  # the model would continue nothing but the chat template's header
         raise TandemError(
@@ -186,7 +186,7 @@ def cmd_simulate(ns: argparse.Namespace) -> None:
 def calibrate_here(recipe: str | None, overrides: list[str], ns: argparse.Namespace, say) -> dict[str, float]:
     """`tandem simulate --calibrate`: measure this machine's parts into a calibration file (--out)
     -> the figures measured, under calibration_*."""
-    from tandem.config import load_config
+    from tandem.runtime.startup import load_config
     from tandem.sim.calibrate import calibrate, write
 
     cal, figures = calibrate(load_config(recipe, overrides), with_ray=not ns.no_ray, say=say)
@@ -201,7 +201,7 @@ def cmd_serve(ns: argparse.Namespace) -> None:
     # a team that spins while it waits (libgomp's default) takes the core the other needs. Set
     # before torch is imported.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from tandem.config import load_config
+    from tandem.runtime.startup import load_config
     from tandem.serve.app import serve
 
     recipe, overrides = split_args(ns.args)

@@ -1,6 +1,7 @@
-"""Nested dataclass config, YAML recipes, dotted overrides, validation with clear errors."""
+"""Nested dataclass config, YAML recipes, dotted overrides, types checked with clear errors. A leaf:
+it imports nothing of tandem above it; the value checks run at start-up (`tandem.runtime.startup`)."""
 
-from tandem.config.loader import load_config, save_config
+from tandem.config.loader import read_config, save_config
 from tandem.config.schema import (
     AlgoConfig,
     Config,
@@ -27,6 +28,6 @@ __all__ = [
     "RunConfig",
     "SFTConfig",
     "TrainConfig",
-    "load_config",
+    "read_config",
     "save_config",
 ]

@@ -1,9 +1,12 @@
-"""Load a recipe, apply dotted overrides, check every key, type and closed set (a `Literal` of the
-schema); errors name the field. `tandem.config.validate` checks the values then."""
+"""Read a recipe, apply dotted overrides, check every key, type and closed set (a `Literal` of the
+schema); errors name the field. Nothing here reaches above `tandem.config`: the values are checked
+against the modules that own them at start-up (`tandem.runtime.startup.load_config`,
+`tandem.runtime.checks`)."""
 
 import difflib
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import MISSING, asdict, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -23,8 +26,10 @@ RENAMED = {
 }
 
 
-def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the recipe's YAML, then `a.b=value` overrides (values parsed as YAML)."""
+def read_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> tuple[Config, dict]:
+    """Defaults, then the recipe's YAML, then `a.b=value` overrides (values parsed as YAML) -> the
+    typed Config and the tree the recipe and overrides gave (what was set, for defaults that depend
+    on it)."""
     tree: dict[str, Any] = {}
     if recipe is not None:
         tree = _read_yaml(Path(recipe))
@@ -42,12 +47,7 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
     for key in _leaf_keys(tree):
         if message := verl_key_error(key):
             raise TandemError(message)
-    cfg = _build(Config, tree, "")
-    _apply_loss_defaults(cfg, tree.get("algo"))
-    from tandem.config.validate import validate
-
-    validate(cfg)
-    return cfg
+    return _build(Config, tree, ""), tree
 
 
 def _leaf_keys(tree: dict[str, Any], prefix: str = "") -> list[str]:
@@ -59,20 +59,6 @@ def _leaf_keys(tree: dict[str, Any], prefix: str = "") -> list[str]:
         else:
             keys.append(f"{prefix}{key}")
     return keys
-
-
-def _apply_loss_defaults(cfg: Config, algo_tree: Any) -> None:
-    """The chosen policy loss's own defaults for algo keys (gspo: its clip range) where neither the
-    recipe nor an override set them. The schema's are ppo_clip's; only the loader knows what was set.
-    An unknown loss brings none: `validate` names the field."""
-    from tandem.algo import POLICY_LOSSES
-
-    if cfg.algo.policy_loss not in POLICY_LOSSES:
-        return
-    given = algo_tree if isinstance(algo_tree, dict) else {}
-    for key, value in POLICY_LOSSES.traits(cfg.algo.policy_loss).defaults.items():
-        if key not in given:
-            setattr(cfg.algo, key, value)
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
@@ -219,13 +205,27 @@ def _first_fit(value: Any, options: tuple[Any, ...], key: str) -> Any:
 def _choice(value: Any, hint: Any, key: str) -> Any:
     """A closed set's value, or TandemError naming the valid ones and the closest. The set is a
     `Literal[...]`, or `Annotated[Literal[...], "its name"]` for the message."""
-    from tandem.config.validate import one_of
-
     what = "value"
     if typing.get_origin(hint) is typing.Annotated:
         hint, what = typing.get_args(hint)[:2]
     one_of(value, typing.get_args(hint), key, what)
     return value
+
+
+def require(ok: bool, key: str, message: str) -> None:
+    """TandemError "Config 'key' message" unless `ok`."""
+    if not ok:
+        raise TandemError(f"Config '{key}' {message}")
+
+
+def one_of(value: object, valid: Sequence[str], key: str, what: str) -> None:
+    """TandemError naming the field, the valid names and the closest one, unless `value` is valid."""
+    if value in valid:
+        return
+    close = difflib.get_close_matches(str(value), list(valid), n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    names = ", ".join(valid)
+    raise TandemError(f"Config '{key}' is {value!r}, not a known {what}. Valid names: {names}.{hint}")
 
 
 def _type_error(key: str, value: Any, expected: str) -> TandemError:

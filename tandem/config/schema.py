@@ -4,7 +4,7 @@
 
 A closed set of values is a `Literal` below: the loader refuses any other value, naming the field,
 the valid values and the closest one, with the set's name (the `Annotated` string) in the message.
-A name another module owns stays `str` here, and `tandem.config.validate` checks it against its
+A name another module owns stays `str` here, and `tandem.runtime.checks` checks it against its
 owner: engines, transports, advantage estimators, losses, KL estimators, loss aggregations,
 corrections, LR schedules, tasks, agents, tools (their registries), dtypes (`tandem.dtypes`), and
 rollout.on_update and rollout.logprobs_mode (`tandem.rollout.protocol`).

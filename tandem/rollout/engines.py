@@ -73,3 +73,8 @@ ENGINES.register("vllm")(
         one_process=False,  # vLLM brings processes of its own and runs on Ray only
     )
 )
+
+
+def engines_with(trait: str) -> str:
+    """The engines whose spec has `trait`, as a setting to write: "builtin or paged"."""
+    return " or ".join(name for name in ENGINES.names() if getattr(ENGINES.get(name), trait))

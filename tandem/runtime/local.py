@@ -6,7 +6,7 @@ generates, scores, trains and pushes in turn, each call waiting for the one befo
 run nothing it uses, and costs it the start-up that dominates a short run: Ray's own processes,
 then a Python process per actor that imports torch and tandem again before it builds its role
 (docs/results.md#start-up has the measured split). `run.cluster=auto` picks this cluster where
-`tandem.config.validate.one_process_refusal` finds nothing against it and Ray is not running in
+`tandem.runtime.checks.one_process_refusal` finds nothing against it and Ray is not running in
 the process already (a caller that started Ray meant the run to use it).
 
 The calls run one after another, in the order submitted, on one thread of their own, on the

@@ -6,11 +6,12 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from tandem.config import Config, load_config
+from tandem.config import Config
 from tandem.controller.checkpoint import TMP, Checkpoints
 from tandem.errors import TandemError
 from tandem.model.checkpoint import check_checkpoint
 from tandem.runtime.placement import role_counts
+from tandem.runtime.startup import load_config
 from tandem.train.state import CRITIC, SHARDS, damaged_state, saved_version, torch_file_damage
 
 # Keys a resumed run must share with the checkpoint: they decide which prompts form which group,

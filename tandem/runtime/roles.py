@@ -18,7 +18,6 @@ import torch
 from tandem.agent import build_agent, endpoint_agent
 from tandem.config import Config
 from tandem.config.sampling import sampling_params
-from tandem.config.validate import check_training
 from tandem.controller.inputs import Data
 from tandem.data.dataset import load_prompts, prompts_from_rows
 from tandem.data.loader import PromptLoader
@@ -40,6 +39,7 @@ from tandem.rollout.engines import ENGINES
 from tandem.rollout.vllm_config import choose_logprobs_mode, require_vllm, vllm_device, vllm_version
 from tandem.rollout.worker import RolloutWorker
 from tandem.runtime.memory import check_memory, machine_memory
+from tandem.runtime.train_checks import check_training
 from tandem.sample import Prompt
 from tandem.train.critic import CriticWorker, value_model
 from tandem.train.worker import TrainWorker
@@ -227,19 +227,28 @@ def build_data(cfg: Config) -> Data:
 
 
 def check_teacher(cfg: Config, tokenizer) -> None:
-    """The distillation teacher's checkpoint reads, and its tokenizer maps every token to the id
-    the student's does: its logprobs are of the student's token ids."""
+    """The distillation teacher's checkpoint is there (else the command that makes one is named)
+    and reads, and its tokenizer maps every token to the id the student's does: its logprobs are of
+    the student's token ids."""
     teacher = cfg.algo.distill.teacher
-    path = model_dir(teacher, "algo.distill.teacher")
+    try:
+        path = model_dir(teacher, "algo.distill.teacher")
+    except TandemError as e:
+        raise TandemError(
+            f"{e} Train a teacher first (a plain `tandem train` leaves runs/default/checkpoints/final, "
+            "the one recipes/distill.yaml reads) or point algo.distill.teacher at one."
+        ) from None
     check_checkpoint(path)
     theirs, ours = load_tokenizer(path).get_vocab(), tokenizer.get_vocab()
     if theirs != ours:
-        differ = sum(theirs.get(t) != i for t, i in ours.items()) + len(theirs.keys() - ours.keys())
+        moved = sum(theirs.get(t) != i for t, i in ours.items())  # at most len(ours)
+        extra = len(theirs.keys() - ours.keys())  # at most len(theirs)
         raise TandemError(
             f"algo.distill.teacher={teacher} has another vocabulary than the student "
-            f"(model.path={cfg.model.path}): {len(theirs)} vs {len(ours)} tokens, {differ} of them "
-            "mapped differently. The teacher scores the student's token ids, so both need the same "
-            "tokenizer: pick a teacher of the student's family."
+            f"(model.path={cfg.model.path}): {len(theirs)} vs {len(ours)} tokens; {moved} of the "
+            f"student's {len(ours)} have another id in the teacher's or none, and {extra} of the "
+            f"teacher's {len(theirs)} are not the student's. The teacher scores the student's token "
+            "ids, so both need the same tokenizer: pick a teacher of the student's family."
         )
 
 

@@ -13,7 +13,6 @@ import torch
 
 from tandem import devices
 from tandem.config import Config, save_config
-from tandem.config.validate import one_process_refusal
 from tandem.controller.loop import Loop, Stopped
 from tandem.controller.metrics import MetricsLogger, require_wandb
 from tandem.controller.timeline import Span
@@ -21,6 +20,7 @@ from tandem.determinism import check_batch_invariance, machine
 from tandem.model.hub import hub_id
 from tandem.paths import check_writable, run_lock
 from tandem.reward.user_fn import canonical_spec, load_within
+from tandem.runtime.checks import one_process_refusal
 from tandem.runtime.local import LocalCluster, cpu_threads
 from tandem.runtime.memory import peak_memory
 from tandem.runtime.resume import find_resume

@@ -23,9 +23,9 @@ import torch
 
 from tandem import devices
 from tandem.config import Config
-from tandem.config.validate import one_process_refusal
 from tandem.errors import TandemError
 from tandem.runtime.actors import RolloutActor, TrainActor, _plan
+from tandem.runtime.checks import one_process_refusal
 from tandem.runtime.local import LocalCluster, cpu_threads
 from tandem.runtime.roles import build_rollout, build_trainer, load_checked_tokenizer
 from tandem.runtime.run import with_absolute_paths

@@ -4,8 +4,9 @@
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.config import Config, load_config
+from tandem.config import Config
 from tandem.errors import TandemError
+from tandem.runtime.startup import load_config
 from tandem.sim.costs import Calibration
 from tandem.sim.run import Result, simulate_run
 

@@ -8,8 +8,8 @@ sim.search_staleness; the best is compared with the baseline run.
 
 from dataclasses import dataclass
 
-from tandem.config import load_config
 from tandem.errors import TandemError
+from tandem.runtime.startup import load_config
 from tandem.sim.compare import calibration, runs_of
 from tandem.sim.run import Result, simulate_run
 
