@@ -655,6 +655,25 @@ def test_an_address_where_no_ray_head_answers_fails_within_the_timeout(corpus, m
     assert 2 <= seconds < 2 + SECONDS
 
 
+def test_serve_on_a_busy_port_fails_before_building_its_workers(monkeypatch, capsys):
+    """It used to build the workers (~10 s), print its banner, then die of uvicorn's Errno 98, exit 3."""
+    import socket
+
+    serve_app = pytest.importorskip("tandem.serve.app")
+    monkeypatch.setattr(serve_app, "start_workers", forbidden)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # what `tandem serve` sets, undone after the test
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        start = time.perf_counter()
+        code = main(["serve", "--port", str(port)])
+        seconds = time.perf_counter() - start
+    out, err = capsys.readouterr()
+    assert code == 2 and not out, (out, err)
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert re.search(rf"cannot listen on 127.0.0.1:{port}: Address already in use.*another --port", err)
+    assert seconds < SECONDS
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["--version"])

@@ -5,8 +5,10 @@ own request types, so the server reads exactly what the SDK writes and a field t
 fails loudly here instead of drifting; forward_backward bodies and sample / forward results are
 protobuf (`tandem.serve.wire`). A request that can be refused at once is: 400 for a bad one
 (`tinker.BadRequestError` in the client), 404 for a model, sampler or checkpoint that does not
-exist (`tinker.NotFoundError`), 401 for a wrong key (`tinker.AuthenticationError`). Work that fails
-later fails its future: the SDK raises `tinker.RequestFailedError` with the message.
+exist (`tinker.NotFoundError`), 401 for a wrong key (`tinker.AuthenticationError`), 500 with the
+error for any other exception of a route (a bug; the SDK tries it again for up to 5 minutes). Work
+that fails later, and a training request whose check fails unexpectedly, fail their future: the
+SDK raises `tinker.RequestFailedError` with the message.
 
 The SDK insists on an API key starting with "tml-" and sends it as X-API-Key. On a loopback
 address the service takes any; elsewhere it must be started with one (--api-key or
@@ -17,6 +19,7 @@ import contextlib
 import hmac
 import ipaddress
 import os
+import socket
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -139,6 +142,11 @@ def build_app(service: Service, api_key: str = "") -> FastAPI:
     async def refused(request: Request, e: TandemError):
         status = 404 if isinstance(e, NotFound) else 400
         return JSONResponse({"detail": " ".join(str(e).split())}, status_code=status)
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, e: Exception):  # a bug: say what, rather than a bare 500
+        detail = f"{request.url.path} failed in the service: {type(e).__name__}: {e}"
+        return JSONResponse({"detail": detail}, status_code=500, headers={"x-should-retry": "false"})
 
     v1_routes(app, service)
     training_routes(app, service)
@@ -290,10 +298,27 @@ def sampling_routes(app: FastAPI, service: Service) -> None:
         return {}  # a sample runs to its end; its result is dropped with the others in time
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """host:port taken for the service (as uvicorn takes it), or a TandemError when it cannot be:
+    checked before the workers are built, and held so nothing takes it meanwhile."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise TandemError(
+            f"tandem serve cannot listen on {host}:{port}: {e.strerror or e}. Stop what uses the port "
+            "(another tandem serve?) or give another --port."
+        ) from None
+    return sock
+
+
 def serve(cfg: Config, host: str, port: int, api_key: str = "", full_weights: bool = False) -> None:
-    """Build the workers, then answer on host:port until stopped (Ctrl-C)."""
+    """Take host:port, build the workers, then answer there until stopped (Ctrl-C)."""
     api_key = api_key or os.environ.get(KEY_ENV, "")
     check_key(host, api_key)
+    sock = bind(host, port)
     cfg = resolve(cfg)
     service = Service(cfg, start_workers(cfg), full_weights)
     key_note = "the key given" if api_key else "any key starting with tml- (loopback only)"
@@ -302,4 +327,5 @@ def serve(cfg: Config, host: str, port: int, api_key: str = "", full_weights: bo
         f"clients: tinker.ServiceClient(base_url='http://{host}:{port}', api_key=...) with {key_note}",
         flush=True,
     )
-    uvicorn.run(build_app(service, api_key), host=host, port=port, log_level="warning")
+    config = uvicorn.Config(build_app(service, api_key), host=host, port=port, log_level="warning")
+    uvicorn.Server(config).run(sockets=[sock])

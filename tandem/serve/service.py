@@ -10,25 +10,29 @@ batch one generate call, so sampling goes on while a training request runs on th
 One training model at a time: a create_model while another session's model is live (its session
 neither finished nor silent for `SESSION_TIMEOUT_S`) is refused; the engine serves one set of
 weights, the newest pushed, so only the newest sampler (or the base, before the first push) samples.
+
+Whatever a request's check or work raises ends that request, never the queue: a TandemError in its
+check is the client's fault (HTTP 400), anything else the service's (its future fails, category
+"server"), and the model's later requests run either way.
 """
 
 import asyncio
 import dataclasses
 import heapq
 import itertools
-import json
+import math
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 from tandem.config import Config
 from tandem.errors import TandemError
 from tandem.model.config import ModelConfig, model_dir
 from tandem.sample import SamplingParams
+from tandem.serve.checkpoints import Checkpoints
 from tandem.serve.losses import check_request
 from tandem.serve.wire import FwdBwdRequest, forward_backward_output, sample_response
 from tandem.serve.workers import Workers, with_lora
@@ -89,7 +93,7 @@ class Service:
     def __init__(self, cfg: Config, workers: Workers, full_weights: bool = False):
         self.cfg, self.workers, self.full_weights = cfg, workers, full_weights
         self.base_model = cfg.model.path
-        self.state_dir = Path(cfg.run.out_dir) / cfg.run.name
+        self.checkpoints = Checkpoints(Path(cfg.run.out_dir) / cfg.run.name)
         self.sessions: dict[str, float] = {}  # session id -> last heartbeat (monotonic)
         self.model: Model | None = None
         self.samplers: dict[str, Sampler] = {}
@@ -148,9 +152,10 @@ class Service:
     def finish(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)
 
-    def _live(self, model: Model) -> bool:
+    def _frees_in(self, model: Model) -> float:
+        """Seconds until the model's session frees itself unless it beats again; <= 0: free now."""
         beat = self.sessions.get(model.session_id)
-        return beat is not None and time.monotonic() - beat < SESSION_TIMEOUT_S
+        return -1.0 if beat is None else SESSION_TIMEOUT_S - (time.monotonic() - beat)
 
     def check_base(self, base_model: str | None) -> str:
         if base_model != self.base_model:
@@ -170,11 +175,12 @@ class Service:
         """A new training model -> the request id whose result is its model id. Refused while another
         session's model is live."""
         self.check_base(base)
-        if self.model is not None and self._live(self.model):
+        if self.model is not None and (left := self._frees_in(self.model)) > 0:
             raise TandemError(
                 f"This service trains one model at a time and {self.model.model_id!r} is live (its "
                 "session has not finished). Close that ServiceClient, or start another `tandem serve` "
-                "for a second model."
+                "for a second model. If that client's process has ended (Ctrl-C, a crash), its session "
+                f"frees itself {SESSION_TIMEOUT_S:.0f} s after its last heartbeat: in {math.ceil(left)} s."
             )
         rank = 0 if self.full_weights else rank
         model_id = f"{session_id}:train:{seq}"
@@ -216,7 +222,9 @@ class Service:
     ) -> str:
         """Queue `work` on the model's requests at seq_id (None: after the last) -> its request id.
         `check` refuses a bad request (TandemError, a 400) before it is queued; its seq_id still
-        counts as used, since the SDK numbered it, so the requests after it are not held for it."""
+        counts as used, since the SDK numbered it, so the requests after it are not held for it.
+        Anything else `check` raises is the service's fault: the request's future fails with it
+        (an HTTP 500 would have the SDK send the request again, under a seq_id now used)."""
         model = self.model_of(model_id)
         seq = seq_id if seq_id is not None else max(model.last_seq, model.next_seq - 1) + 1
         if seq < model.next_seq or any(s == seq for s, *_ in model.queue):
@@ -225,9 +233,12 @@ class Service:
         request_id, fut = self._future()
         try:
             check()
-        except TandemError:
+        except Exception as e:
             self._queue(model, seq, request_id, fut, _nothing)
-            raise
+            if isinstance(e, TandemError):
+                raise
+            _fail(fut, _failure(e))
+            return request_id
         self._queue(model, seq, request_id, fut, work)
         return request_id
 
@@ -292,6 +303,7 @@ class Service:
         def check():
             if adam.get("type", "adam") != "adam":
                 raise TandemError(f"Only Adam is served, not {adam['type']!r}.")
+            check_adam(adam)
 
         args = (
             adam.get("learning_rate", 1e-4),
@@ -307,53 +319,52 @@ class Service:
         return self.train(model_id, seq_id, work, check)
 
     # -- checkpoints and samplers -------------------------------------------------------------------
-    def state_path(self, model_id: str, kind: str, name: str) -> tuple[str, Path]:
-        """tinker://<model_id>/<kind>/<name> and its directory under run.out_dir/run.name."""
-        if not name or "/" in name or name in (".", ".."):
-            raise TandemError(f"Checkpoint name {name!r} must be a plain name (no '/').")
-        return f"tinker://{model_id}/{kind}/{name}", self.state_dir / quote(model_id, safe="") / kind / name
-
-    def parse_path(self, path: str) -> Path:
-        """A save_state path -> its directory; NotFound when nothing was saved there."""
-        parts = path.removeprefix("tinker://").split("/")
-        if not path.startswith("tinker://") or len(parts) != 3 or parts[1] != "weights":
-            raise TandemError(f"{path!r} is not a save_state path (tinker://<model_id>/weights/<name>).")
-        _, where = self.state_path(parts[0], "weights", parts[2])
-        if not (where / "serve.json").exists():
+    def checkpoint(self, path: str) -> tuple[Path, dict]:
+        """A save_state path -> its directory and serve.json, the checkpoint checked whole
+        (`Checkpoints.find`); NotFound when nothing was saved there."""
+        where = self.checkpoints.parse(path)
+        meta = self.checkpoints.find(where)
+        if meta is None:
             raise NotFound(f"No checkpoint at {path!r} (looked in {where}).")
-        return where
+        return where, meta
 
     def save_state(self, model_id: str, seq_id: int | None, name: str, overwrite: bool) -> str:
-        path, where = f"tinker://{model_id}/weights/{name}", self.state_dir
+        path, where = "", Path()  # set by the check
 
         def check():
             nonlocal path, where
-            path, where = self.state_path(model_id, "weights", name)
-            if where.exists() and not overwrite:
+            path, where = self.checkpoints.place(model_id, "weights", name)
+            if not overwrite and self.checkpoints.exists(where):
                 raise TandemError(f"Checkpoint {path!r} exists; pass overwrite=True to replace it.")
 
         async def work(model: Model):
-            where.mkdir(parents=True, exist_ok=True)
-            await self._call("train", "save", str(where))
             meta = {"base_model": model.base_model, **self.shape}
-            (where / "serve.json").write_text(json.dumps(meta))  # last: a checkpoint without it is partial
+            with self.checkpoints.writing_to(where, meta) as tmp:  # whole, or the old one stays
+                await self._call("train", "save", str(tmp))
             return {"path": path, "type": "save_weights"}
 
         return self.train(model_id, seq_id, work, check)
 
     def load_state(self, model_id: str, seq_id: int | None, path: str, optimizer: bool) -> str:
+        def check():
+            if self.checkpoints.parse(path) not in self.checkpoints.writing:  # else checked in turn
+                self.checkpoint(path)
+
         async def work(model: Model):
-            await self._call("train", "load", str(self.parse_path(path)))
-            if not optimizer:
-                await self._call("train", "drop_optimizer_state")
+            where, _ = self.checkpoint(path)  # again: it may have changed since the request came
+            await self._load(where, optimizer)
             return {"path": path, "model_id": model.model_id, "type": "load_weights"}
 
-        return self.train(model_id, seq_id, work, lambda: self.parse_path(path))
+        return self.train(model_id, seq_id, work, check)
+
+    async def _load(self, where: Path, optimizer: bool) -> None:
+        await self._call("train", "load", str(where))
+        if not optimizer:
+            await self._call("train", "drop_optimizer_state")
 
     def create_from_state(self, session_id: str, seq: int, path: str, optimizer: bool) -> str:
         """create_training_client_from_state: a new model shaped as the checkpoint's, then its state."""
-        where = self.parse_path(path)
-        meta = json.loads((where / "serve.json").read_text())
+        _, meta = self.checkpoint(path)
         request_id = self.create_model(
             session_id, seq, meta["base_model"], meta["rank"], meta["seed"], meta["attn"], meta["mlp"]
         )
@@ -363,9 +374,8 @@ class Service:
             made = await created
             if isinstance(made, Failure):
                 return made
-            await self._call("train", "load", str(where))
-            if not optimizer:
-                await self._call("train", "drop_optimizer_state")
+            where, _ = self.checkpoint(path)
+            await self._load(where, optimizer)
             return {"path": path, "model_id": model.model_id, "type": "load_weights"}
 
         return self.run(work)
@@ -373,8 +383,11 @@ class Service:
     def save_for_sampler(self, model_id: str, seq_id: int | None, name: str | None) -> str:
         """Push the trainer's weights to the engine as a new version -> a sampler for them (a path
         when named, else a sampling session)."""
-        model = self.model_of(model_id)
-        path = self.state_path(model_id, "sampler_weights", name)[0] if name else None
+        model, path = self.model_of(model_id), None
+
+        def check():
+            nonlocal path
+            path = self.checkpoints.place(model_id, "sampler_weights", name)[0] if name else None
 
         async def work(model: Model):
             model.pushes += 1
@@ -387,7 +400,7 @@ class Service:
             sampler_id = self.add_sampler(Sampler(model.base_model, key, key))
             return {"path": key, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
-        return self.train(model.model_id, seq_id, work)
+        return self.train(model.model_id, seq_id, work, check)
 
     def add_sampler(self, sampler: Sampler) -> str:
         sampler_id = f"sampler-{uuid.uuid4().hex[:12]}"
@@ -469,10 +482,31 @@ class Service:
         self.workers.close()
 
 
+def check_adam(adam: dict) -> None:
+    """AdamParams' values as AdamW takes them (any absent: its default), or a TandemError naming
+    the first field out of range. A negative learning rate would climb the loss."""
+    rules = [
+        ("learning_rate", lambda v: v >= 0, ">= 0"),
+        ("beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+        ("beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+        ("eps", lambda v: v > 0, "> 0"),
+        ("weight_decay", lambda v: v >= 0, ">= 0"),
+        ("grad_clip_norm", lambda v: v >= 0, ">= 0 (0: no clipping)"),
+    ]
+    for field, ok, rule in rules:
+        value = adam.get(field)
+        if value is not None and not (math.isfinite(value) and ok(value)):
+            raise TandemError(f"AdamParams.{field}={value} must be {rule}.")
+
+
 def _failure(e: BaseException) -> Failure:
+    try:
+        text = str(e)
+    except Exception:  # an error whose message fails (one built wrongly) still ends its request
+        text = "(its message cannot be read)"
     if isinstance(e, TandemError):
-        return Failure(str(e), "user")
-    return Failure(f"{type(e).__name__}: {e}", "server")
+        return Failure(text, "user")
+    return Failure(f"{type(e).__name__}: {text}", "server")
 
 
 def _fail(fut: asyncio.Future, failure: Failure) -> None:
@@ -485,10 +519,14 @@ async def _nothing(model: Model) -> None:
 
 
 async def _settle(fut: asyncio.Future, work: Callable[[], Awaitable[Any]]) -> None:
-    """Run `work` into `fut`: its result, or its error as a `Failure` (the service stays up)."""
+    """Run `work` into `fut`: its result, or its error as a `Failure` (the service stays up). Errors
+    outside `Exception` count too (torch's CheckpointException is one); cancelling and stopping
+    still stop."""
     try:
         result = await work()
-    except Exception as e:
+    except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:
         result = _failure(e)
     if not fut.done():
         fut.set_result(result)

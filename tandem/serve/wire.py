@@ -77,6 +77,8 @@ def parse_forward_backward(body: bytes) -> FwdBwdRequest:
         request.data = [_datum(i, d) for i, d in enumerate(msg.data)]
     except TandemError as e:
         request.error = str(e)
+    except ValueError as e:  # numpy's, for a tensor whose bytes do not fill its shape
+        request.error = f"A malformed loss_fn_inputs tensor: {e}"
     return request
 
 

@@ -1,0 +1,167 @@
+"""save_state's checkpoints on disk: named safely, written whole or not at all, checked before a load.
+
+    <run.out_dir>/<run.name>/<model id, %-quoted>/weights/
+        <name>/        serve.json (the model's base and LoRA shape), the Hugging Face weights and
+                       adapter, trainer/ (DCP shards of the master weights and AdamW's moments,
+                       rank_0.pt: schedule, RNGs, version)
+        .<name>.new/   a save being written
+        .<name>.old/   the checkpoint an overwrite replaces, until the new one is in place
+
+A save writes `.<name>.new/`, fsyncs every file, then renames it to `<name>`; an overwrite first
+renames the old checkpoint to `.<name>.old/` and deletes it only once the new one is in. A crash
+(a kill, a power cut) at any moment leaves the old checkpoint or the new one whole: `settle`, run
+before every save and load of a name, finishes or undoes what the crash interrupted. A user's name
+never starts with '.', so it never meets these two.
+"""
+
+import contextlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import quote
+
+from tandem.errors import TandemError
+from tandem.model.checkpoint import check_checkpoint
+from tandem.train.state import damaged_state
+
+NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+MAX_NAME = 128  # with ".new" and the parent's names, well inside a file system's 255 bytes a name
+MODEL_ID = re.compile(r"[A-Za-z0-9._:-]{1,80}")  # the service makes "session-<hex>:train:<n>"
+META = "serve.json"
+SHAPE = ("base_model", "rank", "seed", "attn", "mlp")  # what serve.json holds
+
+
+def check_name(name: str, what: str = "Checkpoint name") -> str:
+    """A name that is one plain directory name on any file system, or a TandemError saying why not."""
+    if len(name) > MAX_NAME or not NAME.fullmatch(name):
+        shown = repr(name) if len(name) <= 60 else f"{name[:40]!r}... ({len(name)} characters)"
+        raise TandemError(
+            f"{what} {shown} must be 1 to {MAX_NAME} characters, letters, digits, '.', '_' and '-', "
+            "not starting with '.'."
+        )
+    return name
+
+
+class Checkpoints:
+    """The checkpoints under `root` (run.out_dir/run.name), and the saves in flight."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.writing: set[Path] = set()  # a save in flight: its `.new` is not a crash's leftover
+
+    def place(self, model_id: str, kind: str, name: str) -> tuple[str, Path]:
+        """tinker://<model_id>/<kind>/<name> and its directory; TandemError for a name or model id
+        that is not one plain directory name."""
+        check_name(name)
+        if not MODEL_ID.fullmatch(model_id):
+            raise TandemError(f"Model id {model_id[:100]!r} is not one the service makes.")
+        return f"tinker://{model_id}/{kind}/{name}", self.root / quote(model_id, safe="") / kind / name
+
+    def parse(self, path: str) -> Path:
+        """A save_state path (tinker://<model_id>/weights/<name>) -> its directory."""
+        parts = path.removeprefix("tinker://").split("/")
+        if not path.startswith("tinker://") or len(parts) != 3 or parts[1] != "weights":
+            raise TandemError(
+                f"{path[:200]!r} is not a save_state path (tinker://<model_id>/weights/<name>)."
+            )
+        return self.place(parts[0], "weights", parts[2])[1]
+
+    def exists(self, where: Path) -> bool:
+        """Whether a checkpoint is at `where`, once what a crash left there is settled."""
+        if where not in self.writing:
+            settle(where)
+        return where.is_dir()
+
+    def find(self, where: Path) -> dict | None:
+        """The checkpoint at `where`, checked -> its serve.json; None when none was saved there. A
+        damaged one is a TandemError naming each damaged or missing file; nothing is loaded."""
+        if not self.exists(where):
+            return None
+        if found := damage(where):
+            raise TandemError(
+                f"The checkpoint {where} is damaged, so it was not loaded and the model is unchanged: "
+                f"{'; '.join(found)}."
+            )
+        return json.loads((where / META).read_text())
+
+    @contextlib.contextmanager
+    def writing_to(self, where: Path, meta: dict) -> Iterator[Path]:
+        """A fresh directory beside `where` to write its checkpoint into; when the block ends
+        without an error, serve.json (`meta`) joins it and it replaces `where` whole (`commit`).
+        After an error it is removed and `where` is as it was."""
+        settle(where)
+        tmp = aside(where, "new")
+        tmp.mkdir(parents=True)
+        self.writing.add(where)
+        try:
+            yield tmp
+            (tmp / META).write_text(json.dumps(meta))
+            commit(tmp, where)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            self.writing.discard(where)
+
+
+def aside(where: Path, kind: str) -> Path:
+    """`where`'s sibling for a save in flight ("new") or the checkpoint it replaces ("old")."""
+    return where.with_name(f".{where.name}.{kind}")
+
+
+def commit(tmp: Path, where: Path) -> None:
+    """`tmp`, every file fsynced, renamed to `where`; a checkpoint there is set aside first and
+    deleted once the new one is in. A crash between any two steps leaves `settle` a whole one."""
+    for path in sorted(tmp.rglob("*"), reverse=True):  # files before the directories holding them
+        _fsync(path)
+    _fsync(tmp)
+    if where.exists():
+        old = aside(where, "old")
+        where.rename(old)
+        tmp.rename(where)
+        _fsync(where.parent)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(where)
+    _fsync(where.parent)
+
+
+def settle(where: Path) -> None:
+    """Finish or undo what a crash interrupted at `where`. Killed between an overwrite's two
+    renames (`where` gone, the old one aside), the new one goes in: it was whole before the old one
+    moved. Any other leftover (a save cut short, an old one not yet deleted) is removed."""
+    new, old = aside(where, "new"), aside(where, "old")
+    if old.exists() and not where.exists():
+        (new if new.exists() else old).rename(where)
+    for leftover in (new, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def damage(where: Path) -> list[str]:
+    """What keeps the checkpoint at `where` from loading, one phrase per damaged or missing file;
+    [] when whole. Read without loading any state: serve.json, the trainer's DCP shards and
+    rank_0.pt (`damaged_state`), and the Hugging Face weights against config.json (their headers)."""
+    found = []
+    try:
+        meta = json.loads((where / META).read_text())
+        if missing := [k for k in SHAPE if k not in meta]:
+            found.append(f"{where / META} lacks {missing}")
+    except (OSError, ValueError, TypeError) as e:
+        found.append(f"{where / META} is unreadable ({e})")
+    found += damaged_state(where)
+    try:
+        check_checkpoint(where, finite=False)
+    except Exception as e:  # a truncated or foreign file: the readers raise anything
+        found.append(str(e).rstrip("."))
+    return found
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
