@@ -198,3 +198,24 @@ def test_a_second_run_on_a_locked_directory_is_refused_and_a_killed_holder_block
         run_training(cfg)
     with pytest.raises(RayStarted):  # and the refused or failed runs released theirs
         run_training(cfg)
+
+
+@pytest.mark.parametrize("renamed", [False, True], ids=["before the second rename", "after it"])
+def test_a_crash_within_an_overwrite_leaves_the_old_or_the_new_checkpoint(tmp_path, renamed):
+    """`Checkpoints.commit` overwrites by renaming the old checkpoint aside, then the new one in. A
+    crash between the two used to leave neither: `clear_partial` deleted both at the next start."""
+    from tandem.controller.checkpoint import TMP, Checkpoints
+
+    checkpoints = Checkpoints(tmp_path)
+    for content in ("old", "new"):
+        tmp = checkpoints.begin("final")
+        (tmp / "weights").write_text(content)
+        if content == "old":
+            checkpoints.commit(tmp, "final")
+    root = checkpoints.root
+    (root / "final").rename(root / f"{TMP}old-final")  # the commit's first rename, then the crash
+    if renamed:
+        (root / f"{TMP}final").rename(root / "final")
+    checkpoints.clear_partial()
+    assert (root / "final" / "weights").read_text() == ("new" if renamed else "old")
+    assert not list(root.glob(f"{TMP}*"))

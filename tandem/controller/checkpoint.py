@@ -85,7 +85,13 @@ class Checkpoints:
         return path if path.is_dir() else None
 
     def clear_partial(self) -> None:
-        """Remove what a crash left half-written (never a complete checkpoint)."""
+        """Remove what a crash left half-written (never a complete checkpoint). A crash between an
+        overwrite's two renames (`commit`) left the old checkpoint set aside and none in its place:
+        the old one goes back, so a checkpoint is the old or the new one, never neither."""
+        for old in self.root.glob(f"{TMP}old-*"):
+            final = self.root / old.name.removeprefix(f"{TMP}old-")
+            if not final.exists():
+                old.rename(final)
         for tmp in self.root.glob(f"{TMP}*"):
             shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
 
