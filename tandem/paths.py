@@ -63,3 +63,12 @@ def run_lock(run_dir: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def fsync(path: Path) -> None:
+    """Flush a file's or a directory's entry to disk (a directory: so a rename in it survives a crash)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

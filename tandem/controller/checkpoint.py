@@ -14,7 +14,6 @@ deleted file) is found before a resume starts (`tandem.runtime.resume`): `run.re
 back to the newest intact one, an explicit path is refused.
 """
 
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from tandem.controller.calls import ROUTES, Kind
 from tandem.controller.protocol import CallFailed, Cluster, WorkerDied
 from tandem.controller.timeline import Span
 from tandem.errors import TandemError
+from tandem.paths import fsync
 
 LATEST = "latest"
 TMP = ".tmp-"
@@ -48,8 +48,8 @@ class Checkpoints:
     def commit(self, tmp: Path, name: str) -> Path:
         """fsync everything under `tmp`, rename it to `name`, move `latest` to it, prune old ones."""
         for path in sorted(tmp.rglob("*"), reverse=True):  # files before the directories holding them
-            _fsync(path)
-        _fsync(tmp)
+            fsync(path)
+        fsync(tmp)
         final = self.root / name
         if final.exists():  # e.g. `final` of a run resumed to go further: set the old one aside first
             old = self.root / f"{TMP}old-{name}"
@@ -59,12 +59,12 @@ class Checkpoints:
             shutil.rmtree(old)
         else:
             tmp.rename(final)
-        _fsync(self.root)
+        fsync(self.root)
         pointer = self.root / f"{TMP}{LATEST}"
         pointer.write_text(name + "\n")
-        _fsync(pointer)
+        fsync(pointer)
         pointer.replace(self.root / LATEST)
-        _fsync(self.root)
+        fsync(self.root)
         self.prune()
         return final
 
@@ -103,14 +103,6 @@ def write_driver_state(path: Path, state: dict[str, Any]) -> None:
 def read_driver_state(path: Path) -> dict[str, Any]:
     # Not weights_only: it holds the loop's `Sample`s and Python's RNG state, written by this run.
     return torch.load(path / "driver.pt", weights_only=False)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_checkpoint(

@@ -16,7 +16,6 @@ never starts with '.', so it never meets these two.
 
 import contextlib
 import json
-import os
 import re
 import shutil
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from urllib.parse import quote
 
 from tandem.errors import TandemError
 from tandem.model.checkpoint import check_checkpoint
+from tandem.paths import fsync
 from tandem.train.state import damaged_state
 
 NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
@@ -116,17 +116,17 @@ def commit(tmp: Path, where: Path) -> None:
     """`tmp`, every file fsynced, renamed to `where`; a checkpoint there is set aside first and
     deleted once the new one is in. A crash between any two steps leaves `settle` a whole one."""
     for path in sorted(tmp.rglob("*"), reverse=True):  # files before the directories holding them
-        _fsync(path)
-    _fsync(tmp)
+        fsync(path)
+    fsync(tmp)
     if where.exists():
         old = aside(where, "old")
         where.rename(old)
         tmp.rename(where)
-        _fsync(where.parent)
+        fsync(where.parent)
         shutil.rmtree(old)
     else:
         tmp.rename(where)
-    _fsync(where.parent)
+    fsync(where.parent)
 
 
 def settle(where: Path) -> None:
@@ -157,11 +157,3 @@ def damage(where: Path) -> list[str]:
     except Exception as e:  # a truncated or foreign file: the readers raise anything
         found.append(str(e).rstrip("."))
     return found
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
