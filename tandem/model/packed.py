@@ -5,7 +5,8 @@ blocked layout at every call: for a decode step's few rows that copy costs as mu
 multiplication itself. Packed once (`torch.ops.mkldnn._reorder_linear_weight`, what PyTorch's own
 inference passes do for a frozen model) and multiplied by `torch.ops.mkldnn._linear_pointwise`, the
 decode weights of SmolLM2-135M take 17 ms a step at 8 rows instead of 32 in bf16, 53 instead of 73
-at 64, and 25 instead of 60 at 8 rows in fp32 (2 Zen 4 cores, 2026-11-28; `bench/engine.py`).
+at 64, and 25 instead of 60 at 8 rows in fp32 (the decode weights alone, cold, on 2 Zen 4 cores,
+2026-11-28; docs/results.md has the engines' tokens/s).
 
 The packed copies sit beside the parameters, which stay what weight pushes copy into by name (and
 what the batch-invariant forward and the one-row matrix-vector kernel multiply by): `repack` after
@@ -39,7 +40,7 @@ def pack(weight: Tensor) -> Tensor:
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | None) -> Tensor:
     """`F.linear(x, weight, bias)`, multiplied by `packed` (the same weight, `pack`ed) when there is
     one and oneDNN is on."""
-    if packed is not None and torch._C._get_mkldnn_enabled():
+    if packed is not None and torch.backends.mkldnn.enabled:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
