@@ -72,7 +72,7 @@ def main() -> None:
     p.add_argument("--modes", default="sync,one_step_off,async")
     p.add_argument("--json", help="write the figures as one flat JSON object")
     args = p.parse_args()
-    ray.init(num_cpus=args.cpus, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, logging_level="WARNING")
     results = {}
     with tempfile.TemporaryDirectory() as out:
         for mode in args.modes.split(","):

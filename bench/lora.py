@@ -129,7 +129,13 @@ def push_figures(cfg: ModelConfig, lora: LoraConfig, dtype: torch.dtype, engine:
     """Adapter and full pushes into one LoRA engine, taking turns."""
     import ray
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, object_store_memory=3 * 2**30)
+    ray.init(
+        address="local",
+        num_cpus=1,
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=3 * 2**30,
+    )
     weights = {n: p.detach() for n, p in engine.model.named_parameters()}
     masters = {n: t.float() for n, t in weights.items()}  # the trainer's fp32 (no copy in fp32)
     pushers = {

@@ -174,7 +174,7 @@ def delta_speedups(sender, receiver, args) -> dict[str, float]:
 
 def push_figures(cfg: ModelConfig, args) -> dict[str, float]:
     """The timed figures: every transport per parameter and bucketed, then delta against full."""
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     sender, receiver = Peer.remote("trainer-0", cfg, 0), Peer.remote("rollout-0", cfg, 1)
     addr, port = ray.get(sender.rendezvous.remote())
     ray.get([sender.join.remote(0, addr, port), receiver.join.remote(1, addr, port)])
