@@ -2,6 +2,7 @@
 and a directory another run is writing into is refused at once."""
 
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -72,3 +73,22 @@ def fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace_dir(tmp: Path, final: Path, old: Path) -> None:
+    """`tmp`, every file in it fsynced, renamed to `final`: a directory already there is renamed to
+    `old` first, and deleted only once the new one is in place and that rename is on disk. A crash
+    between any two steps leaves a whole directory at `final` or at `old` (the caller's clean-up
+    finishes or undoes it)."""
+    for path in sorted(tmp.rglob("*"), reverse=True):  # files before the directories holding them
+        fsync(path)
+    fsync(tmp)
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        tmp.rename(final)
+        fsync(final.parent)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+    fsync(final.parent)

@@ -25,7 +25,7 @@ from tandem.controller.calls import ROUTES, Kind
 from tandem.controller.protocol import CallFailed, Cluster, WorkerDied
 from tandem.controller.timeline import Span
 from tandem.errors import TandemError
-from tandem.paths import fsync
+from tandem.paths import fsync, replace_dir
 
 LATEST = "latest"
 TMP = ".tmp-"
@@ -47,19 +47,8 @@ class Checkpoints:
 
     def commit(self, tmp: Path, name: str) -> Path:
         """fsync everything under `tmp`, rename it to `name`, move `latest` to it, prune old ones."""
-        for path in sorted(tmp.rglob("*"), reverse=True):  # files before the directories holding them
-            fsync(path)
-        fsync(tmp)
-        final = self.root / name
-        if final.exists():  # e.g. `final` of a run resumed to go further: set the old one aside first
-            old = self.root / f"{TMP}old-{name}"
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
-        fsync(self.root)
+        final = self.root / name  # already there (`final` of a run resumed to go further): set aside first
+        replace_dir(tmp, final, self.root / f"{TMP}old-{name}")
         pointer = self.root / f"{TMP}{LATEST}"
         pointer.write_text(name + "\n")
         fsync(pointer)

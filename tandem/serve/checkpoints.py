@@ -24,7 +24,7 @@ from urllib.parse import quote
 
 from tandem.errors import TandemError
 from tandem.model.checkpoint import check_checkpoint
-from tandem.paths import fsync
+from tandem.paths import replace_dir
 from tandem.train.state import damaged_state
 
 NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
@@ -114,19 +114,9 @@ def aside(where: Path, kind: str) -> Path:
 
 def commit(tmp: Path, where: Path) -> None:
     """`tmp`, every file fsynced, renamed to `where`; a checkpoint there is set aside first and
-    deleted once the new one is in. A crash between any two steps leaves `settle` a whole one."""
-    for path in sorted(tmp.rglob("*"), reverse=True):  # files before the directories holding them
-        fsync(path)
-    fsync(tmp)
-    if where.exists():
-        old = aside(where, "old")
-        where.rename(old)
-        tmp.rename(where)
-        fsync(where.parent)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(where)
-    fsync(where.parent)
+    deleted once the new one is in (`replace_dir`). A crash between any two steps leaves `settle` a
+    whole one."""
+    replace_dir(tmp, where, aside(where, "old"))
 
 
 def settle(where: Path) -> None:
