@@ -9,6 +9,7 @@ import ray
 import torch
 from helpers import TINY, train
 
+from tandem import devices
 from tandem.errors import TandemError
 from tandem.runtime.startup import load_config
 
@@ -132,7 +133,7 @@ def test_after_a_push_the_engine_holds_the_trainers_weights_bit_for_bit(transpor
             "sync.consume_bucket_mb=0.5",
         ],
     )
-    cluster = RayCluster.start(cfg)
+    cluster = RayCluster.start(devices.resolve(cfg, 0))
     try:
         trainers, rollout = cluster.trainers, cluster.rollouts[0]
 

@@ -660,7 +660,7 @@ def test_serve_on_a_busy_port_fails_before_building_its_workers(monkeypatch, cap
     import socket
 
     serve_app = pytest.importorskip("tandem.serve.app")
-    monkeypatch.setattr(serve_app, "start_workers", forbidden)
+    monkeypatch.setattr(serve_app, "open_service", forbidden)
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # what `tandem serve` sets, undone after the test
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]

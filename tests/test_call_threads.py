@@ -9,6 +9,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from helpers import Crash, full_disk, raising, random_samples
 
+from tandem import devices
 from tandem.config import Config
 from tandem.controller.protocol import CallFailed
 from tandem.runtime.local import CallStopped, LocalCluster
@@ -36,7 +37,7 @@ def assert_ended(cluster: LocalCluster) -> None:
 def test_tandem_train_in_one_process_survives_a_base_exception_in_a_train_call_and_a_save(
     tmp_path, monkeypatch
 ):
-    cluster = LocalCluster.start(config(tmp_path))
+    cluster = LocalCluster.start(devices.resolve(config(tmp_path), 0))
     samples = random_samples(2, 2)
     try:
         with monkeypatch.context() as patch:
@@ -76,22 +77,23 @@ def test_tandem_serve_in_one_process_survives_a_base_exception_in_a_train_call_a
     """Where the trainer's call thread used to die: that call, every later one and Ctrl-C then
     waited run.timeout_s, and no new model could be made."""
     pytest.importorskip("fastapi")
-    from tandem.serve.workers import resolve, start_workers
+    from tandem.runtime.startup import resolve_inputs
+    from tandem.serve.workers import start_workers
 
-    workers = start_workers(resolve(config(tmp_path)))
+    workers = start_workers(resolve_inputs(config(tmp_path)))
     adam = (1e-3, (0.9, 0.95), 1e-8, 0.0, 1.0)  # lr, betas, eps, weight decay, grad clip
     learner = workers.train.workers["train/0"].trainer.learner
     try:
         with monkeypatch.context() as patch:
             patch.setattr(learner, "step", raising(Crash("mid-step")))
             with pytest.raises(CallFailed, match="Crash: mid-step"):
-                workers.call(workers.train, "train/0", "optim_step", *adam)
-        assert "grad_norm:mean" in workers.call(workers.train, "train/0", "optim_step", *adam)
+                workers.call("train", "optim_step", *adam)
+        assert "grad_norm:mean" in workers.call("train", "optim_step", *adam)
         with monkeypatch.context() as patch:
             patch.setattr(dcp, "save", full_disk)
             with pytest.raises(CallFailed, match=r"CheckpointException(.|\n)*No space left on device"):
-                workers.call(workers.train, "train/0", "save", str(tmp_path / "full"))
-        workers.call(workers.train, "train/0", "save", str(tmp_path / "saved"))
+                workers.call("train", "save", str(tmp_path / "full"))
+        workers.call("train", "save", str(tmp_path / "saved"))
         workers.push(1)  # and the engine's thread takes the trained weights
     finally:
         workers.close()

@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers import TINY, local_ray, random_samples, tiny_model, train_worker
 
+from tandem import devices
 from tandem.config import Config
 from tandem.errors import TandemError
 from tandem.runtime.startup import load_config
@@ -325,7 +326,7 @@ def test_a_run_s_actors_push_deltas_that_land_bit_for_bit(ray_local, transport):
 
     ray = local_ray()  # started again if a module before stopped the session's
     options = [f"sync.transport={transport}", "sync.delta=true", "rollout.dtype=bfloat16", "train.lr=1e-6"]
-    cluster = RayCluster.start(load_config(None, [*TINY, *options]))
+    cluster = RayCluster.start(devices.resolve(load_config(None, [*TINY, *options]), 0))
     try:
         trainer, rollout = cluster.trainers[0], cluster.rollouts[0]
         for version in (1, 2):  # 1: a full push (the trainer has no copy yet); 2: deltas against 1

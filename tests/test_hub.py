@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 from huggingface_hub import constants, errors, scan_cache_dir
 from test_cli import FAST, run_cli
 
@@ -94,7 +95,9 @@ def test_tandem_train_on_a_hub_id_reads_the_offline_cache(offline, tmp_path, cap
     code, out, err = run_cli([*args, *FAST], capsys)
     assert code == 0, err
     run = tmp_path / "default"
-    assert f"path: {REPO}\n" in (run / "config.yaml").read_text()  # the id, not the cache's directory
+    # Resolved once at start-up: the run records the snapshot it trained on, in the offline cache.
+    saved = yaml.safe_load((run / "config.yaml").read_text())["model"]["path"]
+    assert Path(saved) == resolve_model_path(REPO).resolve() and "models--" in saved
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("step") == 1 and "actor/pg_loss" in r for r in steps)
 

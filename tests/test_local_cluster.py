@@ -8,8 +8,7 @@ from test_determinism import _run
 from tandem.controller.protocol import CallFailed
 from tandem.errors import TandemError
 from tandem.runtime.local import LocalCluster
-from tandem.runtime.run import in_one_process
-from tandem.runtime.startup import load_config
+from tandem.runtime.startup import in_one_process, load_config
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from helpers import (
 )
 from test_lora import LORA, lora_worker, trained
 
+from tandem import devices
 from tandem.config import LoraConfig
 from tandem.model.checkpoint import load_model
 from tandem.model.config import resolve_model_path
@@ -402,7 +403,7 @@ def test_adapter_pushes_arrive_bit_for_bit_over_each_transport(transport, engine
         "sync.consume_bucket_mb=0.005",
     ]
     cfg = load_config(None, overrides)
-    cluster = RayCluster.start(cfg)
+    cluster = RayCluster.start(devices.resolve(cfg, 0))
     try:
         trainers, rollout = cluster.trainers, cluster.rollouts[0]
         ray.get([t.train_step.remote(random_samples(4, 4)) for t in trainers])

@@ -14,11 +14,11 @@ from helpers import nothing_may_start, on_gloo_ranks, random_samples, records, t
 
 from tandem.cli.main import main
 from tandem.config import save_config
-from tandem.controller.loop import Stopped
+from tandem.controller.recovery import Stopped
 from tandem.errors import TandemError
 from tandem.model.checkpoint import load_model
-from tandem.runtime.run import run_training, with_absolute_paths
-from tandem.runtime.startup import load_config
+from tandem.runtime.run import run_training
+from tandem.runtime.startup import load_config, resolve_inputs
 from tandem.train.state import load_state, save_state
 from tandem.train.worker import TrainWorker
 
@@ -159,7 +159,7 @@ def test_a_resume_that_changes_the_batch_is_refused_before_anything_starts(tmp_p
     saved = load_config(None, [f"run.out_dir={tmp_path}"])
     step = tmp_path / "default" / "checkpoints" / "step_2"
     step.mkdir(parents=True)
-    save_config(with_absolute_paths(saved), step / "config.yaml")
+    save_config(resolve_inputs(saved), step / "config.yaml")
     (step.parent / "latest").write_text("step_2\n")
     nothing_may_start(monkeypatch, AssertionError("something started"))
     cfg = load_config(
@@ -223,3 +223,15 @@ def test_a_stopped_train_says_how_to_continue_and_exits_as_a_shell_would(monkeyp
     assert main(["train", "run.steps=9", "run.resume=/old"]) == 130
     out = capsys.readouterr().out
     assert "after step 7" in out and "continue with: tandem train run.steps=9 run.resume=auto" in out
+
+
+def test_a_checkpoint_that_names_its_model_as_the_user_wrote_it_resumes_on_the_resolved_directory(tmp_path):
+    """A tandem before start-up recorded model directories saved "builtin:addition" as written; the
+    run now has the directory. Same model: resumable. Another model: refused, naming the key."""
+    from tandem.runtime.resume import check_compatible
+
+    now = resolve_inputs(load_config(None, []))
+    assert now.model.path != "builtin:addition"  # a directory
+    check_compatible(load_config(None, ["model.path=builtin:addition"]), now, tmp_path)
+    with pytest.raises(TandemError, match="model.path: 'builtin:addition-moe' in the checkpoint"):
+        check_compatible(load_config(None, ["model.path=builtin:addition-moe"]), now, tmp_path)

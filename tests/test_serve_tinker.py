@@ -31,8 +31,7 @@ from tandem.errors import TandemError  # noqa: E402
 from tandem.model.checkpoint import check_checkpoint  # noqa: E402
 from tandem.runtime.startup import load_config  # noqa: E402
 from tandem.serve.app import build_app, check_key  # noqa: E402
-from tandem.serve.service import Service  # noqa: E402
-from tandem.serve.workers import resolve, start_workers  # noqa: E402
+from tandem.serve.service import Service, open_service  # noqa: E402
 from tandem.train.state import damaged_state  # noqa: E402
 
 KEY = "tml-test"
@@ -50,9 +49,9 @@ def free_port() -> int:
 def served(tmp_path_factory):
     """The service in this process, on uvicorn in a thread, for the module's tests -> its URL and
     its `Service` (whose run.out_dir holds the checkpoints)."""
-    cfg = resolve(load_config(None, [f"run.out_dir={tmp_path_factory.mktemp('serve')}", "run.name=serve"]))
+    cfg = load_config(None, [f"run.out_dir={tmp_path_factory.mktemp('serve')}", "run.name=serve"])
     port = free_port()
-    service = Service(cfg, start_workers(cfg))
+    service = open_service(cfg)
     server = uvicorn.Server(uvicorn.Config(build_app(service), "127.0.0.1", port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -196,11 +195,11 @@ def test_an_unexpected_error_in_a_check_or_the_work_fails_that_request_only(url,
         training = service.create_lora_training_client(base_model=MODEL, rank=8).result()
         data = carries(training.get_tokenizer())[:1]
 
-        def broken_check(self, req):
+        def broken_check(data, vocab, context):
             raise RuntimeError("a bug in the check")
 
         with monkeypatch.context() as m:
-            m.setattr(Service, "_check_tokens", broken_check)
+            m.setattr("tandem.serve.service.check_tokens", broken_check)
             with pytest.raises(tinker.RequestFailedError, match="RuntimeError: a bug in the check"):
                 training.forward_backward(data, "cross_entropy").result(timeout=WAIT_S)
         assert training.forward_backward(data, "cross_entropy").result(timeout=WAIT_S).metrics["loss:sum"] > 0

@@ -71,7 +71,7 @@ def split_args(args: list[str]) -> tuple[str | None, list[str]]:
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    from tandem.controller.loop import Stopped
+    from tandem.controller.recovery import Stopped
     from tandem.runtime.run import run_training
     from tandem.runtime.startup import load_config
 
@@ -96,10 +96,11 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
 
 def cmd_sft(ns: argparse.Namespace) -> None:
-    from tandem.runtime.startup import load_config
+    from tandem.runtime.startup import SFT_PATHS, load_config, resolve_inputs
     from tandem.train.sft import run_sft
 
-    print(f"saved {run_sft(load_config(*split_args(ns.args)))}")
+    cfg = resolve_inputs(load_config(*split_args(ns.args)), check_tokenizer=False, keys=SFT_PATHS)
+    print(f"saved {run_sft(cfg)}")  # on this process's CPU threads: it reads no run.device
 
 
 def cmd_eval(ns: argparse.Namespace) -> None:

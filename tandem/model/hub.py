@@ -4,9 +4,11 @@ into its cache (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub) a
 afterwards; with HF_HUB_OFFLINE=1, read from there only.
 
 The revision rides in the spec rather than in a key of its own because a model is named by one
-string in four places (model.path, algo.distill.teacher, reward.judge.path, critic.path): one syntax
-serves them all, a resumed run compares it with model.path itself, and `@` is how huggingface_hub's
-own `hf://ORG/NAME@REVISION` paths spell it.
+string in several places (model.path, model.tokenizer, algo.distill.teacher, reward.judge.path,
+critic.path): one syntax serves them all, and `@` is how huggingface_hub's own
+`hf://ORG/NAME@REVISION` paths spell it. Start-up (`tandem.runtime.startup.resolve_inputs`) turns
+each into its snapshot's directory once; the run's config.yaml records that directory, so a resume
+compares the commit it trained on.
 
 `tandem.model.config.resolve_model_path` is the one caller. huggingface_hub is imported when a hub id
 is resolved, not here: the simulator reads model shapes and loads no hub client.
@@ -35,6 +37,15 @@ def hub_id(spec: str) -> tuple[str, str | None] | None:
     if found is None or Path(spec).exists():
         return None
     return found["repo"], found["revision"]
+
+
+def model_name(path: str) -> str:
+    """The name a model directory goes by (an agent's requests name it): ORG/NAME for a hub
+    snapshot (.../models--ORG--NAME/snapshots/<commit>), else the directory's own name."""
+    where = Path(path)
+    if where.parent.name == "snapshots" and where.parent.parent.name.startswith("models--"):
+        return where.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return where.name or "tandem"
 
 
 def snapshot(repo: str, revision: str | None, spec: str, key: str = "") -> Path:

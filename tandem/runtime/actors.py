@@ -40,7 +40,7 @@ from tandem.train.ref import RefWorker
 from tandem.train.state import CRITIC, load_state, save_state
 
 
-def _plan(cfg: Config, named) -> BucketPlan:
+def bucket_plan(cfg: Config, named) -> BucketPlan:
     """The same plan on both sides: the trainer's fp32 masters travel in the engines' dtype."""
     s = cfg.sync
     return BucketPlan.from_named_tensors(
@@ -110,10 +110,17 @@ class _DistMember:
 class RolloutActor(_Timed, _DistMember):
     def __init__(self, cfg: Config, rank: int, threads: int):
         _set_up_process(cfg, threads)
-        self.cfg, self.name = cfg, f"rollout/{rank}"
-        self.worker, _ = build_rollout(cfg, rank)
+        self.rank, self.name = rank, f"rollout/{rank}"
+        self.rebuild(cfg)
+
+    def rebuild(self, cfg: Config) -> None:
+        """A fresh engine for `cfg` at version 0 (its weights from model.path; a LoRA run's adapter
+        shapes from train.lora) and its side of the push plan: at start, and for each new model
+        `tandem serve` is asked for."""
+        self.cfg, self.worker = cfg, None  # the old engine goes before the new one is built
+        self.worker, _ = build_rollout(cfg, self.rank)
         self.params = self.worker.engine.named_weights()
-        self.plan = _plan(cfg, self.params.items())
+        self.plan = bucket_plan(cfg, self.params.items())
         self.staging = StagingBuffer(self.plan)
         self.transport = None
 
@@ -180,12 +187,18 @@ class TrainActor(_Timed, _DistMember):
         """keep_ref: whether the trainer keeps its own reference copy (default: when the run has no
         reference worker)."""
         _set_up_process(cfg, threads)
-        self.cfg, self.rank, self.name = cfg, rank, f"train/{rank}"
-        if keep_ref is None:
-            keep_ref = ref_count(cfg) == 0
+        self.rank, self.name = rank, f"train/{rank}"
+        self.keep_ref = ref_count(cfg) == 0 if keep_ref is None else keep_ref
         self.tokenizer = load_checked_tokenizer(cfg)
-        self.trainer = build_trainer(cfg, self.tokenizer, keep_ref=keep_ref)
-        self.plan = _plan(cfg, self.trainer.pushed_weights())
+        self.rebuild(cfg)
+
+    def rebuild(self, cfg: Config) -> None:
+        """A fresh trainer for `cfg` (the weights of model.path, new adapters of train.lora's shape,
+        a new optimizer, version 0) and its side of the push plan: at start, and for each new model
+        `tandem serve` is asked for."""
+        self.cfg, self.trainer = cfg, None  # the old trainer goes before the new one is built
+        self.trainer = build_trainer(cfg, self.tokenizer, keep_ref=self.keep_ref)
+        self.plan = bucket_plan(cfg, self.trainer.pushed_weights())
         self.transport = None
 
     def join(self, *args) -> bool:

@@ -25,7 +25,6 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from tandem import devices
 from tandem.config import Config
 from tandem.controller.protocol import CallFailed, Done, Handle, WorkerDied
 from tandem.controller.timeline import Span
@@ -187,10 +186,10 @@ class RayCluster:
     def start(cls, cfg: Config, classes: dict[str, type] | None = None) -> "RayCluster":
         """The run's actors, placed. `classes`: role -> a worker class to build instead of its row's
         (a subclass with calls of its own: `tandem serve`'s trainer and engine)."""
+        placement.check_resolved(cfg)
         start_ray(cfg)
         have = ray.cluster_resources()
         placement.check_resources(cfg, have, "the Ray cluster")
-        cfg = devices.resolve(cfg, have.get("GPU", 0))  # a no-op on a config run_training resolved
         slots = plan_slots(cfg, have)
         placement.check_fits(slots, have.get("CPU", 0), have.get("GPU", 0))  # fail now, not in 600 s
         pg = placement_group(placement.bundles(slots), strategy="PACK")

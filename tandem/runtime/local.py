@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 
-from tandem import devices
 from tandem.config import Config
 from tandem.controller.protocol import CallFailed, Done
 from tandem.controller.timeline import Span
@@ -92,20 +91,27 @@ class LocalCluster:
         self.thread.start()
 
     @classmethod
-    def start(cls, cfg: Config) -> "LocalCluster":
+    def start(
+        cls, cfg: Config, classes: dict[str, type] | None = None, only: Collection[str] | None = None
+    ) -> "LocalCluster":
         """Build the run's workers here, one per role the run has (the roles table), in the table's
         order: as `RayCluster.start` would place them, with every role on all of this process's
-        threads."""
+        threads. `classes`: role -> a worker class to build instead of its row's, as
+        `RayCluster.start` takes them; `only`: the roles to build (`tandem serve` gives its trainer
+        and its engine a cluster each, so that a sample runs while a train call does)."""
+        placement.check_resolved(cfg)
         have = {"CPU": cpu_threads(), "GPU": torch.cuda.device_count()}
         placement.check_resources(cfg, have, "this machine")
-        cfg = devices.resolve(cfg, have["GPU"], "this machine")
         cpus = int(cfg.placement.num_cpus) or have["CPU"]  # every role takes them all, in turn
         threads = cfg.run.threads or cpus
         workers, spans, names = {}, [], {}
         for role in in_run(cfg):
+            if only is not None and role.name not in only:
+                continue
+            make = (classes or {}).get(role.name) or role.worker_class()
             for name in role.workers(cfg):  # one: `one_process_refusal` let the run in
                 start = time.time()
-                workers[name] = role.worker_class()(cfg, int(name.split("/")[1]), threads)
+                workers[name] = make(cfg, int(name.split("/")[1]), threads)
                 spans.append(Span("startup", name, start, time.time()))
                 names.setdefault(role.name, []).append(name)
         return cls(workers, names, threads, spans)

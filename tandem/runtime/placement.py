@@ -75,6 +75,16 @@ def _task_groups(cfg: Config) -> tuple[list[list[str]], list[float]]:
     return groups, list(p.ratios)
 
 
+def check_resolved(cfg: Config) -> None:
+    """A cluster is built from a config whose device and dtypes start-up made concrete
+    (`tandem.runtime.startup.place`, `tandem.devices.resolve`): a program error otherwise."""
+    if "auto" in (cfg.run.device, cfg.train.dtype, cfg.rollout.dtype):
+        raise TandemError(
+            "A cluster was asked for with run.device, train.dtype or rollout.dtype still 'auto': "
+            "resolve the config first (tandem.runtime.startup.place, or tandem.devices.resolve)."
+        )
+
+
 def check_resources(cfg: Config, have: dict[str, float], where: str) -> None:
     """placement.num_cpus / num_gpus within what `where` (the Ray cluster, this machine) has (0 = all
     of it), or a TandemError now: Ray would wait run.timeout_s for a reservation it can never make,

@@ -10,8 +10,9 @@ from tandem.config import Config
 from tandem.controller.checkpoint import TMP, Checkpoints
 from tandem.errors import TandemError
 from tandem.model.checkpoint import check_checkpoint
+from tandem.model.config import resolve_model_path
 from tandem.runtime.placement import role_counts
-from tandem.runtime.startup import load_config
+from tandem.runtime.startup import MODEL_PATHS, load_config
 from tandem.train.state import CRITIC, SHARDS, damaged_state, saved_version, torch_file_damage
 
 # Keys a resumed run must share with the checkpoint: they decide which prompts form which group,
@@ -132,7 +133,7 @@ def damage(path: Path, cfg: Config | None = None) -> list[str]:
 def check_compatible(saved: Config, cfg: Config, path: Path) -> None:
     """Refuse a resume whose config changed a key the saved state depends on (FIXED)."""
     old, new = _flat(saved), _flat(cfg)
-    changed = [k for k in FIXED if old.get(k) != new.get(k)]
+    changed = [k for k in FIXED if old.get(k) != new.get(k) and not same_model(k, old.get(k), new.get(k))]
     if changed:
         diffs = "; ".join(f"{k}: {old.get(k)!r} in the checkpoint, {new.get(k)!r} now" for k in changed)
         raise TandemError(
@@ -141,6 +142,17 @@ def check_compatible(saved: Config, cfg: Config, path: Path) -> None:
             f"config is {path / 'config.yaml'}), or start a new run (another run.name, or "
             "run.resume unset). Changing other keys, such as run.steps or logging, is allowed."
         )
+
+
+def same_model(key: str, saved: object, now: object) -> bool:
+    """Whether a model path saved as the user wrote it ("builtin:addition", ORG/NAME: a checkpoint
+    of a tandem before start-up recorded the directory) names the directory the run has now."""
+    if key not in MODEL_PATHS or not (isinstance(saved, str) and isinstance(now, str) and saved and now):
+        return False
+    try:
+        return resolve_model_path(saved, key).resolve() == Path(now).resolve()
+    except TandemError:  # the saved name no longer resolves (offline, not cached): not the same
+        return False
 
 
 def _flat(cfg: Config) -> dict[str, object]:

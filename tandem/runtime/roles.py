@@ -7,7 +7,6 @@ any actor starts, so a mistake fails in seconds with a clear message. The Ray ac
 
 import dataclasses
 import json
-import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from tandem.model.checkpoint import check_checkpoint, load_model
 from tandem.model.config import ModelConfig, model_dir, resolve_model_path
 from tandem.model.decoder import CausalLM
 from tandem.model.experts import set_router_dtype
+from tandem.model.hub import model_name
 from tandem.model.lora import apply_lora, base_weights, check_lora, has_lora
 from tandem.model.peft_format import refuse_adapter_dir, save_adapter
 from tandem.reward.verifiers import VERIFIERS
@@ -149,13 +149,14 @@ class LazyPromptIds(Sequence):
 
 def load_checked_tokenizer(cfg: Config):
     """The run's tokenizer, refused when it has no EOS or more token ids than the model's vocabulary."""
-    path = cfg.model.tokenizer or resolve_model_path(cfg.model.path)
+    model = model_dir(cfg.model.path)  # a missing model is named as one, not as its tokenizer
+    path = cfg.model.tokenizer or model
     tokenizer = load_tokenizer(path)
     if tokenizer.eos_token_id is None:
         raise TandemError(
             f"The tokenizer of {cfg.model.path} has no EOS token, so responses could never end."
         )
-    config = model_dir(cfg.model.path) / "config.json"
+    config = model / "config.json"
     vocab = ModelConfig.load(config.parent).vocab_size
     if len(tokenizer) > vocab:
         raise TandemError(
@@ -300,7 +301,7 @@ def build_rollout(cfg: Config, index: int = 0) -> tuple[RolloutWorker, PromptLim
         timeout_s=r.agent_timeout_s,
         max_prompt_length=cfg.data.max_prompt_length,
         tool_parser=r.tool_parser,
-        model_name=os.path.basename(os.path.normpath(cfg.model.path)) or "tandem",
+        model_name=model_name(cfg.model.path),
     )
     return RolloutWorker(engine, tokenizer, agent), limit
 

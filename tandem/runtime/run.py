@@ -6,45 +6,23 @@ import signal
 import sys
 import time
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
-from tandem import devices
 from tandem.config import Config, save_config
 from tandem.controller.loop import Loop, Stopped
 from tandem.controller.metrics import MetricsLogger, require_wandb
 from tandem.controller.timeline import Span
 from tandem.determinism import check_batch_invariance, machine
-from tandem.model.hub import hub_id
 from tandem.paths import check_writable, run_lock
-from tandem.reward.user_fn import canonical_spec, load_within
-from tandem.runtime.checks import one_process_refusal
-from tandem.runtime.local import LocalCluster, cpu_threads
+from tandem.reward.user_fn import load_within
+from tandem.runtime.local import cpu_threads
 from tandem.runtime.memory import peak_memory
 from tandem.runtime.resume import find_resume
 from tandem.runtime.roles import build_data
+from tandem.runtime.startup import build_cluster, place, resolve_inputs
 
 IMPORTED = time.time()  # process_start's fallback
-
-
-def with_absolute_paths(cfg: Config) -> Config:
-    """Actors may run in another directory (or on another node): give them absolute paths. A
-    model's "builtin:" name or Hugging Face hub id (ORG/NAME that is no path here) stays as it is."""
-
-    def absolute(path: str) -> str:
-        return str(Path(path).resolve()) if path and not path.startswith("builtin:") else path
-
-    def model(path: str) -> str:
-        return path if hub_id(path) else absolute(path)
-
-    return replace(
-        cfg,
-        model=replace(cfg.model, path=model(cfg.model.path), tokenizer=model(cfg.model.tokenizer)),
-        reward=replace(cfg.reward, fn=canonical_spec(cfg.reward.fn)),
-        run=replace(cfg.run, out_dir=absolute(cfg.run.out_dir)),
-    )
 
 
 def wandb_options(cfg: Config) -> dict | None:
@@ -90,15 +68,6 @@ def first_call(spans: list[Span]) -> float:
     return min(s.start for s in spans if s.role == "rollout")
 
 
-def in_one_process(cfg: Config) -> bool:
-    """run.cluster: local, or auto where the run can be held in one process (`one_process_refusal`)
-    and Ray is not running here already (a caller that started or joined Ray meant it for the run)."""
-    if cfg.run.cluster != "auto":
-        return cfg.run.cluster == "local"
-    ray = sys.modules.get("ray")  # not imported: not running either
-    return not (ray is not None and ray.is_initialized()) and not one_process_refusal(cfg)
-
-
 def run_training(cfg: Config, on_step=None) -> dict[str, float]:
     """Train for cfg.run.steps versions in cfg.run.mode; -> the summary (held-out accuracy before and
     after, throughput). `on_step(loop)` is called after each train step (tests use it).
@@ -120,7 +89,8 @@ def run_training(cfg: Config, on_step=None) -> dict[str, float]:
 
 def _train(cfg: Config, run_dir: Path, on_step, signals: "Signals", stack: ExitStack) -> dict[str, float]:
     startup = [Span("imports", DRIVER, process_start(), time.time())]  # ... to here: Python, imports
-    cfg = with_absolute_paths(cfg)
+    # Every model path a directory, once; build_data checks the checkpoint, then its tokenizer.
+    cfg = resolve_inputs(cfg, check_tokenizer=False)
     resume = find_resume(cfg, run_dir)  # a damaged or incompatible checkpoint is refused here
     if cfg.run.wandb:
         require_wandb()
@@ -128,20 +98,11 @@ def _train(cfg: Config, run_dir: Path, on_step, signals: "Signals", stack: ExitS
     data = build_data(cfg)  # bad input fails here, before any actor starts
     load_within(cfg.reward.pool_fn, cfg.reward.import_timeout_s)  # a module that hangs at import ends it here
     startup.append(Span("data", DRIVER, begun, time.time()))
-    local, begun = in_one_process(cfg), time.time()
-    if local:
-        gpus = torch.cuda.device_count()
-    else:  # Ray and the cluster on it imported only here: a run in one process never needs them
-        import ray
-
-        from tandem.runtime.cluster import RayCluster, start_ray
-
-        if start_ray(cfg):  # Ray started here stops here, before the signal handlers go
-            stack.callback(ray.shutdown)
-            startup.append(Span("ray", DRIVER, begun, time.time()))
-        gpus = ray.cluster_resources().get("GPU", 0)
+    begun = time.time()
+    cfg, local = place(cfg, stack)  # Ray, when the run needs it, started (and stopped) here
+    if not local:
+        startup.append(Span("ray", DRIVER, begun, time.time()))
     signals.install()  # again: ray.init puts its own SIGTERM handler in (it aborts the process)
-    cfg = devices.resolve(cfg, gpus, "this machine" if local else "the Ray cluster")
     if cfg.run.deterministic:  # refused here, in seconds, if this machine's kernels cannot keep it
         threads = {cfg.run.threads or cpu_threads()} if local else role_threads(cfg)
         seconds = check_batch_invariance(cfg, threads)
@@ -150,7 +111,7 @@ def _train(cfg: Config, run_dir: Path, on_step, signals: "Signals", stack: ExitS
             f"({machine(cfg.run.device)}; {cfg.train.dtype}; threads {sorted(threads)})"
         )
     save_config(cfg, run_dir / "config.yaml")  # as resolved: device and dtypes concrete
-    cluster = LocalCluster.start(cfg) if local else RayCluster.start(cfg)
+    cluster = build_cluster(cfg, local)
     loop = Loop(cfg, data, cluster)
     log = None
     try:

@@ -9,9 +9,6 @@ import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch
-
-from tandem import devices
 from tandem.config import Config
 from tandem.config.sampling import sampling_params
 from tandem.controller.stats import val_stats
@@ -20,6 +17,7 @@ from tandem.reward import RewardPool
 from tandem.rollout.group import make_groups
 from tandem.rollout.worker import RolloutWorker
 from tandem.runtime.roles import build_rollout, load_split
+from tandem.runtime.startup import here, resolve_inputs
 from tandem.sample import Prompt, Sample, SamplingParams, episodes
 
 
@@ -45,12 +43,12 @@ def serving(cfg: Config) -> Iterator[Config]:
 
 
 def evaluate_checkpoint(cfg: Config, show: int = 0) -> dict[str, float]:
-    with serving(cfg) as cfg:
-        return _evaluate(cfg, show)
+    with serving(resolve_inputs(cfg, check_tokenizer=False)) as cfg:
+        return _evaluate(here(cfg), show)
 
 
 def _evaluate(cfg: Config, show: int) -> dict[str, float]:
-    rollout, limit = build_rollout(devices.resolve(cfg, torch.cuda.device_count()))
+    rollout, limit = build_rollout(cfg)
     prompts, source = load_split(cfg, cfg.data.val_files, "test", cfg.data.val_size, cfg.run.seed + 1)
     ids = limit.encode(rollout.tokenizer, prompts, source)
     with RewardPool.from_config(cfg.reward) as reward:
@@ -62,8 +60,8 @@ def _evaluate(cfg: Config, show: int) -> dict[str, float]:
 
 
 def generate_text(cfg: Config, text: str, chat: bool = True) -> list[str]:
-    with serving(cfg) as cfg:
-        rollout, limit = build_rollout(devices.resolve(cfg, torch.cuda.device_count()))
+    with serving(resolve_inputs(cfg, check_tokenizer=False)) as cfg:
+        rollout, limit = build_rollout(here(cfg))
         prompt = Prompt(messages=[{"role": "user", "content": text}]) if chat else Prompt(text=text)
         ids = limit.encode(rollout.tokenizer, [prompt], "the command line")
         samples = rollout.generate(

@@ -22,7 +22,7 @@ import os
 import socket
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from tinker import types
@@ -30,9 +30,9 @@ from tinker import types
 from tandem.config import Config
 from tandem.errors import TandemError
 from tandem.sample import SamplingParams
-from tandem.serve.service import Failure, NotFound, Service
+from tandem.serve.futures import Failure, NotFound
+from tandem.serve.service import Service, open_service
 from tandem.serve.wire import parse_forward_backward
-from tandem.serve.workers import resolve, start_workers
 
 PROTOBUF = "application/x-protobuf"
 RETRIEVE_WAIT_S = 30.0  # a retrieve_future waits this long for its result (the SDK gives up at 45 s)
@@ -148,60 +148,63 @@ def build_app(service: Service, api_key: str = "") -> FastAPI:
         detail = f"{request.url.path} failed in the service: {type(e).__name__}: {e}"
         return JSONResponse({"detail": detail}, status_code=500, headers={"x-should-retry": "false"})
 
-    v1_routes(app, service)
-    training_routes(app, service)
-    sampling_routes(app, service)
+    api = APIRouter(prefix="/api/v1")  # the SDK's routes, all under one prefix
+    for routes in (session_routes, training_routes, sampling_routes):
+        routes(api, service)
+    app.include_router(api)
+
+    @app.get("/tandem/timings")
+    async def timings():
+        """Seconds spent in each worker call so far (not the Tinker API: bench/serve.py reads it)."""
+        return service.timings
+
     return app
 
 
-def v1_routes(app: FastAPI, service: Service) -> None:
+def session_routes(api: APIRouter, service: Service) -> None:
     """Health, the client's config, sessions and what the service serves."""
-    v1 = "/api/v1"
-
-    @app.get(f"{v1}/healthz")
+    @api.get("/healthz")
     async def healthz():
         return {"status": "ok"}
 
-    @app.post(f"{v1}/client/config")
+    @api.post("/client/config")
     async def client_config():
         # pyqwest is an optional transport the SDK would import; plain httpx serves a local service.
         return types.ClientConfigResponse(use_pyqwest_transport=False).model_dump()
 
-    @app.post(f"{v1}/client/dynamic_config")
+    @api.post("/client/dynamic_config")
     async def dynamic_config():
         return types.ClientDynamicConfigResponse().model_dump()
 
-    @app.post(f"{v1}/telemetry")
+    @api.post("/telemetry")
     async def telemetry():
         return {"status": "accepted"}  # the SDK's own diagnostics: nowhere to send them
 
-    @app.post(f"{v1}/create_session")
+    @api.post("/create_session")
     async def create_session(request: Request):
         await body(request, types.CreateSessionRequest)
         return {"type": "create_session", "session_id": service.create_session()}
 
-    @app.post(f"{v1}/session_heartbeat")
+    @api.post("/session_heartbeat")
     async def heartbeat(request: Request):
         service.heartbeat((await body(request, types.SessionHeartbeatRequest)).session_id)
         return {"type": "session_heartbeat"}
 
-    @app.post(v1 + "/sessions/{session_id}/finish")
+    @api.post("/sessions/{session_id}/finish")
     async def finish(session_id: str):
         service.finish(session_id)
         return {}
 
-    @app.get(f"{v1}/get_server_capabilities")
+    @api.get("/get_server_capabilities")
     async def capabilities():
         _, context = service.limits()
         model = {"model_name": service.base_model, "max_context_length": context}
         return {"supported_models": [{**model, "trainable": True, "sampleable": True}]}
 
 
-def training_routes(app: FastAPI, service: Service) -> None:
+def training_routes(api: APIRouter, service: Service) -> None:
     """A training model and its requests: each returns a future."""
-    v1 = "/api/v1"
-
-    @app.post(f"{v1}/create_model")
+    @api.post("/create_model")
     async def create_model(request: Request):
         r = await body(request, types.CreateModelRequest)
         lora = r.lora_config or types.LoraConfig(rank=0)
@@ -211,7 +214,7 @@ def training_routes(app: FastAPI, service: Service) -> None:
         )
         return future(rid)
 
-    @app.post(f"{v1}/get_info")
+    @api.post("/get_info")
     async def get_info(request: Request):
         model = service.model_of((await body(request, types.GetInfoRequest)).model_id)
         data = {"arch": "tandem", "model_name": model.base_model, "tokenizer_id": model.tokenizer_dir}
@@ -224,7 +227,7 @@ def training_routes(app: FastAPI, service: Service) -> None:
             "model_name": model.base_model,
         }
 
-    @app.post(f"{v1}/forward_backward")
+    @api.post("/forward_backward")
     async def forward_backward(request: Request):
         if request.headers.get("content-encoding"):
             raise TandemError(
@@ -232,51 +235,49 @@ def training_routes(app: FastAPI, service: Service) -> None:
             )
         return future(service.forward_backward(parse_forward_backward(await request.body())))
 
-    @app.post(f"{v1}/optim_step")
+    @api.post("/optim_step")
     async def optim_step(request: Request):
         r = await body(request, types.OptimStepRequest)
         adam = isinstance(r.optim_params, types.AdamParams)
         params = {"type": "adam", **r.optim_params.model_dump()} if adam else r.optim_params.model_dump()
         return future(service.optim_step(r.model_id, r.seq_id, params))
 
-    @app.post(f"{v1}/save_weights")
+    @api.post("/save_weights")
     async def save_weights(request: Request):
         r = await body(request, types.SaveWeightsRequest)
         return future(service.save_state(r.model_id, r.seq_id, r.path or f"step-{r.seq_id}", r.overwrite))
 
-    @app.post(f"{v1}/load_weights")
+    @api.post("/load_weights")
     async def load_weights(request: Request):
         r = await body(request, types.LoadWeightsRequest)
         if r.session_id is not None:  # create_training_client_from_state: the load makes the model
             return future(service.create_from_state(r.session_id, r.model_seq_id or 0, r.path, r.optimizer))
         return future(service.load_state(r.model_id or "", r.seq_id, r.path, r.optimizer))
 
-    @app.post(f"{v1}/save_weights_for_sampler")
+    @api.post("/save_weights_for_sampler")
     async def save_for_sampler(request: Request):
         r = await body(request, types.SaveWeightsForSamplerRequest)
         return future(service.save_for_sampler(r.model_id, r.seq_id, r.path))
 
 
-def sampling_routes(app: FastAPI, service: Service) -> None:
+def sampling_routes(api: APIRouter, service: Service) -> None:
     """Samplers, sample requests, and the futures the SDK polls."""
-    v1 = "/api/v1"
-
-    @app.post(f"{v1}/create_sampling_session")
+    @api.post("/create_sampling_session")
     async def create_sampling_session(request: Request):
         r = await body(request, types.CreateSamplingSessionRequest)
         sampler_id = service.create_sampler(r.model_path, r.base_model)
         return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
-    @app.get(v1 + "/samplers/{sampler_id}")
+    @api.get("/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str):
         s = service.sampler(sampler_id)
         return {"sampler_id": sampler_id, "base_model": s.base_model, "model_path": s.model_path}
 
-    @app.post(f"{v1}/asample")
+    @api.post("/asample")
     async def asample(request: Request):
         return queue_sample(service, await body(request, types.SampleRequest))
 
-    @app.post(f"{v1}/retrieve_future")
+    @api.post("/retrieve_future")
     async def retrieve_future(request: Request):
         r = await body(request, types.FutureRetrieveRequest)
         result = await service.result(r.request_id, RETRIEVE_WAIT_S)
@@ -288,12 +289,7 @@ def sampling_routes(app: FastAPI, service: Service) -> None:
             return Response(result, media_type=PROTOBUF)
         return result
 
-    @app.get("/tandem/timings")
-    async def timings():
-        """Seconds spent in each worker call so far (not the Tinker API: bench/serve.py reads it)."""
-        return service.timings
-
-    @app.post(f"{v1}/cancel_future")
+    @api.post("/cancel_future")
     async def cancel_future():
         return {}  # a sample runs to its end; its result is dropped with the others in time
 
@@ -319,8 +315,7 @@ def serve(cfg: Config, host: str, port: int, api_key: str = "", full_weights: bo
     api_key = api_key or os.environ.get(KEY_ENV, "")
     check_key(host, api_key)
     sock = bind(host, port)
-    cfg = resolve(cfg)
-    service = Service(cfg, start_workers(cfg), full_weights)
+    service = open_service(cfg, full_weights)
     key_note = "the key given" if api_key else "any key starting with tml- (loopback only)"
     print(
         f"tandem serve: {service.base_model} on http://{host}:{port} (Tinker API); "

@@ -31,27 +31,18 @@ from typing import Any
 from tandem.config import Config
 from tandem.errors import TandemError
 from tandem.model.config import ModelConfig, model_dir
+from tandem.runtime.startup import resolve_inputs
 from tandem.sample import SamplingParams
 from tandem.serve.checkpoints import Checkpoints
+from tandem.serve.checks import check_adam, check_tokens
+from tandem.serve.futures import Failure, NotFound, fail, failure_of, nothing, settle
 from tandem.serve.losses import check_request
 from tandem.serve.wire import FwdBwdRequest, forward_backward_output, sample_response
-from tandem.serve.workers import Workers, with_lora
+from tandem.serve.workers import Workers, start_workers, with_lora
 
 SESSION_TIMEOUT_S = 60.0  # the SDK beats every 10 s
 KEPT_RESULTS = 4096  # finished futures kept for a retry of their retrieval
 SAMPLE_GATHER_S = 0.01  # how long the first sample request of a burst waits for the rest
-
-
-class NotFound(TandemError):
-    """A model, sampler, checkpoint or request that does not exist (HTTP 404)."""
-
-
-@dataclasses.dataclass
-class Failure:
-    """A request's error, as `retrieve_future` reports it: "user" for a bad request, else "server"."""
-
-    message: str
-    category: str = "user"
 
 
 @dataclasses.dataclass
@@ -90,9 +81,11 @@ class SampleJob:
 
 
 class Service:
-    def __init__(self, cfg: Config, workers: Workers, full_weights: bool = False):
+    def __init__(self, cfg: Config, workers: Workers, full_weights: bool = False, base_model: str = ""):
+        """base_model: the name clients give the served model (default: model.path, which start-up
+        has made a directory)."""
         self.cfg, self.workers, self.full_weights = cfg, workers, full_weights
-        self.base_model = cfg.model.path
+        self.base_model = base_model or cfg.model.path
         self.checkpoints = Checkpoints(Path(cfg.run.out_dir) / cfg.run.name)
         self.sessions: dict[str, float] = {}  # session id -> last heartbeat (monotonic)
         self.model: Model | None = None
@@ -125,7 +118,7 @@ class Service:
     def run(self, work: Callable[[], Awaitable[Any]]) -> str:
         """Start `work` now -> its request id."""
         request_id, fut = self._future()
-        asyncio.create_task(_settle(fut, work))
+        asyncio.create_task(settle(fut, work))
         return request_id
 
     async def result(self, request_id: str, wait_s: float) -> Any:
@@ -204,10 +197,9 @@ class Service:
         self.serving = f"base:{self.resets}"
 
     async def _call(self, role: str, method: str, *args):
-        cluster = self.workers.train if role == "train" else self.workers.rollout
         start = time.perf_counter()
         try:
-            return await asyncio.to_thread(self.workers.call, cluster, f"{role}/0", method, *args)
+            return await asyncio.to_thread(self.workers.call, role, method, *args)
         finally:
             key = f"{role}.{method}"
             self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - start
@@ -234,10 +226,10 @@ class Service:
         try:
             check()
         except Exception as e:
-            self._queue(model, seq, request_id, fut, _nothing)
+            self._queue(model, seq, request_id, fut, nothing)
             if isinstance(e, TandemError):
                 raise
-            _fail(fut, _failure(e))
+            fail(fut, failure_of(e))
             return request_id
         self._queue(model, seq, request_id, fut, work)
         return request_id
@@ -254,7 +246,7 @@ class Service:
         try:
             while model.queue and model.queue[0][0] == model.next_seq:
                 _, _, fut, work = heapq.heappop(model.queue)
-                await _settle(fut, lambda work=work: work(model))
+                await settle(fut, lambda work=work: work(model))
                 model.next_seq += 1
         finally:
             model.draining = False
@@ -264,7 +256,7 @@ class Service:
             if req.error or not req.data:
                 raise TandemError(req.error or "forward_backward got no data.")
             check_request(req.loss_fn, req.config, [set(d.inputs) for d in req.data])
-            self._check_tokens(req)
+            check_tokens(req.data, *self.limits())
 
         async def work(model: Model):
             outputs, metrics = await self._call(
@@ -273,27 +265,6 @@ class Service:
             return forward_backward_output(outputs, metrics)
 
         return self.train(req.model_id, req.seq_id, work, check)
-
-    def _check_tokens(self, req: FwdBwdRequest) -> None:
-        """Each datum: tokens in the vocabulary, within the context, targets the input shifted by one."""
-        vocab, context = self.limits()
-        for i, d in enumerate(req.data):
-            if not d.tokens or len(d.tokens) != len(d.targets):
-                raise TandemError(
-                    f"Datum {i}: {len(d.tokens)} input tokens and {len(d.targets)} target_tokens; "
-                    "give one target per input position (at least one)."
-                )
-            if len(d.tokens) + 1 > context:
-                raise TandemError(
-                    f"Datum {i}: {len(d.tokens) + 1} tokens, past the model's context of {context}."
-                )
-            if not all(0 <= t < vocab for t in d.tokens + d.targets):
-                raise TandemError(f"Datum {i}: a token id outside the vocabulary [0, {vocab}).")
-            if d.tokens[1:] != d.targets[:-1]:
-                raise TandemError(
-                    f"Datum {i}: target_tokens must be model_input shifted by one (target[t] = input[t+1]), "
-                    "as the SDK's helpers build them: the service scores the sequence input + [last target]."
-                )
 
     def limits(self) -> tuple[int, int]:
         """(vocabulary size, context length) of the served model."""
@@ -442,7 +413,7 @@ class Service:
         ready = []
         for job in jobs:
             if job.sampler.weights != self.serving:
-                _fail(
+                fail(
                     self.results[job.request_id],
                     Failure(
                         f"Sampler of {job.sampler.model_path or 'the base model'} is not served any more: "
@@ -465,9 +436,9 @@ class Service:
                 )
                 self.results[job.request_id].set_result(sample_response(sequences, logprobs))
         except Exception as e:  # every request of the call gets the error; the loop goes on
-            failure = _failure(e)
+            failure = failure_of(e)
             for job in ready:
-                _fail(self.results[job.request_id], failure)
+                fail(self.results[job.request_id], failure)
 
     def new_sample(self, sampler_id: str, **fields) -> tuple[str, list[str]]:
         """Queue a sample request -> its request id and its sequences' ids."""
@@ -482,51 +453,9 @@ class Service:
         self.workers.close()
 
 
-def check_adam(adam: dict) -> None:
-    """AdamParams' values as AdamW takes them (any absent: its default), or a TandemError naming
-    the first field out of range. A negative learning rate would climb the loss."""
-    rules = [
-        ("learning_rate", lambda v: v >= 0, ">= 0"),
-        ("beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
-        ("beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
-        ("eps", lambda v: v > 0, "> 0"),
-        ("weight_decay", lambda v: v >= 0, ">= 0"),
-        ("grad_clip_norm", lambda v: v >= 0, ">= 0 (0: no clipping)"),
-    ]
-    for field, ok, rule in rules:
-        value = adam.get(field)
-        if value is not None and not (math.isfinite(value) and ok(value)):
-            raise TandemError(f"AdamParams.{field}={value} must be {rule}.")
-
-
-def _failure(e: BaseException) -> Failure:
-    try:
-        text = str(e)
-    except Exception:  # an error whose message fails (one built wrongly) still ends its request
-        text = "(its message cannot be read)"
-    if isinstance(e, TandemError):
-        return Failure(text, "user")
-    return Failure(f"{type(e).__name__}: {text}", "server")
-
-
-def _fail(fut: asyncio.Future, failure: Failure) -> None:
-    if not fut.done():
-        fut.set_result(failure)
-
-
-async def _nothing(model: Model) -> None:
-    """A refused request's place in its model's order."""
-
-
-async def _settle(fut: asyncio.Future, work: Callable[[], Awaitable[Any]]) -> None:
-    """Run `work` into `fut`: its result, or its error as a `Failure` (the service stays up). Errors
-    outside `Exception` count too (torch's CheckpointException is one); cancelling and stopping
-    still stop."""
-    try:
-        result = await work()
-    except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:
-        result = _failure(e)
-    if not fut.done():
-        fut.set_result(result)
+def open_service(cfg: Config, full_weights: bool = False) -> Service:
+    """The service of a loaded config, started as every command starts
+    (`tandem.runtime.startup`): its inputs resolved, its trainer and engine built. Clients name
+    the base model as the config did (model.path before it became a directory)."""
+    workers = start_workers(resolve_inputs(cfg))
+    return Service(workers.cfg, workers, full_weights, cfg.model.path)

@@ -17,26 +17,23 @@ trainer and engine rows, built as these subclasses.
 """
 
 import dataclasses
+from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
 import torch
 
-from tandem import devices
 from tandem.config import Config
 from tandem.errors import TandemError
-from tandem.runtime.actors import RolloutActor, TrainActor, _plan
-from tandem.runtime.checks import one_process_refusal
-from tandem.runtime.local import LocalCluster, cpu_threads
-from tandem.runtime.roles import build_rollout, build_trainer, load_checked_tokenizer
-from tandem.runtime.run import with_absolute_paths
+from tandem.runtime.actors import RolloutActor, TrainActor
+from tandem.runtime.startup import build_cluster, place
 from tandem.sample import Prompt, Sample, SamplingParams
 from tandem.serve.losses import LOSSES
 from tandem.serve.wire import Datum, Sequence
-from tandem.sync import StagingBuffer
 from tandem.train.batch import pad_rows, score, sequence_logprobs
 
 if TYPE_CHECKING:  # imported where a run on Ray starts: one process never loads Ray
     from tandem.runtime.cluster import RayCluster
+    from tandem.runtime.local import LocalCluster
 
 
 def with_lora(cfg: Config, rank: int, seed: int, attn: bool, mlp: bool) -> Config:
@@ -68,10 +65,7 @@ class ServeTrainer(TrainActor):
     def reset(self, cfg: Config) -> str:
         """A fresh model: the base at model.path with new adapters (train.lora), a new optimizer
         -> the tokenizer's directory, for clients that load it."""
-        self.cfg = cfg
-        self.trainer = build_trainer(cfg, self.tokenizer, keep_ref=False)
-        self.plan = _plan(cfg, self.trainer.pushed_weights())
-        self.transport = None
+        self.rebuild(cfg)
         return self.tokenizer.name_or_path
 
     def forward_backward(
@@ -109,28 +103,21 @@ class ServeTrainer(TrainActor):
         """One AdamW step on the accumulated gradients with the client's parameters (grad clip 0:
         none) -> metrics; the gradients are cleared."""
         learner = self.trainer.learner
-        for group in learner.optimizer.param_groups:
-            group.update(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        learner.cfg = dataclasses.replace(learner.cfg, grad_clip=clip)
+        learner.set_hyperparameters(lr, betas, eps, weight_decay, clip)
         norm = learner.step()
-        learner.optimizer.zero_grad(set_to_none=True)
-        self.trainer.version += 1
+        learner.clear_gradients()
+        self.trainer.version += 1  # the version the next push serves
         return {"grad_norm:mean": norm, "learning_rate:mean": lr}
 
     def drop_optimizer_state(self) -> None:
         """After a load without the optimizer (TrainingClient.load_state): AdamW starts afresh."""
-        self.trainer.learner.optimizer.state.clear()
+        self.trainer.learner.forget_optimizer_state()
 
 
 class ServeRollout(RolloutActor):
     def reset(self, cfg: Config) -> None:
         """An engine for a fresh model (its adapters' shapes from train.lora), at version 0."""
-        self.cfg = cfg
-        self.worker, _ = build_rollout(cfg)
-        self.params = self.worker.engine.named_weights()
-        self.plan = _plan(cfg, self.params.items())
-        self.staging = StagingBuffer(self.plan)
-        self.transport = None
+        self.rebuild(cfg)
 
     def sample(self, requests: list[tuple[list[int], int, int, int | None]], params: SamplingParams) -> list:
         """Requests of (prompt tokens, samples, max new tokens, seed) sampled in one generate call
@@ -165,59 +152,54 @@ class ServeRollout(RolloutActor):
 
 @dataclasses.dataclass
 class Workers:
-    """The service's clusters (one per worker in one process; one Ray cluster for both), and the
-    call that waits on them."""
+    """The service's clusters (one per worker in one process, so that a sample runs while a train
+    call does; one Ray cluster for both), and the call that waits on them. `cfg`: the config they
+    were built with (device and dtypes concrete); `stack` stops a Ray started for them."""
 
+    cfg: Config
     train: "LocalCluster | RayCluster"
     rollout: "LocalCluster | RayCluster"
     timeout_s: float
+    stack: ExitStack
 
-    def call(self, cluster, worker: str, method: str, *args):
-        """`worker.method(*args)` on its cluster, waited for (run it off the event loop)."""
+    def call(self, role: str, method: str, *args):
+        """`method(*args)` on the role's worker, waited for (run it off the event loop)."""
+        cluster = self.train if role == "train" else self.rollout
+        worker = cluster.names[role][0]
         return cluster.get([cluster.submit(worker, method, *args)], self.timeout_s)[0]
 
     def push(self, version: int) -> None:
         """The trainer's weights (a LoRA model's adapters) to the engine as `version`, in buckets,
         as `tandem train` pushes them: no file in between."""
-        sent = self.call(self.train, "train/0", "send_weights", version)
-        self.call(self.rollout, "rollout/0", "receive_weights", sent, version)
-        self.call(self.rollout, "rollout/0", "apply_pending")
+        sent = self.call("train", "send_weights", version)
+        self.call("rollout", "receive_weights", sent, version)
+        self.call("rollout", "apply_pending")
 
     def close(self) -> None:
-        if not isinstance(self.train, LocalCluster):  # Ray: the actors go, and Ray if started here
-            import ray
-
-            self.train.close()
-            ray.shutdown()
-            return
-        # LocalCluster.close also stops a reward pool and an agent, which the service has none of:
-        # its call threads end at the sentinel.
-        self.train.calls.put(None)
-        self.rollout.calls.put(None)
-
-
-def resolve(cfg: Config) -> Config:
-    """The config as `tandem train` resolves it: absolute paths, run.device and the dtypes concrete."""
-    return devices.resolve(with_absolute_paths(cfg), torch.cuda.device_count(), "this machine")
+        self.train.close()
+        if self.rollout is not self.train:
+            self.rollout.close()
+        self.stack.close()  # Ray, if started here
 
 
 def start_workers(cfg: Config) -> Workers:
-    """The trainer and the engine of a resolved config, each on a call thread of its own, with
-    every CPU thread (run.threads to share them out)."""
-    load_checked_tokenizer(cfg)  # a bad tokenizer fails here, once
+    """The trainer and the engine of a config `tandem.runtime.startup.place` resolved, built through
+    the roles table as `ServeTrainer` and `ServeRollout`: in this process, each on a call thread of
+    its own with every CPU thread (run.threads to share them out), or on Ray when asked for
+    (run.cluster=ray) or when one process cannot hold the settings."""
     if cfg.train.num_workers > 1 or cfg.rollout.num_workers > 1:
         raise TandemError(
             f"tandem serve runs one trainer and one engine; train.num_workers={cfg.train.num_workers} "
             f"and rollout.num_workers={cfg.rollout.num_workers} ask for more. Set both to 1."
         )
-    # Ray when asked for (run.cluster=ray) or when one process cannot hold the settings; not merely
-    # because Ray runs in this process already (a test session's), as `tandem train`'s auto would.
-    if cfg.run.cluster == "ray" or (cfg.run.cluster == "auto" and one_process_refusal(cfg)):
-        from tandem.runtime.cluster import RayCluster
-
-        cluster = RayCluster.start(cfg, {"train": ServeTrainer, "rollout": ServeRollout})
-        return Workers(cluster, cluster, cfg.run.timeout_s)
-    threads = cfg.run.threads or cpu_threads()
-    train = LocalCluster({"train/0": ServeTrainer(cfg, 0, threads)}, {"train": ["train/0"]}, threads)
-    rollout = LocalCluster({"rollout/0": ServeRollout(cfg, 0, threads)}, {"rollout": ["rollout/0"]}, threads)
-    return Workers(train, rollout, cfg.run.timeout_s)
+    stack = ExitStack()
+    # Not merely because Ray runs in this process already (a test session's), as `tandem train`'s
+    # auto would: Ray only where it is asked for or needed.
+    cfg, local = place(cfg, stack, join_running_ray=False)
+    classes = {"train": ServeTrainer, "rollout": ServeRollout}
+    if not local:
+        cluster = build_cluster(cfg, local, classes)
+        return Workers(cfg, cluster, cluster, cfg.run.timeout_s, stack)
+    train = build_cluster(cfg, local, classes, only=["train"])
+    rollout = build_cluster(cfg, local, classes, only=["rollout"])
+    return Workers(cfg, train, rollout, cfg.run.timeout_s, stack)

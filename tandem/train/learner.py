@@ -13,6 +13,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -242,6 +243,24 @@ class Learner:
             if self.masters is not None:
                 self.masters.refresh()
         return norm if math.isfinite(norm) else 0.0
+
+    def set_hyperparameters(
+        self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, grad_clip: float
+    ) -> None:
+        """AdamW's hyper-parameters and the clip norm for the steps that follow, in place of the
+        config's and the schedule's (`tandem serve`: the client gives them at each optim_step).
+        grad_clip 0: no clipping."""
+        for group in self.optimizer.param_groups:
+            group.update(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.cfg = replace(self.cfg, grad_clip=grad_clip)
+
+    def clear_gradients(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def forget_optimizer_state(self) -> None:
+        """AdamW's moments and step counts dropped: the next step starts them afresh (the weights
+        stay). `tandem serve`'s load of a checkpoint without its optimizer."""
+        self.optimizer.state.clear()
 
     def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The model's and the optimizer's state dicts as checkpoints hold them: what trains. Frozen
