@@ -31,12 +31,14 @@ from tandem.config import Config
 from tandem.errors import TandemError
 from tandem.sample import SamplingParams
 from tandem.serve.futures import Failure, NotFound
+from tandem.serve.replies import Replies
 from tandem.serve.service import Service, open_service
 from tandem.serve.wire import parse_forward_backward
 
 PROTOBUF = "application/x-protobuf"
 RETRIEVE_WAIT_S = 30.0  # a retrieve_future waits this long for its result (the SDK gives up at 45 s)
 KEY_ENV = "TANDEM_SERVE_API_KEY"
+IDEMPOTENCY_HEADER = "x-idempotency-key"  # the SDK's, the same on each retry of a request
 
 
 def loopback(host: str) -> bool:
@@ -130,6 +132,15 @@ def build_app(service: Service, api_key: str = "") -> FastAPI:
         await service.close()
 
     app = FastAPI(title="tandem serve: the Tinker API", lifespan=lifespan)
+
+    replies = Replies()
+
+    @app.middleware("http")
+    async def once(request: Request, call_next):  # inside `authenticate`: a replay checks the key too
+        key = request.headers.get(IDEMPOTENCY_HEADER)
+        if not replies.applies(request.method, request.url.path, key):
+            return await call_next(request)
+        return await replies.once(key, lambda: call_next(request))
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):

@@ -57,6 +57,7 @@ class Model:
     next_seq: int = 1
     last_seq: int = 0
     queue: list = dataclasses.field(default_factory=list)  # heap of (seq_id, job)
+    requests: dict = dataclasses.field(default_factory=dict)  # seq_id -> its request id
     draining: bool = False  # a task runs its queue
     pushes: int = 0
 
@@ -212,17 +213,19 @@ class Service:
         work: Callable[[Model], Awaitable[Any]],
         check: Callable[[], None] = lambda: None,
     ) -> str:
-        """Queue `work` on the model's requests at seq_id (None: after the last) -> its request id.
+        """Queue `work` on the model's requests at seq_id (None: after the last) -> its request id;
+        a seq_id already queued or run is a retry, answered with the first copy's request id.
         `check` refuses a bad request (TandemError, a 400) before it is queued; its seq_id still
         counts as used, since the SDK numbered it, so the requests after it are not held for it.
         Anything else `check` raises is the service's fault: the request's future fails with it
         (an HTTP 500 would have the SDK send the request again, under a seq_id now used)."""
         model = self.model_of(model_id)
         seq = seq_id if seq_id is not None else max(model.last_seq, model.next_seq - 1) + 1
-        if seq < model.next_seq or any(s == seq for s, *_ in model.queue):
-            raise TandemError(f"seq_id {seq} of model {model_id!r} was already used.")
+        if seq in model.requests:  # a retry (the SDK numbers each request once): the first's future
+            return model.requests[seq]
         model.last_seq = max(model.last_seq, seq)
         request_id, fut = self._future()
+        model.requests[seq] = request_id
         try:
             check()
         except Exception as e:
