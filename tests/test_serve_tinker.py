@@ -541,3 +541,105 @@ def test_the_service_runs_its_workers_as_ray_actors_with_run_cluster_ray(tmp_pat
             process.wait(60)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+# -- the SDK's other losses (their formulas: tests/test_serve_losses.py) -------------------------
+
+
+def rl_datums(training, data: list[types.Datum], ratio_mask: bool) -> list[types.Datum]:
+    """`data` as RL datums: the trainer's own logprobs as the sampler's, advantages +1 and -0.5 on
+    the answers in turn (they do not cancel), and (`ratio_mask`) the answers as GSPO's ratio tokens."""
+    out = []
+    for i, (d, own) in enumerate(zip(data, logprobs(training, data), strict=True)):
+        weights = d.loss_fn_inputs["weights"].tolist()
+        inputs = {
+            "target_tokens": d.loss_fn_inputs["target_tokens"],
+            "logprobs": own,
+            "advantages": [(1.0 if i % 2 == 0 else -0.5) * w for w in weights],
+        }
+        if ratio_mask:
+            inputs["sequence_ratio_mask"] = weights
+        out.append(types.Datum(model_input=d.model_input, loss_fn_inputs=inputs))
+    return out
+
+
+@pytest.mark.parametrize(
+    "loss, config, bad, refusal",
+    [
+        ("dro", {"beta": 0.05}, {}, r"Loss 'dro' needs loss_fn_config\['beta'\]"),
+        (
+            "gspo",
+            {},
+            {"clip_high_threshold": 0.5},
+            r"loss_fn_config\['clip_high_threshold'\]=0.5 of loss 'gspo'",
+        ),
+        ("cispo", {}, {"clip_low_threshold": -1.0}, r"loss_fn_config\['clip_low_threshold'\]=-1.0 of loss"),
+    ],
+)
+def test_every_loss_the_sdk_names_gives_a_finite_loss_and_a_step(url, loss, config, bad, refusal):
+    import math
+
+    with client(url) as service:
+        training = service.create_lora_training_client(base_model=MODEL, rank=8, seed=1).result()
+        data = carries(training.get_tokenizer())
+        rl = rl_datums(training, data, ratio_mask=loss == "gspo")
+        before = logprobs(training, data)
+        result = training.forward_backward(rl, loss, config).result(timeout=WAIT_S)
+        assert math.isfinite(result.metrics["loss:sum"]) and result.metrics["loss:sum"] != 0
+        training.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=WAIT_S)
+        assert logprobs(training, data) != before  # the step moved the weights
+        with pytest.raises(tinker.BadRequestError, match=refusal):
+            training.forward_backward(rl, loss, bad).result(timeout=WAIT_S)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="tandem/serve/service.py does not record sampled sequences (record_stability_info) nor call "
+    "tandem.serve.losses.check_provenance yet",
+)
+def test_stable_reinforce_trains_on_recorded_samples_and_refuses_a_sequence_never_recorded(url):
+    import math
+
+    with client(url) as service:
+        training = service.create_lora_training_client(base_model=MODEL, rank=8, seed=1).result()
+        prompt = carries(training.get_tokenizer())[0].model_input.to_ints()[:-2]
+        sampler = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
+        reply = sampler.sample(
+            types.ModelInput.from_ints(prompt), 2, types.SamplingParams(max_tokens=4)
+        ).result()
+        data = []
+        for i, s in enumerate(reply.sequences):
+            full, pad = prompt + list(s.tokens), [0.0] * (len(prompt) - 1)
+            datum = types.Datum(
+                model_input=types.ModelInput.from_ints(full[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": full[1:],
+                    "logprobs": pad + list(s.logprobs),
+                    "advantages": pad + [1.0 if i == 0 else -1.0] * len(s.tokens),
+                },
+            )
+            sid = s.sequence_id
+            data.append(
+                datum.with_provenance(
+                    model_input=[
+                        types.PromptProvenanceSpan(sequence_id=sid, length=len(prompt)),
+                        types.SampledProvenanceSpan(sequence_id=sid, length=len(s.tokens) - 1),
+                    ],
+                    loss_fn_inputs=[
+                        types.PromptProvenanceSpan(sequence_id=sid, offset=1, length=len(prompt) - 1),
+                        types.SampledProvenanceSpan(sequence_id=sid, length=len(s.tokens)),
+                    ],
+                )
+            )
+        result = training.forward_backward(data, "stable_reinforce", {"kl_coeff": 0.1}).result(timeout=WAIT_S)
+        assert math.isfinite(result.metrics["loss:sum"])
+        training.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=WAIT_S)
+        forged = data[0].with_provenance(
+            model_input=data[0].model_input_spans,
+            loss_fn_inputs=[
+                types.PromptProvenanceSpan(sequence_id="req-0:7", offset=1, length=len(prompt) - 1),
+                types.SampledProvenanceSpan(sequence_id="req-0:7", length=len(reply.sequences[0].tokens)),
+            ],
+        )
+        with pytest.raises(tinker.BadRequestError, match="'req-0:7', which this session never recorded"):
+            training.forward_backward([forged], "stable_reinforce").result(timeout=WAIT_S)
