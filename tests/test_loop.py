@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from tandem.controller.inputs import Data
-from tandem.controller.loop import Loop, Stopped
+from tandem.controller.loop import Loop
 from tandem.controller.protocol import CallFailed, WorkerDied
+from tandem.controller.recovery import Stopped
 from tandem.data.loader import PromptLoader
 from tandem.errors import TandemError
 from tandem.runtime.startup import load_config
