@@ -20,6 +20,7 @@ from tandem.algo import (
 from tandem.errors import TandemError
 from tandem.runtime.startup import load_config
 from tandem.sample import Sample
+from tandem.train.advantages import advantages
 from tandem.train.batch import pad_rows
 from tandem.train.worker import MiniBatch, TrainWorker
 
@@ -366,7 +367,7 @@ def test_pg_loss_is_weighted_and_divided_by_the_tokens_the_corrections_keep():
         old = w.compute_logprobs(samples)
         mask = pad_rows([s.loss_mask for s in samples], old.shape[1])
         mu = pad_rows([s.logprobs for s in samples], old.shape[1])
-        adv = w.advantages(samples, mask)
+        adv = advantages(samples, mask, w.algo)
         weight, kept, _ = apply_corrections(names, old, old, mu, adv, mask, low=0.9, high=1.1)
         assert 0 < kept.sum() < mask.sum() or names == ["tis"]
         # one update, so π_θ = π_old and the PPO ratio is 1: loss = Σ_kept -A·w / N_kept
@@ -425,7 +426,7 @@ def test_opsm_mask_reads_the_current_policy_after_the_first_update():
     width = max(len(s.response_ids) for s in samples)
     mask = pad_rows([s.loss_mask for s in samples], width)
     mu = pad_rows([s.logprobs for s in samples], width)
-    adv = w.advantages(samples, mask)
+    adv = advantages(samples, mask, w.algo)
     batch = MiniBatch(
         samples, torch.arange(len(samples)), mask, adv, mu, torch.zeros_like(mask), old=mu, ref=None
     )  # a stale π_old

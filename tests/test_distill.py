@@ -8,10 +8,11 @@ import torch
 from helpers import random_samples, train_worker, write_tiny_checkpoint
 from test_determinism import TINY
 
-from tandem.config.schema import DistillConfig
+from tandem.config.schema import AlgoConfig, DistillConfig
 from tandem.errors import TandemError
 from tandem.runtime.role_table import in_run
 from tandem.runtime.startup import load_config
+from tandem.train.advantages import advantages
 from tandem.train.batch import pad_rows
 
 
@@ -31,13 +32,11 @@ def test_the_advantage_is_coef_times_teacher_minus_sampling_logprob_per_token():
     teacher, mu = (
         pad_rows([getattr(s, f) for s in samples], width) for f in ("teacher_logprobs", "logprobs")
     )
-    alone = train_worker(algo={"distill": DistillConfig(teacher="t", coef=0.5)}).advantages(samples, mask)
+    alone = advantages(samples, mask, AlgoConfig(distill=DistillConfig(teacher="t", coef=0.5)))
     assert torch.equal(alone, 0.5 * (teacher - mu) * mask)
-    task = train_worker().advantages(samples, mask)  # GRPO's, from the rewards
+    task = advantages(samples, mask, AlgoConfig())  # GRPO's, from the rewards
     assert task.abs().sum() > 0
-    both = train_worker(algo={"distill": DistillConfig(teacher="t", task_reward=True)}).advantages(
-        samples, mask
-    )
+    both = advantages(samples, mask, AlgoConfig(distill=DistillConfig(teacher="t", task_reward=True)))
     assert torch.allclose(both, (teacher - mu) * mask + task)
 
 

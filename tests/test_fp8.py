@@ -11,7 +11,7 @@ from helpers import matmul_tolerance
 from torch import nn
 
 from tandem.model.config import ModelConfig
-from tandem.model.decoder import CausalLM, fuse_projections, init_weights
+from tandem.model.decoder import CausalLM, init_weights
 from tandem.model.fp8 import (
     FP8,
     Fp8Linear,
@@ -23,6 +23,7 @@ from tandem.model.fp8 import (
     quantize_rows,
     requantize,
 )
+from tandem.model.fuse import fuse_projections
 
 SCALES = ["fp32", "ue8m0"]
 # Multi-block and ragged: rows and columns that end mid-block, and smaller than one block.

@@ -23,7 +23,8 @@ from tandem.data.tokenizer import build_char_tokenizer
 from tandem.errors import TandemError
 from tandem.model.checkpoint import load_model, save_model
 from tandem.model.config import ModelConfig
-from tandem.model.decoder import CausalLM, fuse_projections, init_weights
+from tandem.model.decoder import CausalLM, init_weights
+from tandem.model.fuse import fuse_projections
 from tandem.model.lora import (
     LoraLinear,
     adapter_names,

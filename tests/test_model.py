@@ -9,7 +9,7 @@ from helpers import assert_same_logits
 
 from tandem.errors import TandemError
 from tandem.model.checkpoint import load_model, save_model
-from tandem.model.decoder import fuse_projections
+from tandem.model.fuse import fuse_projections
 from tandem.model.kv_cache import KVCache
 
 SHAPE = dict(

@@ -12,8 +12,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from tandem.errors import TandemError
 from tandem.model.checkpoint import load_model, save_model
 from tandem.model.config import ModelConfig
-from tandem.model.decoder import CausalLM, fuse_projections
+from tandem.model.decoder import CausalLM
 from tandem.model.experts import Routing, SparseMoE, agreement, routing
+from tandem.model.fuse import fuse_projections
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.group import make_groups
 from tandem.rollout.paged_engine import PagedEngine

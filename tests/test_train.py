@@ -19,6 +19,7 @@ from helpers import (
 )
 
 from tandem.model.logprobs import token_logprobs
+from tandem.train.advantages import advantages
 from tandem.train.batch import micro_batches, pad_rows, rank_micro_batches, shard
 from tandem.train.optim import lr_factor
 from tandem.train.worker import TrainWorker
@@ -244,13 +245,13 @@ def test_an_episodes_extra_samples_take_its_advantage_and_leave_the_groups_basel
         s.reward = float(r)
     w = worker(tiny_model(), 64)
     width = max(len(s.response_ids) for s in samples)
-    alone = w.advantages(samples, pad_rows([s.loss_mask for s in samples], width)).clone()
+    alone = advantages(samples, pad_rows([s.loss_mask for s in samples], width), w.algo).clone()
     extras = [replace(samples[i], index=(i % 4 + 1) << 16, episode_of=i % 4, response_ids=[5] * (i + 2),
                       logprobs=[-1.0] * (i + 2), versions=[0] * (i + 2), loss_mask=[1] * (i + 2))
               for i in (0, 0, 5)]  # fmt: skip
     rows = samples + extras
     width = max(len(s.response_ids) for s in rows)
-    adv = w.advantages(rows, pad_rows([s.loss_mask for s in rows], width))
+    adv = advantages(rows, pad_rows([s.loss_mask for s in rows], width), w.algo)
     torch.testing.assert_close(adv[: len(samples), : alone.shape[1]], alone)  # the baseline is unchanged
     assert [x.advantage for x in extras] == pytest.approx([samples[0].advantage] * 2 + [samples[5].advantage])
     assert (

@@ -2,39 +2,24 @@
 
 Module names mirror Hugging Face's (`model.layers.0.self_attn.q_proj.weight` ...) so a checkpoint's
 state dict loads with no renaming, and weight sync to any engine speaks the same names.
+The engines' inference-only fusing of projections is applied to it (`tandem.model.fuse`).
 """
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tandem.errors import TandemError
 from tandem.model import batch_invariant as bi
 from tandem.model import packed
 from tandem.model.config import ModelConfig, moe_layers
 from tandem.model.experts import SparseMoE
-from tandem.model.kv_cache import KVCache
+from tandem.model.kv_cache import BatchCache, KVCache
 from tandem.model.logprobs import Targets, score_tokens
 from tandem.model.rope import apply_rope, check_positions, rope_table
 from tandem.model.segments import Segments
-
-
-class BatchCache(Protocol):
-    """A cache that lays out its own keys, as the paged batch of `tandem.rollout.model_runner` does:
-    the forward takes the attention mask from it, and it writes each layer's new keys where it wants.
-    """
-
-    def attention_mask(self, token_mask: Tensor) -> Tensor:
-        """token_mask (B, T) -> (B, 1, T, S) bool over the keys `update` returns."""
-        ...
-
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """k, v (B, Hkv, T, D) of the new tokens -> every key and value they attend to (B, Hkv, S, D)."""
-        ...
 
 
 class RMSNorm(nn.Module):
@@ -423,39 +408,6 @@ def _no_init() -> Iterator[None]:
         nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
 
 
-def fuse_projections(model: CausalLM) -> CausalLM:
-    """For inference: each layer's q/k/v projections, and its gate/up projections, become one matmul.
-
-    Their weights (and biases) are copied into one tensor per layer, and each projection's
-    parameter becomes a view of its rows of it. Names, shapes and values stay as they were, so a
-    weight update that copies into the parameters by Hugging Face name (the engines' weight sync)
-    writes the fused tensor too. Replacing a parameter object (load_state_dict(assign=True),
-    moving the model to another device) would break the link: fuse after the model is in place.
-    Training never fuses, so gradients stay per projection. Fusing a fused model is a no-op (two
-    engines may share one), except for a copy.deepcopy of one, whose parameters and fused tensors
-    no longer share storage: it is fused again from its parameters. Returns `model`.
-    """
-    _refuse_adapters(model, "fuse_projections")
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        linked = attn.fused is not None and attn.fused[0].data_ptr() == attn.q_proj.weight.data_ptr()
-        if not linked:
-            attn.fused = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-            if isinstance(mlp, MLP):  # experts run as they are
-                mlp.fused = _fuse([mlp.gate_proj, mlp.up_proj])
-    return model
-
-
-def _refuse_adapters(model: nn.Module, what: str) -> None:
-    """`what` multiplies the projections' weights itself, so it would pass a LoRA adapter by."""
-    adapted = next((n for n, m in model.named_modules() if hasattr(m, "lora_A")), None)
-    if adapted is not None:
-        raise TandemError(
-            f"{what} multiplies the projections' weights directly, past the LoRA adapter of {adapted}: "
-            "merge the adapters first (tandem.model.lora.merge_lora)."
-        )
-
-
 def _stacked(linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
     """The linears' weights (and biases) concatenated row-wise, differentiably: an unfused model's
     batch-invariant forward runs the fused model's matmul, of the same shape."""
@@ -469,24 +421,6 @@ def _weight(linear: nn.Module) -> Tensor:
     (`tandem.model.lora.LoraLinear.merged_weight`), for the batch-invariant forward."""
     merged = getattr(linear, "merged_weight", None)
     return linear.weight if merged is None else merged()
-
-
-def _fuse(linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
-    """Concatenate the linears' weights (and biases) row-wise; each parameter becomes a view of its rows."""
-    fused: list[Tensor | None] = []
-    for kind in ("weight", "bias"):
-        parts = [getattr(lin, kind) for lin in linears]
-        if parts[0] is None:
-            fused.append(None)
-            continue
-        whole = torch.cat([p.detach() for p in parts])
-        start = 0
-        for lin, p in zip(linears, parts, strict=True):
-            view = whole[start : start + p.shape[0]]
-            setattr(lin, kind, nn.Parameter(view, requires_grad=p.requires_grad))
-            start += p.shape[0]
-        fused.append(whole)
-    return fused[0], fused[1]
 
 
 def init_weights(model: CausalLM, seed: int, std: float = 0.02) -> None:

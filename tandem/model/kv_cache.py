@@ -1,10 +1,27 @@
-"""KVCache: per-layer key/value tensors for a batch of sequences that advance together."""
+"""KVCache: per-layer key/value tensors for a batch of sequences that advance together; BatchCache:
+the contract of a cache that lays out its own keys (the paged one, `PositionedCache`)."""
+
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from tandem.model.batch_invariant import KEY_TILE, round_up
 from tandem.model.config import ModelConfig
+
+
+class BatchCache(Protocol):
+    """A cache that lays out its own keys, as the paged batch of `tandem.rollout.model_runner` does:
+    the forward takes the attention mask from it, and it writes each layer's new keys where it wants.
+    """
+
+    def attention_mask(self, token_mask: Tensor) -> Tensor:
+        """token_mask (B, T) -> (B, 1, T, S) bool over the keys `update` returns."""
+        ...
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """k, v (B, Hkv, T, D) of the new tokens -> every key and value they attend to (B, Hkv, S, D)."""
+        ...
 
 
 class KVCache:
@@ -54,7 +71,7 @@ class KVCache:
 
 
 class PositionedCache:
-    """A `tandem.model.decoder.BatchCache` over a KVCache whose row b holds its token at position p
+    """A `BatchCache` over a KVCache whose row b holds its token at position p
     in slot p: positions (B, T) of the forward's tokens, token_mask (B, T) which are real (only
     those are written; a padding token attends to the keys up to its clamped position)."""
 

@@ -144,7 +144,7 @@ def causal_key_mask(context_lens: Tensor, query_lens: Tensor, t: int, s: int) ->
 
 @dataclass
 class PagedBatch:
-    """One forward's view of the paged cache (a `tandem.model.decoder.BatchCache`)."""
+    """One forward's view of the paged cache (a `tandem.model.kv_cache.BatchCache`)."""
 
     cache: PagedKVCache
     slot_mapping: Tensor  # (B, T) the slot of each new token, -1 for padding

@@ -14,9 +14,10 @@ from torch import Tensor
 from tandem.config.schema import LoraConfig
 from tandem.errors import TandemError
 from tandem.model.config import moe_layers
-from tandem.model.decoder import CausalLM, fuse_projections
+from tandem.model.decoder import CausalLM
 from tandem.model.experts import Routing, routing
 from tandem.model.fp8 import quantize_model, requantize
+from tandem.model.fuse import fuse_projections
 from tandem.model.gemv import gemv_backend
 from tandem.model.packed import drop, pack_model, packed_bytes, packing_available, repack
 from tandem.rollout.adapters import MergedAdapters

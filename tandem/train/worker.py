@@ -3,8 +3,9 @@
 One `train_step` is one RL step: π_old is recomputed for the batch unless the step is exactly
 on-policy (then π_old is π_θ detached, from the same forward), the engine's logprobs are known to
 equal it (`exact_behaviour`: then π_old is μ), or a correction replaces it;
-advantages come from the rewards; each mini-batch is split into micro-batches by a token budget,
-packed without padding, and its gradients accumulated, so the result does not depend on the split.
+advantages come from the rewards (`tandem.train.advantages`); each mini-batch is split into
+micro-batches by a token budget, packed without padding, and its gradients accumulated, so the
+result does not depend on the split.
 With data parallelism (`parallelize`) every rank gets the whole batch and works on its shard of
 each mini-batch's rows. The off-policy corrections (`algo.corrections`) weight and mask the pg loss.
 The worker is the policy's loss; its `Learner` keeps the weights and steps them.
@@ -20,7 +21,6 @@ import torch
 from torch import Tensor, nn
 
 from tandem.algo import (
-    ADV_ESTIMATORS,
     KL_ESTIMATORS,
     POLICY_LOSSES,
     aggregate,
@@ -35,6 +35,7 @@ from tandem.errors import TandemError
 from tandem.model.decoder import CausalLM
 from tandem.model.lora import adapter_names, adapters_off, has_lora
 from tandem.sample import Sample
+from tandem.train.advantages import advantage_metrics, advantages
 from tandem.train.batch import pad_rows, score
 from tandem.train.learner import Learner, loss_counts
 
@@ -161,57 +162,6 @@ class TrainWorker:
 
         return self.learner.per_token(samples, logprobs)
 
-    def advantages(self, samples: list[Sample], mask: Tensor) -> Tensor:
-        """(B, R) advantages from the samples' rewards and groups, or (gae) the critic's per token;
-        with a distillation teacher, its per-token reverse KL (alone, or added to those); each
-        sample's mean is stored on it."""
-        adv = self.task_advantages(samples, mask)
-        distill = self.algo.distill
-        if distill.teacher:
-            adv = self.distill_advantages(samples, mask) + (adv if distill.task_reward else 0.0)
-        for s, row, m in zip(samples, adv, mask, strict=True):
-            s.advantage = float((row * m).sum() / m.sum().clamp(min=1))
-        return adv
-
-    def distill_advantages(self, samples: list[Sample], mask: Tensor) -> Tensor:
-        """coef x (log π_teacher - log μ) per sampled token: the negative of the per-token reverse
-        KL(student ‖ teacher) estimate, μ the student's own sampling logprobs. Where the teacher
-        finds a token likelier than the student did, the step raises it."""
-        missing = [s for s in samples if len(s.teacher_logprobs) != len(s.response_ids)]
-        if missing:
-            raise TandemError(
-                f"algo.distill.teacher is set but sample {missing[0].group_id}/{missing[0].index} has no "
-                "teacher_logprobs (the teacher worker scores every sample before it is trained on)."
-            )
-        width = mask.shape[1]
-        teacher = pad_rows([s.teacher_logprobs for s in samples], width)
-        student = pad_rows([s.logprobs for s in samples], width)
-        return self.algo.distill.coef * (teacher - student) * mask
-
-    def task_advantages(self, samples: list[Sample], mask: Tensor) -> Tensor:
-        """(B, R) advantages from the samples' rewards and groups, or (gae) the critic's per token."""
-        if ADV_ESTIMATORS.traits(self.algo.adv_estimator).needs_critic:  # the critic computed them
-            missing = [s for s in samples if len(s.token_advantages) != len(s.response_ids)]
-            if missing:
-                raise TandemError(
-                    f"algo.adv_estimator=gae but sample {missing[0].group_id}/{missing[0].index} has no "
-                    "advantages from the critic (CriticWorker.estimate runs before the policy's step)."
-                )
-            adv = pad_rows([s.token_advantages for s in samples], mask.shape[1]) * mask
-        else:  # over episodes: an episode's extra samples take its advantage, not a group place
-            own = [i for i, s in enumerate(samples) if s.episode_of is None]
-            rewards = torch.tensor([samples[i].reward for i in own], dtype=torch.float)
-            groups = torch.tensor([samples[i].group_id for i in own])
-            estimator = ADV_ESTIMATORS.get(self.algo.adv_estimator)
-            adv = torch.zeros(mask.shape)
-            adv[own] = estimator(rewards, groups, mask[own], norm_by_std=self.algo.norm_by_std)
-            of = {(samples[i].group_id, samples[i].index): i for i in own}
-            for i, s in enumerate(samples):
-                if s.episode_of is not None:
-                    j = of[(s.group_id, s.episode_of)]
-                    adv[i] = (adv[j] * mask[j]).sum() / mask[j].sum().clamp(min=1) * mask[i]
-        return adv
-
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
         """One RL update on a batch of finished, rewarded samples -> metrics."""
         if self.cfg.strategy == "fsdp2" and not self.learner.sharded:
@@ -245,7 +195,7 @@ class TrainWorker:
         behaviour = pad_rows([s.logprobs for s in samples], width)
         versions = pad_rows([s.versions for s in samples], width)
         ref = self._ref_logprobs(samples, width)
-        adv = self.advantages(samples, mask)
+        adv = advantages(samples, mask, self.algo)
         return MiniBatch(samples, torch.arange(len(samples)), mask, adv, behaviour, versions, old, ref)
 
     def _updates(
@@ -488,16 +438,3 @@ class TrainWorker:
         logp = self.compute_logprobs(b.samples)
         out[:, : logp.shape[1]] = logp
         return out
-
-
-def advantage_metrics(adv: Tensor, mask: Tensor) -> dict[str, float]:
-    """adv, mask (B, R) -> critic/advantages/{mean,max,min} over the tokens trained on, as verl
-    reports them; {} when there are none."""
-    valid = adv[mask > 0]
-    if not valid.numel():
-        return {}
-    return {
-        "critic/advantages/mean": float(valid.mean()),
-        "critic/advantages/max": float(valid.max()),
-        "critic/advantages/min": float(valid.min()),
-    }
