@@ -23,6 +23,14 @@ def modules() -> dict[str, Path]:
     return out
 
 
+def absolute(node: ast.ImportFrom, package: list[str]) -> str:
+    """The module a `from ... import` names, a relative one resolved from the importer's `package`."""
+    base = node.module or ""
+    if node.level:
+        base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+    return base
+
+
 def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     """The tandem modules `name` imports, anywhere in its file, with the packages they sit in."""
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
@@ -31,9 +39,7 @@ def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            base = absolute(node, package)
             # `from pkg import mod` imports pkg.mod; `from pkg import name` takes name from pkg's __init__
             found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names)
     explicit = {m for m in found if m in known}
@@ -129,6 +135,124 @@ def test_no_function_in_the_package_is_longer_than_60_lines():
     assert long == []
 
 
+def longer_than(limit: int, texts: dict[str, str]) -> list[str]:
+    """The names of the texts of more than `limit` lines."""
+    counts = {name: len(text.splitlines()) for name, text in texts.items()}
+    return [f"{name} ({n})" for name, n in counts.items() if n > limit]
+
+
+def test_no_file_in_the_package_is_longer_than_500_lines():
+    """A file over 500 lines does more than one job: split it by job (nano-vllm's are under ~260)."""
+    texts = {str(path.relative_to(ROOT.parent)): path.read_text() for path in sorted(ROOT.rglob("*.py"))}
+    assert longer_than(500, texts) == []
+
+
+def test_the_length_finder_finds_a_long_file():
+    assert longer_than(500, {"a.py": "x\n" * 501, "b.py": "x\n" * 500}) == ["a.py (501)"]
+
+
+def package_of(module: str) -> str:
+    """The folder of tandem a module is in (`tandem.serve.workers` -> `serve`), or for a module at
+    the top (`tandem.errors`) the module itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def private(name: str) -> bool:
+    return name.startswith("_") and not name.endswith("__")
+
+
+def dotted(node: ast.AST) -> str | None:
+    """`a.b.c` for a chain of names and attributes, else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute) and (base := dotted(node.value)) is not None:
+        return f"{base}.{node.attr}"
+    return None
+
+
+def private_imports(name: str, source: str, known: set[str], is_package: bool = False) -> list[str]:
+    """Where module `name` takes a private name (`_x`, a module `_x` included) of a module in another
+    folder of tandem: `from tandem.a.b import _x`, `import tandem.a._b`, or an attribute `_x` reached
+    through such a module by the name it was imported as (`b._x` after `from tandem.a import b`,
+    `tandem.a.b._x`, `b.Class._x`)."""
+    own = package_of(name)
+    package = name.split(".") if is_package else name.split(".")[:-1]
+    modules: dict[str, str] = {}  # a name this module binds -> the tandem module it is
+    found: list[tuple[int, str]] = []
+
+    def crosses(module: str) -> bool:
+        return module.startswith("tandem.") and package_of(module) != own
+
+    def flag(node: ast.AST, what: str) -> None:
+        found.append((node.lineno, what))
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if crosses(a.name) and any(private(p) for p in a.name.split(".")):
+                    flag(node, a.name)
+                if a.asname:
+                    modules[a.asname] = a.name
+                elif a.name.startswith("tandem"):
+                    modules["tandem"] = "tandem"
+        elif isinstance(node, ast.ImportFrom):
+            base = absolute(node, package)
+            for a in node.names:
+                full = f"{base}.{a.name}"
+                if crosses(base) and (private(a.name) or any(private(p) for p in base.split("."))):
+                    flag(node, full)
+                if full in known:
+                    modules[a.asname or a.name] = full
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and private(node.attr) and (path := dotted(node.value)):
+            head, _, rest = path.partition(".")
+            module = ".".join([modules[head], rest] if rest else [modules[head]]) if head in modules else ""
+            if crosses(module):
+                flag(node, f"{module}.{node.attr}")
+    return [f"{name}:{line} {what}" for line, what in sorted(found)]
+
+
+def test_no_private_name_is_imported_across_packages():
+    """A name with a leading underscore is its folder's own: another folder that needs it asks for
+    a public one, so the owner knows what others rely on."""
+    known = modules()
+    found = [
+        hit
+        for name, path in sorted(known.items())
+        for hit in private_imports(name, path.read_text(), set(known), path.name == "__init__.py")
+    ]
+    assert found == []
+
+
+def test_the_private_import_finder_finds_one_across_packages():
+    source = """
+import tandem.runtime.actors
+import tandem.runtime.actors as actors
+from tandem.runtime import actors as act
+from tandem.runtime.actors import _plan, plan
+from tandem.runtime._hidden import x
+from tandem.serve.wire import _own
+from .wire import _also_own
+
+a = tandem.runtime.actors._plan
+b = actors._plan, act._plan, actors.plan, actors.__name__
+c = self._plan
+"""
+    known = {"tandem.runtime.actors", "tandem.serve.wire"}
+    assert private_imports("tandem.serve.workers", source, known) == [
+        "tandem.serve.workers:5 tandem.runtime.actors._plan",
+        "tandem.serve.workers:6 tandem.runtime._hidden.x",
+        "tandem.serve.workers:10 tandem.runtime.actors._plan",
+        "tandem.serve.workers:11 tandem.runtime.actors._plan",
+        "tandem.serve.workers:11 tandem.runtime.actors._plan",
+    ]
+    # from the other side: the serve names are private to serve; `.wire` is runtime's own
+    assert private_imports("tandem.runtime.workers", source, known) == [
+        "tandem.runtime.workers:7 tandem.serve.wire._own"
+    ]
+
+
 def test_the_driver_names_worker_methods_only_in_its_call_table():
     from tandem.controller.calls import ROUTES
 
@@ -197,18 +321,21 @@ def test_engines_agent_kinds_and_tool_parsers_are_asked_of_their_registry_never_
 
 def test_the_clusters_build_every_role_from_the_roles_table():
     """The Ray cluster, the one-process cluster and the simulator name no role's worker class or
-    worker: each builds what the roles table's rows give (a new role is one row)."""
+    worker: each builds what the roles table's rows give (a new role is one row). The training
+    service (`serve/`) names no worker either ("train/0"): its workers come from the same rows. It
+    may name the worker classes it subclasses (the class overrides a cluster is built with)."""
     from tandem.runtime.role_table import ROLES, table
 
     builders = ["runtime/cluster.py", "runtime/local.py", "sim/run.py", "runtime/placement.py"]
+    service = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "serve").glob("*.py"))
     classes = {r.worker.partition(":")[2] for r in table()}
     found = []
-    for rel in builders:
-        tree = ast.parse((ROOT / rel).read_text())
+    for rel in builders + service:
+        tree, builds = ast.parse((ROOT / rel).read_text()), rel in builders
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module == "tandem.runtime.actors":
+            if builds and isinstance(node, ast.ImportFrom) and node.module == "tandem.runtime.actors":
                 found.append(f"{rel}:{node.lineno} imports the actors")
-            if isinstance(node, ast.Name) and node.id in classes:
+            if builds and isinstance(node, ast.Name) and node.id in classes:
                 found.append(f"{rel}:{node.lineno} {node.id}")
             for v in _literals(node) if isinstance(node, ast.Constant) else []:
                 if "/" in v and v.split("/")[0] in ROLES and v.split("/")[1].isdigit():
