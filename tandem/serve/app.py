@@ -120,6 +120,7 @@ def queue_sample(service: Service, r: types.SampleRequest) -> dict:
         seed=r.sampling_params.seed,
         params=params,
         prompt_logprobs=bool(r.prompt_logprobs),
+        record=bool(r.record_stability_info),
     )
     return future(rid, sample_sequence_ids=ids)
 
@@ -276,7 +277,7 @@ def sampling_routes(api: APIRouter, service: Service) -> None:
     @api.post("/create_sampling_session")
     async def create_sampling_session(request: Request):
         r = await body(request, types.CreateSamplingSessionRequest)
-        sampler_id = service.create_sampler(r.model_path, r.base_model)
+        sampler_id = service.create_sampler(r.model_path, r.base_model, r.session_id)
         return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
     @api.get("/samplers/{sampler_id}")

@@ -28,6 +28,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tandem.config import Config
 from tandem.errors import TandemError
 from tandem.model.config import ModelConfig, model_dir
@@ -36,7 +38,8 @@ from tandem.sample import SamplingParams
 from tandem.serve.checkpoints import Checkpoints
 from tandem.serve.checks import check_adam, check_tokens
 from tandem.serve.futures import Failure, NotFound, fail, failure_of, nothing, settle
-from tandem.serve.losses import check_request
+from tandem.serve.losses import Recorded, check_provenance, check_request
+from tandem.serve.records import Records
 from tandem.serve.wire import FwdBwdRequest, forward_backward_output, sample_response
 from tandem.serve.workers import Workers, start_workers, with_lora
 
@@ -67,6 +70,7 @@ class Sampler:
     base_model: str
     model_path: str | None
     weights: str  # what must be served to sample it: "base:<n>" or its model_path
+    session_id: str = ""  # whose records its samples are (record_stability_info); "" = nobody's
 
 
 @dataclasses.dataclass
@@ -79,6 +83,7 @@ class SampleJob:
     seed: int | None
     params: SamplingParams
     prompt_logprobs: bool
+    record: bool = False  # record_stability_info: keep each sequence for training requests to name
 
 
 class Service:
@@ -92,6 +97,7 @@ class Service:
         self.model: Model | None = None
         self.samplers: dict[str, Sampler] = {}
         self.sampler_paths: set[str] = set()
+        self.records = Records()  # sequences sampled with record_stability_info
         self.resets = 0
         self.serving = "base:0"  # what the engine holds: the base (after reset n) or a sampler path
         self.shape: dict = {}  # the training model's LoRA shape, saved with its checkpoints
@@ -255,11 +261,16 @@ class Service:
             model.draining = False
 
     def forward_backward(self, req: FwdBwdRequest) -> str:
+        model = self.model_of(req.model_id)
+
         def check():
             if req.error or not req.data:
                 raise TandemError(req.error or "forward_backward got no data.")
             check_request(req.loss_fn, req.config, [set(d.inputs) for d in req.data])
             check_tokens(req.data, *self.limits())
+            # Provenance spans against what the session sampled; a stable_reinforce datum's sampler
+            # logprobs become the recorded ones.
+            req.data = check_provenance(req.data, self.records.of(model.session_id), req.loss_fn)
 
         async def work(model: Model):
             outputs, metrics = await self._call(
@@ -371,7 +382,7 @@ class Service:
             self.timings["push"] = self.timings.get("push", 0.0) + time.perf_counter() - start
             self.serving = key
             self.sampler_paths.add(key)
-            sampler_id = self.add_sampler(Sampler(model.base_model, key, key))
+            sampler_id = self.add_sampler(Sampler(model.base_model, key, key, model.session_id))
             return {"path": key, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
         return self.train(model.model_id, seq_id, work, check)
@@ -381,13 +392,14 @@ class Service:
         self.samplers[sampler_id] = sampler
         return sampler_id
 
-    def create_sampler(self, model_path: str | None, base_model: str | None) -> str:
+    def create_sampler(self, model_path: str | None, base_model: str | None, session_id: str = "") -> str:
         if model_path:
             if model_path not in self.sampler_paths:
                 raise NotFound(f"No sampler weights at {model_path!r} (save_weights_for_sampler makes them).")
             base = self.model.base_model if self.model else self.base_model
-            return self.add_sampler(Sampler(base, model_path, model_path))
-        return self.add_sampler(Sampler(self.check_base(base_model), None, f"base:{self.resets}"))
+            return self.add_sampler(Sampler(base, model_path, model_path, session_id))
+        base = self.check_base(base_model)
+        return self.add_sampler(Sampler(base, None, f"base:{self.resets}", session_id))
 
     def sampler(self, sampler_id: str) -> Sampler:
         if sampler_id not in self.samplers:
@@ -437,11 +449,20 @@ class Service:
                     if job.prompt_logprobs
                     else None
                 )
-                self.results[job.request_id].set_result(sample_response(sequences, logprobs))
+                ids = [f"{job.request_id}:{i}" for i in range(len(sequences))]
+                if job.record:  # before the answer: a training request may name them at once
+                    self._record(job, ids, sequences)
+                self.results[job.request_id].set_result(sample_response(sequences, logprobs, ids))
         except Exception as e:  # every request of the call gets the error; the loop goes on
             failure = failure_of(e)
             for job in ready:
                 fail(self.results[job.request_id], failure)
+
+    def _record(self, job: SampleJob, ids: list[str], sequences: list) -> None:
+        """Keep each sampled sequence for the training requests of the sampler's session to name."""
+        for sequence_id, s in zip(ids, sequences, strict=True):
+            sent = [float(x) for x in np.float32(s.logprobs)]  # as the answer carries them
+            self.records.add(job.sampler.session_id, sequence_id, Recorded(job.prompt, s.tokens, sent))
 
     def new_sample(self, sampler_id: str, **fields) -> tuple[str, list[str]]:
         """Queue a sample request -> its request id and its sequences' ids."""
