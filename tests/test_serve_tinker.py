@@ -638,3 +638,42 @@ def test_stable_reinforce_trains_on_recorded_samples_and_refuses_a_sequence_neve
         )
         with pytest.raises(tinker.BadRequestError, match="'req-0:7', which this session never recorded"):
             training.forward_backward([forged], "stable_reinforce").result(timeout=WAIT_S)
+
+
+def test_forward_backward_custom_as_the_sdk_drives_it(url):
+    """The SDK's own custom loss: a forward, the loss and its gradient on the client, then a
+    cross_entropy forward_backward weighted by that gradient, under request ids it reserved. Its
+    gradient must be the custom loss's: -sum(logp) written as a custom loss gives the step
+    cross_entropy with weights 1 gives (the same model, seed and data)."""
+    import torch
+
+    def steps(custom: bool) -> list[list[float]]:
+        with client(url) as service:
+            training = service.create_lora_training_client(base_model=MODEL, rank=8, seed=4).result()
+            data = carries(training.get_tokenizer())
+            if custom:
+
+                def loss(data, logprobs):
+                    total = -sum(lp.sum() for lp in logprobs)
+                    return total, {"custom:sum": float(total)}
+
+                result = training.forward_backward_custom(data, loss).result(timeout=WAIT_S)
+                assert result.metrics["custom:sum"] > 0
+            else:
+                ones = [
+                    types.Datum(
+                        model_input=d.model_input,
+                        loss_fn_inputs={
+                            "target_tokens": d.loss_fn_inputs["target_tokens"],
+                            "weights": torch.ones(len(d.loss_fn_inputs["target_tokens"].tolist())),
+                        },
+                    )
+                    for d in data
+                ]
+                training.forward_backward(ones, "cross_entropy").result(timeout=WAIT_S)
+            training.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=WAIT_S)
+            return logprobs(training, data)
+
+    custom, plain = steps(True), steps(False)
+    for mine, theirs in zip(custom, plain, strict=True):
+        assert mine == pytest.approx(theirs, abs=1e-5)

@@ -30,6 +30,7 @@ from tinker import types
 from tandem.config import Config
 from tandem.errors import TandemError
 from tandem.sample import SamplingParams
+from tandem.serve import wire
 from tandem.serve.futures import Failure, NotFound
 from tandem.serve.replies import Replies
 from tandem.serve.service import Service, open_service
@@ -67,10 +68,6 @@ async def body(request: Request, model: type):
         return model.model_validate(await request.json())
     except (ValidationError, ValueError) as e:
         raise TandemError(f"Malformed {model.__name__}: {e}") from None
-
-
-def future(request_id: str, **extra) -> dict:
-    return {"request_id": request_id, **extra}
 
 
 def sampling_params(cfg: Config, p: types.SamplingParams, prompt_len: int, context: int) -> SamplingParams:
@@ -122,7 +119,7 @@ def queue_sample(service: Service, r: types.SampleRequest) -> dict:
         prompt_logprobs=bool(r.prompt_logprobs),
         record=bool(r.record_stability_info),
     )
-    return future(rid, sample_sequence_ids=ids)
+    return wire.future(rid, ids)
 
 
 def build_app(service: Service, api_key: str = "") -> FastAPI:
@@ -177,7 +174,7 @@ def session_routes(api: APIRouter, service: Service) -> None:
     """Health, the client's config, sessions and what the service serves."""
     @api.get("/healthz")
     async def healthz():
-        return {"status": "ok"}
+        return wire.healthy()
 
     @api.post("/client/config")
     async def client_config():
@@ -195,12 +192,12 @@ def session_routes(api: APIRouter, service: Service) -> None:
     @api.post("/create_session")
     async def create_session(request: Request):
         await body(request, types.CreateSessionRequest)
-        return {"type": "create_session", "session_id": service.create_session()}
+        return wire.session_created(service.create_session())
 
     @api.post("/session_heartbeat")
     async def heartbeat(request: Request):
         service.heartbeat((await body(request, types.SessionHeartbeatRequest)).session_id)
-        return {"type": "session_heartbeat"}
+        return wire.heartbeat()
 
     @api.post("/sessions/{session_id}/finish")
     async def finish(session_id: str):
@@ -209,9 +206,7 @@ def session_routes(api: APIRouter, service: Service) -> None:
 
     @api.get("/get_server_capabilities")
     async def capabilities():
-        _, context = service.limits()
-        model = {"model_name": service.base_model, "max_context_length": context}
-        return {"supported_models": [{**model, "trainable": True, "sampleable": True}]}
+        return wire.capabilities(service.base_model, service.limits()[1])
 
 
 def training_routes(api: APIRouter, service: Service) -> None:
@@ -224,20 +219,12 @@ def training_routes(api: APIRouter, service: Service) -> None:
         rid = service.create_model(
             r.session_id, r.model_seq_id, r.base_model, lora.rank, seed, lora.train_attn, lora.train_mlp
         )
-        return future(rid)
+        return wire.future(rid)
 
     @api.post("/get_info")
     async def get_info(request: Request):
         model = service.model_of((await body(request, types.GetInfoRequest)).model_id)
-        data = {"arch": "tandem", "model_name": model.base_model, "tokenizer_id": model.tokenizer_dir}
-        return {
-            "type": "get_info",
-            "model_data": data,
-            "model_id": model.model_id,
-            "is_lora": model.rank > 0,
-            "lora_rank": model.rank or None,
-            "model_name": model.base_model,
-        }
+        return wire.model_info(model.model_id, model.base_model, model.tokenizer_dir, model.rank)
 
     @api.post("/forward_backward")
     async def forward_backward(request: Request):
@@ -245,31 +232,33 @@ def training_routes(api: APIRouter, service: Service) -> None:
             raise TandemError(
                 "Compressed forward_backward bodies are not served (the client config says so)."
             )
-        return future(service.forward_backward(parse_forward_backward(await request.body())))
+        return wire.future(service.forward_backward(parse_forward_backward(await request.body())))
 
     @api.post("/optim_step")
     async def optim_step(request: Request):
         r = await body(request, types.OptimStepRequest)
         adam = isinstance(r.optim_params, types.AdamParams)
         params = {"type": "adam", **r.optim_params.model_dump()} if adam else r.optim_params.model_dump()
-        return future(service.optim_step(r.model_id, r.seq_id, params))
+        return wire.future(service.optim_step(r.model_id, r.seq_id, params))
 
     @api.post("/save_weights")
     async def save_weights(request: Request):
         r = await body(request, types.SaveWeightsRequest)
-        return future(service.save_state(r.model_id, r.seq_id, r.path or f"step-{r.seq_id}", r.overwrite))
+        name = r.path or f"step-{r.seq_id}"
+        return wire.future(service.save_state(r.model_id, r.seq_id, name, r.overwrite))
 
     @api.post("/load_weights")
     async def load_weights(request: Request):
         r = await body(request, types.LoadWeightsRequest)
         if r.session_id is not None:  # create_training_client_from_state: the load makes the model
-            return future(service.create_from_state(r.session_id, r.model_seq_id or 0, r.path, r.optimizer))
-        return future(service.load_state(r.model_id or "", r.seq_id, r.path, r.optimizer))
+            made = service.create_from_state(r.session_id, r.model_seq_id or 0, r.path, r.optimizer)
+            return wire.future(made)
+        return wire.future(service.load_state(r.model_id or "", r.seq_id, r.path, r.optimizer))
 
     @api.post("/save_weights_for_sampler")
     async def save_for_sampler(request: Request):
         r = await body(request, types.SaveWeightsForSamplerRequest)
-        return future(service.save_for_sampler(r.model_id, r.seq_id, r.path))
+        return wire.future(service.save_for_sampler(r.model_id, r.seq_id, r.path))
 
 
 def sampling_routes(api: APIRouter, service: Service) -> None:
@@ -278,12 +267,12 @@ def sampling_routes(api: APIRouter, service: Service) -> None:
     async def create_sampling_session(request: Request):
         r = await body(request, types.CreateSamplingSessionRequest)
         sampler_id = service.create_sampler(r.model_path, r.base_model, r.session_id)
-        return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
+        return wire.sampling_session_created(sampler_id)
 
     @api.get("/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str):
         s = service.sampler(sampler_id)
-        return {"sampler_id": sampler_id, "base_model": s.base_model, "model_path": s.model_path}
+        return wire.sampler_info(sampler_id, s.base_model, s.model_path)
 
     @api.post("/asample")
     async def asample(request: Request):
@@ -294,9 +283,9 @@ def sampling_routes(api: APIRouter, service: Service) -> None:
         r = await body(request, types.FutureRetrieveRequest)
         result = await service.result(r.request_id, RETRIEVE_WAIT_S)
         if result is None:  # still running: the SDK asks again
-            return {"type": "try_again", "request_id": r.request_id, "queue_state": "active"}
+            return wire.try_again(r.request_id)
         if isinstance(result, Failure):
-            return {"error": result.message, "category": result.category}
+            return wire.failed(result.message, result.category)
         if isinstance(result, bytes):
             return Response(result, media_type=PROTOBUF)
         return result

@@ -35,6 +35,7 @@ from tandem.errors import TandemError
 from tandem.model.config import ModelConfig, model_dir
 from tandem.runtime.startup import resolve_inputs
 from tandem.sample import SamplingParams
+from tandem.serve import wire
 from tandem.serve.checkpoints import Checkpoints
 from tandem.serve.checks import check_adam, check_tokens
 from tandem.serve.futures import Failure, NotFound, fail, failure_of, nothing, settle
@@ -189,7 +190,7 @@ class Service:
 
         async def work():
             await self._reset(model, shape)
-            return {"model_id": model_id, "type": "create_model"}
+            return wire.model_created(model_id)
 
         return self.run(work)
 
@@ -299,7 +300,7 @@ class Service:
         )
 
         async def work(model: Model):
-            return {"metrics": await self._call("train", "optim_step", *args)}
+            return wire.optim_stepped(await self._call("train", "optim_step", *args))
 
         return self.train(model_id, seq_id, work, check)
 
@@ -326,7 +327,7 @@ class Service:
             meta = {"base_model": model.base_model, **self.shape}
             with self.checkpoints.writing_to(where, meta) as tmp:  # whole, or the old one stays
                 await self._call("train", "save", str(tmp))
-            return {"path": path, "type": "save_weights"}
+            return wire.weights_saved(path)
 
         return self.train(model_id, seq_id, work, check)
 
@@ -338,7 +339,7 @@ class Service:
         async def work(model: Model):
             where, _ = self.checkpoint(path)  # again: it may have changed since the request came
             await self._load(where, optimizer)
-            return {"path": path, "model_id": model.model_id, "type": "load_weights"}
+            return wire.weights_loaded(path, model.model_id)
 
         return self.train(model_id, seq_id, work, check)
 
@@ -361,7 +362,7 @@ class Service:
                 return made
             where, _ = self.checkpoint(path)
             await self._load(where, optimizer)
-            return {"path": path, "model_id": model.model_id, "type": "load_weights"}
+            return wire.weights_loaded(path, model.model_id)
 
         return self.run(work)
 
@@ -383,7 +384,7 @@ class Service:
             self.serving = key
             self.sampler_paths.add(key)
             sampler_id = self.add_sampler(Sampler(model.base_model, key, key, model.session_id))
-            return {"path": key, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
+            return wire.saved_for_sampler(key, sampler_id)
 
         return self.train(model.model_id, seq_id, work, check)
 

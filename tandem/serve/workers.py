@@ -102,11 +102,8 @@ class ServeTrainer(TrainActor):
     ) -> dict:
         """One AdamW step on the accumulated gradients with the client's parameters (grad clip 0:
         none) -> metrics; the gradients are cleared."""
-        learner = self.trainer.learner
-        learner.set_hyperparameters(lr, betas, eps, weight_decay, clip)
-        norm = learner.step()
-        learner.clear_gradients()
-        self.trainer.version += 1  # the version the next push serves
+        hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, grad_clip=clip)
+        norm = self.trainer.step_accumulated(hyper)
         return {"grad_norm:mean": norm, "learning_rate:mean": lr}
 
     def drop_optimizer_state(self) -> None:

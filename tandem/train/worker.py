@@ -16,6 +16,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -186,6 +187,17 @@ class TrainWorker:
         metrics.update(advantage_metrics(batch.adv, batch.mask))
         metrics.update(self._mismatch(batch, source, *first))
         return metrics
+
+    def step_accumulated(self, hyper: dict[str, Any]) -> float:
+        """One optimizer step on the gradients accumulated since the last (a client's own loop: the
+        Tinker API's forward_backward calls, then optim_step) with AdamW's hyper-parameters `hyper`
+        (`Learner.set_hyperparameters`' arguments) -> the gradient norm; the gradients are cleared
+        and the policy version advances, as a train step's do."""
+        self.learner.set_hyperparameters(**hyper)
+        norm = self.learner.step()
+        self.learner.clear_gradients()
+        self.version += 1
+        return norm
 
     def _batch(self, samples: list[Sample], old: Tensor | None) -> MiniBatch:
         """The step's whole batch: its per-token tensors (B, R), with π_old recomputed (or None),
