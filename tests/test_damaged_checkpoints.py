@@ -1,6 +1,8 @@
-"""Nothing hangs, nothing lies: weights with NaN or inf, damaged checkpoints, a resume with fewer
-run.steps than the checkpoint has, and two runs in one directory are each refused in one paragraph
-(exit 2) before anything starts; run.resume=auto falls back to the newest intact checkpoint."""
+"""Nothing hangs, nothing lies: weights with NaN or inf, damaged checkpoints (a file gone, cut
+short, or a byte flipped inside it, which only the checksums recorded at the save see:
+test_checksums.py), a resume with fewer run.steps than the checkpoint has, and two runs in one
+directory are each refused in one paragraph (exit 2) before anything starts; run.resume=auto falls
+back to the newest intact checkpoint."""
 
 import json
 import os
@@ -89,9 +91,10 @@ def truncate(file: Path) -> None:
     replace(file, file.read_bytes()[: file.stat().st_size // 2])
 
 
-def flip_a_byte(file: Path) -> None:
+def flip_a_byte(file: Path, at: int = 200) -> None:
+    """Byte `at` (the middle of the file when negative) inverted; the file keeps its size."""
     data = bytearray(file.read_bytes())
-    data[200] ^= 0xFF  # inside the first record of a zip written by torch.save
+    data[at if at >= 0 else len(data) // 2] ^= 0xFF  # 200: inside the first record of a torch.save zip
     replace(file, bytes(data))
 
 
@@ -103,6 +106,9 @@ DAMAGE = {  # what is done to a checkpoint -> the file the refusal must name
     "driver state truncated": (lambda c: truncate(c / "driver.pt"), "driver.pt"),
     "driver state corrupt": (lambda c: flip_a_byte(c / "driver.pt"), "driver.pt"),
     "weights truncated": (lambda c: truncate(c / "model.safetensors"), "model.safetensors"),
+    # the right sizes, one byte inside a tensor changed: only the checksums recorded at the save see it
+    "optimizer shard flipped": (lambda c: flip_a_byte(c / "trainer" / "__0_0.distcp", -1), "__0_0.distcp"),
+    "weights flipped": (lambda c: flip_a_byte(c / "model.safetensors", -1), "model.safetensors"),
 }
 
 

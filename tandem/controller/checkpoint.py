@@ -3,15 +3,17 @@
     runs/<name>/checkpoints/
         step_10/          a Hugging Face directory (config.json, model.safetensors, tokenizer),
                           trainer/ (DCP shards of the master weights and Adam's state, rank_<r>.pt),
-                          driver.pt (loop, buffer, data cursor, engines' RNGs), config.yaml
+                          driver.pt (loop, buffer, data cursor, engines' RNGs), config.yaml,
+                          checksums.json (each file's size and CRC-32 as written)
         final/            the same, after the last step
         latest            the name of the newest complete checkpoint, replaced last
 
 A checkpoint is written into `.tmp-<name>/`, every file fsynced, then renamed into place, and only
 then does `latest` move (its own temporary file, fsync, rename): a crash at any moment leaves the
-previous checkpoint and the pointer to it intact. A checkpoint damaged later (a copy cut short, a
-deleted file) is found before a resume starts (`tandem.runtime.resume`): `run.resume=auto` falls
-back to the newest intact one, an explicit path is refused.
+previous checkpoint and the pointer to it intact. Before the rename, `checksums.json` records each
+file's size and CRC-32 (`tandem.checksums`). A checkpoint damaged later (a copy cut short, a
+deleted file, a flipped byte) is found before a resume starts (`tandem.runtime.resume`):
+`run.resume=auto` falls back to the newest intact one, an explicit path is refused.
 """
 
 import shutil
@@ -20,6 +22,7 @@ from typing import Any
 
 import torch
 
+from tandem import checksums
 from tandem.config import Config, save_config
 from tandem.controller.calls import ROUTES, Kind
 from tandem.controller.protocol import CallFailed, Cluster, WorkerDied
@@ -46,7 +49,9 @@ class Checkpoints:
         return tmp
 
     def commit(self, tmp: Path, name: str) -> Path:
-        """fsync everything under `tmp`, rename it to `name`, move `latest` to it, prune old ones."""
+        """Record every file's checksum (`tandem.checksums`), fsync everything under `tmp`, rename it
+        to `name`, move `latest` to it, prune old ones."""
+        checksums.record(tmp)
         final = self.root / name  # already there (`final` of a run resumed to go further): set aside first
         replace_dir(tmp, final, self.root / f"{TMP}old-{name}")
         pointer = self.root / f"{TMP}{LATEST}"

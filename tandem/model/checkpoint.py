@@ -9,6 +9,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from tandem import checksums
 from tandem.errors import TandemError
 from tandem.model.config import ModelConfig
 from tandem.model.decoder import CausalLM, meta_model
@@ -87,11 +88,15 @@ def check_checkpoint(path: str | Path, finite: bool = True) -> ModelConfig:
     driver checks a model before any actor starts): every file present and readable, every weight
     the config implies there under its name with its shape and a floating-point dtype, and no weight
     the config does not imply. With `finite`, every weight is then read, one tensor at a time, and
-    must hold no NaN or inf (`check_finite`). Returns the config; TandemError naming the directory,
-    file or weight otherwise."""
+    must hold no NaN or inf (`check_finite`). First, in a checkpoint tandem wrote, the files read
+    here (config.json, the weights and their index, a LoRA adapter) must be as its checksums.json
+    recorded them: a flipped byte inside a tensor passes every other check. Returns the config;
+    TandemError naming the directory, file or weight otherwise."""
     path = Path(path)
     if not path.is_dir():
         raise TandemError(f"Model path {path} does not exist or is not a directory.")
+    if bad := checksums.damage(path, _read_here):
+        raise TandemError(f"Checkpoint {path} is not as it was written: {'; '.join(bad.values())}.")
     cfg = ModelConfig.load(path)
     expected = {n: tuple(p.shape) for n, p in meta_model(cfg).named_parameters()}
     found = {
@@ -123,6 +128,14 @@ def check_checkpoint(path: str | Path, finite: bool = True) -> ModelConfig:
     if finite:
         check_finite(weight_files(path))
     return cfg
+
+
+def _read_here(name: str) -> bool:
+    """Whether a checkpoint's file (its name relative to the directory) is one `check_checkpoint`
+    and `load_model` read."""
+    return "/" not in name and (
+        name.endswith(".safetensors") or name in ("config.json", INDEX, ADAPTER_CONFIG)
+    )
 
 
 def check_finite(files: list[Path]) -> None:

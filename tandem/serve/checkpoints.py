@@ -3,15 +3,18 @@
     <run.out_dir>/<run.name>/<model id, %-quoted>/weights/
         <name>/        serve.json (the model's base and LoRA shape), the Hugging Face weights and
                        adapter, trainer/ (DCP shards of the master weights and AdamW's moments,
-                       rank_0.pt: schedule, RNGs, version)
+                       rank_0.pt: schedule, RNGs, version), checksums.json (each file's size and
+                       CRC-32 as written)
         .<name>.new/   a save being written
         .<name>.old/   the checkpoint an overwrite replaces, until the new one is in place
 
-A save writes `.<name>.new/`, fsyncs every file, then renames it to `<name>`; an overwrite first
+A save writes `.<name>.new/`, records every file's size and CRC-32 in its checksums.json
+(`tandem.checksums`), fsyncs every file, then renames it to `<name>`; an overwrite first
 renames the old checkpoint to `.<name>.old/` and deletes it only once the new one is in. A crash
 (a kill, a power cut) at any moment leaves the old checkpoint or the new one whole: `settle`, run
 before every save and load of a name, finishes or undoes what the crash interrupted. A user's name
-never starts with '.', so it never meets these two.
+never starts with '.', so it never meets these two. A load checks the checkpoint first (`damage`):
+a file missing, cut short or with a byte changed since the save is named, and nothing is loaded.
 """
 
 import contextlib
@@ -22,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
+from tandem import checksums
 from tandem.errors import TandemError
 from tandem.model.checkpoint import check_checkpoint
 from tandem.paths import replace_dir
@@ -90,7 +94,8 @@ class Checkpoints:
     @contextlib.contextmanager
     def writing_to(self, where: Path, meta: dict) -> Iterator[Path]:
         """A fresh directory beside `where` to write its checkpoint into; when the block ends
-        without an error, serve.json (`meta`) joins it and it replaces `where` whole (`commit`).
+        without an error, serve.json (`meta`) and the checksums of every file join it, and it
+        replaces `where` whole (`commit`).
         After an error it is removed and `where` is as it was."""
         settle(where)
         tmp = aside(where, "new")
@@ -99,6 +104,7 @@ class Checkpoints:
         try:
             yield tmp
             (tmp / META).write_text(json.dumps(meta))
+            checksums.record(tmp)
             commit(tmp, where)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -132,15 +138,18 @@ def settle(where: Path) -> None:
 
 def damage(where: Path) -> list[str]:
     """What keeps the checkpoint at `where` from loading, one phrase per damaged or missing file;
-    [] when whole. Read without loading any state: serve.json, the trainer's DCP shards and
-    rank_0.pt (`damaged_state`), and the Hugging Face weights against config.json (their headers)."""
-    found = []
+    [] when whole. Read without loading any state, each file against the size and CRC-32 its
+    checksums.json recorded (a save before checksums has none): serve.json, the trainer's DCP
+    shards and rank_0.pt (`damaged_state`), and the Hugging Face weights and adapter against
+    config.json (`check_checkpoint`)."""
+    found = list(checksums.damage(where, lambda name: name == META).values())
     try:
         meta = json.loads((where / META).read_text())
         if missing := [k for k in SHAPE if k not in meta]:
             found.append(f"{where / META} lacks {missing}")
     except (OSError, ValueError, TypeError) as e:
-        found.append(f"{where / META} is unreadable ({e})")
+        if not found:  # a serve.json changed since the save is named once
+            found.append(f"{where / META} is unreadable ({e})")
     found += damaged_state(where)
     try:
         check_checkpoint(where, finite=False)

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tandem import checksums
+
 
 def dcp():
     """`torch.distributed.checkpoint`, imported when a checkpoint is first saved or loaded: it takes
@@ -63,11 +65,16 @@ def load_state(worker, path: Path, directory: str = SHARDS) -> None:
 
 def damaged_state(path: Path, directory: str = SHARDS, ranks: int = 1) -> list[str]:
     """What keeps `load_state` from reading `path/<directory>/` into `ranks` ranks, checked without
-    loading it: DCP's `.metadata` unpickles, every shard file it names is there and long enough for
-    the bytes it reads, and every rank's `rank_<r>.pt` is a whole torch.save archive. [] = intact."""
+    loading it: every file as the checkpoint's `checksums.json` recorded it (a flipped byte inside a
+    shard shows only there; an older checkpoint has no record), DCP's `.metadata` unpickles, every
+    shard file it names is there and long enough for the bytes it reads, and every rank's
+    `rank_<r>.pt` is a whole torch.save archive. [] = intact."""
     root = path / directory
     if not root.is_dir():
         return [f"{root}/ is missing"]
+    bad = checksums.damage(path, lambda name: name.startswith(f"{directory}/"))
+    if root / ".metadata" in bad:  # what it says of the shards cannot be trusted
+        return list(bad.values())
     try:
         metadata = dcp().FileSystemReader(str(root)).read_metadata()
     except Exception as e:  # a missing, truncated or foreign file: unpickling raises anything
@@ -75,14 +82,16 @@ def damaged_state(path: Path, directory: str = SHARDS, ranks: int = 1) -> list[s
     needed: dict[str, int] = {}  # shard file -> the bytes it must hold
     for info in metadata.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    found = []
+    found = list(bad.values())
     for name, size in sorted(needed.items()):
         file = root / name
+        if file in bad:
+            continue
         if not file.is_file():
             found.append(f"{file} is missing")
         elif file.stat().st_size < size:
             found.append(f"{file} is truncated ({file.stat().st_size} of at least {size} bytes)")
-    own = sorted({*(root / f"rank_{r}.pt" for r in range(ranks)), *root.glob("rank_*.pt")})
+    own = sorted({*(root / f"rank_{r}.pt" for r in range(ranks)), *root.glob("rank_*.pt")} - set(bad))
     return found + [problem for file in own if (problem := torch_file_damage(file))]
 
 
