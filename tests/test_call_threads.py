@@ -81,20 +81,22 @@ def test_tandem_serve_in_one_process_survives_a_base_exception_in_a_train_call_a
     from tandem.serve.workers import start_workers
 
     workers = start_workers(resolve_inputs(config(tmp_path)))
-    adam = (1e-3, (0.9, 0.95), 1e-8, 0.0, 1.0)  # lr, betas, eps, weight decay, grad clip
+    adam = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, grad_clip=1.0)
     learner = workers.train.workers["train/0"].trainer.learner
     try:
+        workers.call("train", "add_model", "m", 0)
         with monkeypatch.context() as patch:
             patch.setattr(learner, "step", raising(Crash("mid-step")))
             with pytest.raises(CallFailed, match="Crash: mid-step"):
-                workers.call("train", "optim_step", *adam)
-        assert "grad_norm:mean" in workers.call("train", "optim_step", *adam)
+                workers.call("train", "optim_step", "m", adam)
+        assert "grad_norm:mean" in workers.call("train", "optim_step", "m", adam)
         with monkeypatch.context() as patch:
             patch.setattr(dcp, "save", full_disk)
             with pytest.raises(CallFailed, match=r"CheckpointException(.|\n)*No space left on device"):
-                workers.call("train", "save", str(tmp_path / "full"))
-        workers.call("train", "save", str(tmp_path / "saved"))
-        workers.push(1)  # and the engine's thread takes the trained weights
+                workers.call("train", "save_model", "m", str(tmp_path / "full"))
+        workers.call("train", "save_model", "m", str(tmp_path / "saved"))
+        # and the engine's thread takes the trained weights
+        workers.call("rollout", "serve_weights", workers.call("train", "snapshot", "m"))
     finally:
         workers.close()
     assert_ended(workers.train)

@@ -30,6 +30,7 @@ from tandem.model.lora import (
     adapter_names,
     adapters_off,
     apply_lora,
+    fresh_adapters,
     merge_lora,
     merged,
     merged_weights,
@@ -469,3 +470,14 @@ def _hf_model(model: CausalLM):
 
 def _targets(model: CausalLM) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, LoraLinear)]
+
+
+def test_fresh_adapters_draw_what_apply_lora_draws_from_the_same_seed():
+    """tandem serve's next client gets adapters drawn as a lone model's are: the same A for the
+    same seed, B zero, every adapter tensor and nothing else."""
+    model = lora_model(seed=3)
+    trained = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    fresh = fresh_adapters(lora_model(seed=5), 3)
+    assert set(fresh) == set(trained)
+    assert all(torch.equal(fresh[n], trained[n]) for n in trained)
+    assert not torch.equal(fresh_adapters(model, 4)[next(iter(trained))], next(iter(trained.values())))

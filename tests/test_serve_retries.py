@@ -84,7 +84,7 @@ def dropping(tmp_path_factory):
 
 def test_a_lost_answer_is_retried_by_the_sdk_and_the_request_runs_once(dropping, monkeypatch):
     url, service, wrapper = dropping
-    calls = {"forward_backward": 0, "optim_step": 0, "send_weights": 0}
+    calls = {"forward_backward": 0, "optim_step": 0, "snapshot": 0}
     trainer_cls = type(service.workers.train.workers[service.workers.train.names["train"][0]])
     for name in calls:
         real = getattr(trainer_cls, name)
@@ -114,7 +114,7 @@ def test_a_lost_answer_is_retried_by_the_sdk_and_the_request_runs_once(dropping,
         assert wrapper.seen[f"/api/v1/{path}"] >= 2, (path, wrapper.seen)
     assert wrapper.replayed == {"/api/v1/forward_backward": 1, "/api/v1/optim_step": 1}, wrapper.replayed
     # Each ran once: forward_backward twice counts the later forward; one step, one push.
-    assert calls == {"forward_backward": 2, "optim_step": 1, "send_weights": 1}, calls
+    assert calls == {"forward_backward": 2, "optim_step": 1, "snapshot": 2}, calls
     assert again.metrics["loss:sum"] < first.metrics["loss:sum"]
 
 

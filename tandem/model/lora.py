@@ -50,8 +50,7 @@ class LoraLinear(nn.Module):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight.requires_grad_(False)
         self.register_parameter("bias", None if base.bias is None else base.bias.requires_grad_(False))
-        bound = 1 / math.sqrt(self.in_features)  # kaiming_uniform_(a=√5) of A, PEFT's default
-        a = torch.empty(rank, self.in_features).uniform_(-bound, bound, generator=generator)
+        a = initial_a(rank, self.in_features, generator)
         like = dict(device=self.weight.device, dtype=self.weight.dtype)
         self.lora_A = _bias_free(a.to(**like))
         self.lora_B = _bias_free(torch.zeros(self.out_features, rank, **like))
@@ -73,6 +72,27 @@ class LoraLinear(nn.Module):
             return self.weight
         product = bi.linear(self.lora_B.weight.float(), self.lora_A.weight.float().t())  # B @ A
         return (product * self.scaling + self.weight.float()).to(self.weight.dtype)
+
+
+def initial_a(rank: int, in_features: int, generator: torch.Generator) -> Tensor:
+    """A fresh adapter's A: kaiming_uniform_(a=√5), PEFT's default, drawn from `generator`."""
+    bound = 1 / math.sqrt(in_features)
+    return torch.empty(rank, in_features).uniform_(-bound, bound, generator=generator)
+
+
+def fresh_adapters(model: CausalLM, seed: int) -> dict[str, Tensor]:
+    """The values `apply_lora(model, ..., seed)` gives `model`'s adapters, for a model that has
+    them: each A drawn as it draws them, in the same order from the same seed, each B zero ->
+    {parameter name: value}. A new adapter on a model that already trains one (`tandem serve`'s
+    next client)."""
+    generator = torch.Generator().manual_seed(seed)
+    fresh = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLinear):
+            a, b = module.lora_A.weight, module.lora_B.weight
+            fresh[f"{name}.lora_A.weight"] = initial_a(a.shape[0], a.shape[1], generator).to(a)
+            fresh[f"{name}.lora_B.weight"] = torch.zeros_like(b)
+    return fresh
 
 
 def _bias_free(weight: Tensor) -> nn.Linear:

@@ -224,7 +224,7 @@ def training_routes(api: APIRouter, service: Service) -> None:
     @api.post("/get_info")
     async def get_info(request: Request):
         model = service.model_of((await body(request, types.GetInfoRequest)).model_id)
-        return wire.model_info(model.model_id, model.base_model, model.tokenizer_dir, model.rank)
+        return wire.model_info(model.model_id, model.base_model, model.tokenizer_dir, model.shape["rank"])
 
     @api.post("/forward_backward")
     async def forward_backward(request: Request):

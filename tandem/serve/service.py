@@ -1,15 +1,19 @@
-"""What the service holds between requests, with no HTTP in it: sessions, the training model, the
-samplers, and the futures the SDK polls.
+"""What the service holds between requests, with no HTTP in it: sessions, the training models,
+the samplers (`tandem.serve.sampling`), and the futures the SDK polls.
 
 Every call that does work returns a request id at once; the work runs later and its result (or
-error) lands in that request's future, which `retrieve_future` waits on. Training requests run
-one at a time in the order of their seq_id (the SDK numbers a training client's requests; a chunked
-forward_backward may arrive out of order); sample requests queue apart and run batched, each
-batch one generate call, so sampling goes on while a training request runs on the other worker.
+error) lands in that request's future, which `retrieve_future` waits on. Each training model's
+requests run one at a time in the order of their seq_id (the SDK numbers a training client's
+requests; a chunked forward_backward may arrive out of order); sample requests queue apart and
+run batched, so sampling goes on while a training request runs on the other worker.
 
-One training model at a time: a create_model while another session's model is live (its session
-neither finished nor silent for `SESSION_TIMEOUT_S`) is refused; the engine serves one set of
-weights, the newest pushed, so only the newest sampler (or the base, before the first push) samples.
+Several training models, one per client, share the base: each a LoRA adapter of its own with its
+own AdamW state, trained in turn on the one trainer (`ServeTrainer` swaps them in per call); their
+requests reach the trainer in the order they come, so no client waits for another's whole loop.
+All live models have one adapter shape (rank and targets: what the trainer and the engine are
+built for); a model of another shape waits until none is live, and is refused meanwhile, by name.
+With --full-weights every weight trains: one model at a time. A session that finished or went
+silent for `SESSION_TIMEOUT_S` frees its models.
 
 Whatever a request's check or work raises ends that request, never the queue: a TandemError in its
 check is the client's fault (HTTP 400), anything else the service's (its future fails, category
@@ -28,63 +32,42 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from tandem.config import Config
 from tandem.errors import TandemError
 from tandem.model.config import ModelConfig, model_dir
 from tandem.runtime.startup import resolve_inputs
-from tandem.sample import SamplingParams
 from tandem.serve import wire
 from tandem.serve.checkpoints import Checkpoints
 from tandem.serve.checks import check_adam, check_tokens
 from tandem.serve.futures import Failure, NotFound, fail, failure_of, nothing, settle
-from tandem.serve.losses import Recorded, check_provenance, check_request
+from tandem.serve.losses import check_provenance, check_request
 from tandem.serve.records import Records
-from tandem.serve.wire import FwdBwdRequest, forward_backward_output, sample_response
+from tandem.serve.sampling import SampleJob, Sampler, Sampling
+from tandem.serve.snapshots import Snapshots
+from tandem.serve.wire import FwdBwdRequest, forward_backward_output
 from tandem.serve.workers import Workers, start_workers, with_lora
 
 SESSION_TIMEOUT_S = 60.0  # the SDK beats every 10 s
 KEPT_RESULTS = 4096  # finished futures kept for a retry of their retrieval
-SAMPLE_GATHER_S = 0.01  # how long the first sample request of a burst waits for the rest
+MAX_MODELS = 16  # live LoRA models at once: each holds its adapters, gradients and AdamW moments
 
 
 @dataclasses.dataclass
 class Model:
-    """The training model: its id, its LoRA shape, and its requests' order."""
+    """A training model: its id, its adapter's shape and seed, and its requests' order."""
 
     model_id: str
     session_id: str
     base_model: str
-    rank: int
-    tokenizer_dir: str
+    shape: dict  # rank (0: every weight trains), attn, mlp: what the trainer is built for
+    seed: int
+    tokenizer_dir: str = ""
     next_seq: int = 1
     last_seq: int = 0
     queue: list = dataclasses.field(default_factory=list)  # heap of (seq_id, job)
     requests: dict = dataclasses.field(default_factory=dict)  # seq_id -> its request id
     draining: bool = False  # a task runs its queue
     pushes: int = 0
-
-
-@dataclasses.dataclass
-class Sampler:
-    base_model: str
-    model_path: str | None
-    weights: str  # what must be served to sample it: "base:<n>" or its model_path
-    session_id: str = ""  # whose records its samples are (record_stability_info); "" = nobody's
-
-
-@dataclasses.dataclass
-class SampleJob:
-    request_id: str
-    sampler: Sampler
-    prompt: list[int]
-    n: int
-    max_tokens: int
-    seed: int | None
-    params: SamplingParams
-    prompt_logprobs: bool
-    record: bool = False  # record_stability_info: keep each sequence for training requests to name
 
 
 class Service:
@@ -95,15 +78,15 @@ class Service:
         self.base_model = base_model or cfg.model.path
         self.checkpoints = Checkpoints(Path(cfg.run.out_dir) / cfg.run.name)
         self.sessions: dict[str, float] = {}  # session id -> last heartbeat (monotonic)
-        self.model: Model | None = None
-        self.samplers: dict[str, Sampler] = {}
-        self.sampler_paths: set[str] = set()
-        self.records = Records()  # sequences sampled with record_stability_info
+        self.models: dict[str, Model] = {}  # the live ones
+        self.shape: dict | None = None  # what the trainer and the engine are built for now
         self.resets = 0
-        self.serving = "base:0"  # what the engine holds: the base (after reset n) or a sampler path
-        self.shape: dict = {}  # the training model's LoRA shape, saved with its checkpoints
+        self.shaping = asyncio.Lock()  # model creations in turn: a reset and its first model together
+        self.tokenizer_dir = ""
+        root = Path(cfg.run.out_dir) / cfg.run.name
+        self.records = Records()  # sequences sampled with record_stability_info
+        self.sampling = Sampling(self._call, Snapshots(root / "samplers"), self.records)
         self.results: OrderedDict[str, asyncio.Future] = OrderedDict()
-        self.samples: asyncio.Queue[SampleJob] = asyncio.Queue()
         self.ids = itertools.count(1)
         self.loops: list[asyncio.Task] = []
         model = ModelConfig.load(model_dir(cfg.model.path))
@@ -112,7 +95,7 @@ class Service:
 
     def start(self) -> None:
         """The sampling loop, on the running event loop."""
-        self.loops.append(asyncio.create_task(self._sampling_loop()))
+        self.loops.append(asyncio.create_task(self.sampling.loop()))
 
     # -- futures ------------------------------------------------------------------------------------
     def _future(self) -> tuple[str, asyncio.Future]:
@@ -166,43 +149,80 @@ class Service:
         return base_model
 
     def model_of(self, model_id: str) -> Model:
-        if self.model is None or self.model.model_id != model_id:
-            raise NotFound(f"No training model {model_id!r} here (one model at a time; see docs/serve.md).")
-        return self.model
+        if model_id not in self.models:
+            raise NotFound(f"No training model {model_id!r} here (closed, or its session ended).")
+        return self.models[model_id]
+
+    def _drop_gone(self) -> None:
+        """Free the models whose session finished or went silent: their adapters and moments go."""
+        for model in [m for m in self.models.values() if self._frees_in(m) <= 0]:
+            del self.models[model.model_id]
+            asyncio.create_task(self._call("train", "drop_model", model.model_id))
 
     def create_model(
         self, session_id: str, seq: int, base: str, rank: int, seed: int, attn: bool, mlp: bool
     ) -> str:
-        """A new training model -> the request id whose result is its model id. Refused while another
-        session's model is live."""
+        """A new training model -> the request id whose result is its model id. Refused, naming
+        why and until when, when the live models have another adapter shape, a full-weights model
+        is live, or MAX_MODELS are."""
         self.check_base(base)
-        if self.model is not None and (left := self._frees_in(self.model)) > 0:
-            raise TandemError(
-                f"This service trains one model at a time and {self.model.model_id!r} is live (its "
-                "session has not finished). Close that ServiceClient, or start another `tandem serve` "
-                "for a second model. If that client's process has ended (Ctrl-C, a crash), its session "
-                f"frees itself {SESSION_TIMEOUT_S:.0f} s after its last heartbeat: in {math.ceil(left)} s."
-            )
-        rank = 0 if self.full_weights else rank
-        model_id = f"{session_id}:train:{seq}"
-        self.model = Model(model_id, session_id, base, rank, "")
-        model, shape = self.model, dict(rank=rank, seed=seed, attn=attn, mlp=mlp)
+        self._drop_gone()
+        shape = dict(rank=0 if self.full_weights else rank, attn=attn, mlp=mlp)
+        self._check_room(shape)
+        model = Model(f"{session_id}:train:{seq}", session_id, base, shape, seed)
+        self.models[model.model_id] = model
 
         async def work():
-            await self._reset(model, shape)
-            return wire.model_created(model_id)
+            async with self.shaping:
+                if shape != self.shape:  # no live model of another shape: build for this one
+                    await self._reset(shape, seed)
+                await self._call("train", "add_model", model.model_id, seed)
+                model.tokenizer_dir = self.tokenizer_dir
+                base_key = f"base:{self.resets}"
+                if base_key not in self.sampling.snapshots:  # a fresh model's adapters compute the base
+                    weights = await self._call("train", "snapshot", model.model_id)
+                    self.sampling.snapshots.put(base_key, weights, self.resets)
+            return wire.model_created(model.model_id)
 
         return self.run(work)
 
-    async def _reset(self, model: Model, shape: dict) -> None:
-        """Fresh workers for `model`: the base with new adapters of its shape, a new optimizer, an
-        engine at version 0 serving the base."""
-        cfg = with_lora(self.cfg, shape["rank"], shape["seed"], shape["attn"], shape["mlp"])
-        self.shape = shape
-        model.tokenizer_dir = await self._call("train", "reset", cfg)
+    def _check_room(self, shape: dict) -> None:
+        live = list(self.models.values())
+        if not live:
+            return
+        left = max(self._frees_in(m) for m in live)
+        frees = (
+            "Close those ServiceClients; a client whose process has ended (Ctrl-C, a crash) frees its "
+            f"models {SESSION_TIMEOUT_S:.0f} s after its last heartbeat (here: within {math.ceil(left)} s)."
+        )
+        if self.full_weights:
+            raise TandemError(
+                f"This service trains every weight (--full-weights): one model at a time, and "
+                f"{live[0].model_id!r} is live. {frees} Or start another `tandem serve`."
+            )
+        if shape != live[0].shape:
+            have = live[0].shape
+            raise TandemError(
+                f"The {len(live)} live model(s) here have LoRA rank {have['rank']} on "
+                f"{_targets(have)}; the trainer and the engine serve one adapter shape at a time, and "
+                f"rank {shape['rank']} on {_targets(shape)} was asked for. Ask for the live shape, or "
+                f"wait until those models close. {frees}"
+            )
+        if len(live) >= MAX_MODELS:
+            raise TandemError(
+                f"This service holds at most {MAX_MODELS} live models (each its adapters, gradients "
+                f"and AdamW moments) and {len(live)} are. {frees}"
+            )
+
+    async def _reset(self, shape: dict, seed: int) -> None:
+        """Trainer and engine rebuilt for adapters of `shape`: the base with no model on it yet, an
+        engine serving nothing."""
+        cfg = with_lora(self.cfg, shape["rank"], seed, shape["attn"], shape["mlp"])
+        self.tokenizer_dir = await self._call("train", "reset", cfg)
         await self._call("rollout", "reset", cfg)
+        self.shape = shape
         self.resets += 1
-        self.serving = f"base:{self.resets}"
+        self.sampling.reshaped(self.resets)
 
     async def _call(self, role: str, method: str, *args):
         start = time.perf_counter()
@@ -274,9 +294,8 @@ class Service:
             req.data = check_provenance(req.data, self.records.of(model.session_id), req.loss_fn)
 
         async def work(model: Model):
-            outputs, metrics = await self._call(
-                "train", "forward_backward", req.data, req.loss_fn, req.config, not req.forward_only
-            )
+            args = (req.data, req.loss_fn, req.config, not req.forward_only)
+            outputs, metrics = await self._call("train", "forward_backward", model.model_id, *args)
             return forward_backward_output(outputs, metrics)
 
         return self.train(req.model_id, req.seq_id, work, check)
@@ -291,16 +310,16 @@ class Service:
                 raise TandemError(f"Only Adam is served, not {adam['type']!r}.")
             check_adam(adam)
 
-        args = (
-            adam.get("learning_rate", 1e-4),
-            (adam.get("beta1", 0.9), adam.get("beta2", 0.95)),
-            adam.get("eps", 1e-12),
-            adam.get("weight_decay", 0.0),
-            adam.get("grad_clip_norm", 0.0) or float("inf"),
+        hyper = dict(
+            lr=adam.get("learning_rate", 1e-4),
+            betas=(adam.get("beta1", 0.9), adam.get("beta2", 0.95)),
+            eps=adam.get("eps", 1e-12),
+            weight_decay=adam.get("weight_decay", 0.0),
+            grad_clip=adam.get("grad_clip_norm", 0.0) or float("inf"),
         )
 
         async def work(model: Model):
-            return wire.optim_stepped(await self._call("train", "optim_step", *args))
+            return wire.optim_stepped(await self._call("train", "optim_step", model.model_id, hyper))
 
         return self.train(model_id, seq_id, work, check)
 
@@ -324,9 +343,9 @@ class Service:
                 raise TandemError(f"Checkpoint {path!r} exists; pass overwrite=True to replace it.")
 
         async def work(model: Model):
-            meta = {"base_model": model.base_model, **self.shape}
+            meta = {"base_model": model.base_model, **model.shape, "seed": model.seed}
             with self.checkpoints.writing_to(where, meta) as tmp:  # whole, or the old one stays
-                await self._call("train", "save", str(tmp))
+                await self._call("train", "save_model", model.model_id, str(tmp))
             return wire.weights_saved(path)
 
         return self.train(model_id, seq_id, work, check)
@@ -338,15 +357,10 @@ class Service:
 
         async def work(model: Model):
             where, _ = self.checkpoint(path)  # again: it may have changed since the request came
-            await self._load(where, optimizer)
+            await self._call("train", "load_model", model.model_id, str(where), optimizer)
             return wire.weights_loaded(path, model.model_id)
 
         return self.train(model_id, seq_id, work, check)
-
-    async def _load(self, where: Path, optimizer: bool) -> None:
-        await self._call("train", "load", str(where))
-        if not optimizer:
-            await self._call("train", "drop_optimizer_state")
 
     def create_from_state(self, session_id: str, seq: int, path: str, optimizer: bool) -> str:
         """create_training_client_from_state: a new model shaped as the checkpoint's, then its state."""
@@ -354,21 +368,21 @@ class Service:
         request_id = self.create_model(
             session_id, seq, meta["base_model"], meta["rank"], meta["seed"], meta["attn"], meta["mlp"]
         )
-        model, created = self.model, self.results[request_id]
+        model, created = self.models[f"{session_id}:train:{seq}"], self.results[request_id]
 
         async def work():
             made = await created
             if isinstance(made, Failure):
                 return made
             where, _ = self.checkpoint(path)
-            await self._load(where, optimizer)
+            await self._call("train", "load_model", model.model_id, str(where), optimizer)
             return wire.weights_loaded(path, model.model_id)
 
         return self.run(work)
 
     def save_for_sampler(self, model_id: str, seq_id: int | None, name: str | None) -> str:
-        """Push the trainer's weights to the engine as a new version -> a sampler for them (a path
-        when named, else a sampling session)."""
+        """The model's weights now, kept for sampling (`tandem.serve.snapshots`) -> a sampler for them
+        (a path when named, else a sampling session)."""
         model, path = self.model_of(model_id), None
 
         def check():
@@ -379,103 +393,45 @@ class Service:
             model.pushes += 1
             key = path or f"tinker://{model_id}/sampler_weights/push-{model.pushes}"
             start = time.perf_counter()
-            await asyncio.to_thread(self.workers.push, model.pushes)
+            weights = await self._call("train", "snapshot", model.model_id)
             self.timings["push"] = self.timings.get("push", 0.0) + time.perf_counter() - start
-            self.serving = key
-            self.sampler_paths.add(key)
-            sampler_id = self.add_sampler(Sampler(model.base_model, key, key, model.session_id))
+            self.sampling.snapshots.put(key, weights, self.resets)
+            sampler_id = self.sampling.add(Sampler(model.base_model, key, key, model.session_id))
             return wire.saved_for_sampler(key, sampler_id)
 
         return self.train(model.model_id, seq_id, work, check)
 
-    def add_sampler(self, sampler: Sampler) -> str:
-        sampler_id = f"sampler-{uuid.uuid4().hex[:12]}"
-        self.samplers[sampler_id] = sampler
-        return sampler_id
-
     def create_sampler(self, model_path: str | None, base_model: str | None, session_id: str = "") -> str:
         if model_path:
-            if model_path not in self.sampler_paths:
+            if model_path not in self.sampling.snapshots or model_path.startswith("base:"):
                 raise NotFound(f"No sampler weights at {model_path!r} (save_weights_for_sampler makes them).")
-            base = self.model.base_model if self.model else self.base_model
-            return self.add_sampler(Sampler(base, model_path, model_path, session_id))
+            return self.sampling.add(Sampler(self.base_model, model_path, model_path, session_id))
         base = self.check_base(base_model)
-        return self.add_sampler(Sampler(base, None, f"base:{self.resets}", session_id))
+        if f"base:{self.resets}" not in self.sampling.snapshots:
+            raise TandemError(
+                "The base model samples once the service has built its trainer: create a training "
+                "client first (the first one builds it), then sample the base."
+            )
+        return self.sampling.add(Sampler(base, None, f"base:{self.resets}", session_id))
 
     def sampler(self, sampler_id: str) -> Sampler:
-        if sampler_id not in self.samplers:
-            raise NotFound(f"No sampler {sampler_id!r}.")
-        return self.samplers[sampler_id]
-
-    # -- sampling, batched --------------------------------------------------------------------------
-    def sample(self, job: SampleJob) -> None:
-        self.samples.put_nowait(job)
-
-    async def _sampling_loop(self) -> None:
-        """Take every queued request (the first waits SAMPLE_GATHER_S for the rest of its burst) and
-        run those of the same sampling parameters as one generate call."""
-        while True:
-            jobs = [await self.samples.get()]
-            await asyncio.sleep(SAMPLE_GATHER_S)
-            while not self.samples.empty():
-                jobs.append(self.samples.get_nowait())
-            groups: dict[str, list[SampleJob]] = {}
-            for job in jobs:
-                groups.setdefault(repr(job.params), []).append(job)
-            for group in groups.values():
-                await self._sample_group(group)
-
-    async def _sample_group(self, jobs: list[SampleJob]) -> None:
-        ready = []
-        for job in jobs:
-            if job.sampler.weights != self.serving:
-                fail(
-                    self.results[job.request_id],
-                    Failure(
-                        f"Sampler of {job.sampler.model_path or 'the base model'} is not served any more: "
-                        "the engine holds only the newest weights saved for a sampler (docs/serve.md). "
-                        "Sample from the newest sampler."
-                    ),
-                )
-            else:
-                ready.append(job)
-        if not ready:
-            return
-        try:
-            asks = [(j.prompt, j.n, j.max_tokens, j.seed) for j in ready]
-            outs = await self._call("rollout", "sample", asks, ready[0].params)
-            for job, sequences in zip(ready, outs, strict=True):
-                logprobs = (
-                    await self._call("rollout", "prompt_logprobs", job.prompt)
-                    if job.prompt_logprobs
-                    else None
-                )
-                ids = [f"{job.request_id}:{i}" for i in range(len(sequences))]
-                if job.record:  # before the answer: a training request may name them at once
-                    self._record(job, ids, sequences)
-                self.results[job.request_id].set_result(sample_response(sequences, logprobs, ids))
-        except Exception as e:  # every request of the call gets the error; the loop goes on
-            failure = failure_of(e)
-            for job in ready:
-                fail(self.results[job.request_id], failure)
-
-    def _record(self, job: SampleJob, ids: list[str], sequences: list) -> None:
-        """Keep each sampled sequence for the training requests of the sampler's session to name."""
-        for sequence_id, s in zip(ids, sequences, strict=True):
-            sent = [float(x) for x in np.float32(s.logprobs)]  # as the answer carries them
-            self.records.add(job.sampler.session_id, sequence_id, Recorded(job.prompt, s.tokens, sent))
+        return self.sampling.get(sampler_id)
 
     def new_sample(self, sampler_id: str, **fields) -> tuple[str, list[str]]:
         """Queue a sample request -> its request id and its sequences' ids."""
-        request_id, _ = self._future()
-        job = SampleJob(request_id, self.sampler(sampler_id), **fields)
-        self.sample(job)
+        request_id, future = self._future()
+        job = SampleJob(request_id, future, self.sampling.get(sampler_id), **fields)
+        self.sampling.queue.put_nowait(job)
         return request_id, [f"{request_id}:{i}" for i in range(job.n)]
 
     async def close(self) -> None:
         for task in self.loops:
             task.cancel()
         self.workers.close()
+
+
+def _targets(shape: dict) -> str:
+    return " and ".join([*(["attention"] if shape["attn"] else []), *(["MLP"] if shape["mlp"] else [])])
 
 
 def open_service(cfg: Config, full_weights: bool = False) -> Service:

@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from tandem.config import Config
+from tandem.dtypes import DTYPES
 from tandem.errors import TandemError
+from tandem.model.lora import fresh_adapters
 from tandem.runtime.actors import RolloutActor, TrainActor
 from tandem.runtime.startup import build_cluster, place
 from tandem.sample import Prompt, Sample, SamplingParams
@@ -59,21 +61,81 @@ def as_samples(data: list[Datum]) -> list[Sample]:
 
 
 class ServeTrainer(TrainActor):
+    """The service's trainer. Several models (the service's clients) train on one base in turn:
+    each has its own adapters, accumulated gradients, AdamW moments and version, put into the
+    learner for its own calls and parked beside it otherwise (`Learner.take_trainable` /
+    `put_trainable`). A full-weights model (LoRA rank 0) is the only one."""
+
     def __init__(self, cfg: Config, rank: int, threads: int):
         super().__init__(cfg, rank, threads, keep_ref=False)
+        self.parked: dict[str, tuple[dict, int]] = {}  # model id -> (its trainables, its version)
+        self.active: str | None = None  # whose trainables the learner holds
 
     def reset(self, cfg: Config) -> str:
-        """A fresh model: the base at model.path with new adapters (train.lora), a new optimizer
-        -> the tokenizer's directory, for clients that load it."""
+        """A fresh trainer for `cfg` (the base at model.path, train.lora's adapter shape), no model
+        on it yet -> the tokenizer's directory, for clients that load it."""
         self.rebuild(cfg)
+        self.parked.clear()
+        self.active = None
         return self.tokenizer.name_or_path
 
+    def add_model(self, model_id: str, seed: int) -> None:
+        """A new model: fresh adapters drawn from `seed` as `apply_lora` draws them (a full-weights
+        model: the base as `reset` loaded it), fresh AdamW, version 0."""
+        self._park()
+        learner = self.trainer.learner
+        if self.cfg.train.lora.rank:
+            learner.put_trainable({n: (v, None, {}) for n, v in fresh_adapters(learner.model, seed).items()})
+        self.trainer.version = 0
+        self.active = model_id
+
+    def drop_model(self, model_id: str) -> None:
+        self.parked.pop(model_id, None)
+        if self.active == model_id:
+            self.active = None  # its values stay in the learner until the next model's go in
+
+    def use(self, model_id: str) -> None:
+        """The learner holds `model_id`'s trainables (and its version) from here on."""
+        if self.active == model_id:
+            return
+        if model_id not in self.parked:
+            raise TandemError(f"No model {model_id!r} on the trainer (closed, or its session ended).")
+        self._park()
+        taken, self.trainer.version = self.parked.pop(model_id)
+        self.trainer.learner.put_trainable(taken)
+        self.active = model_id
+
+    def _park(self) -> None:
+        if self.active is not None:
+            self.parked[self.active] = (self.trainer.learner.take_trainable(), self.trainer.version)
+            self.active = None
+
+    def snapshot(self, model_id: str) -> dict[str, torch.Tensor]:
+        """What a push would send of `model_id` (its adapters; a full-weights model's every weight),
+        in the engine's dtype: a sampler's weights."""
+        self.use(model_id)
+        dtype = DTYPES[self.cfg.rollout.dtype]
+        return {n: t.detach().to(dtype).clone() for n, t in self.trainer.pushed_weights()}
+
+    def save_model(self, model_id: str, path: str):
+        self.use(model_id)
+        return self.save(path)
+
+    def load_model(self, model_id: str, path: str, optimizer: bool) -> int:
+        """`model_id` continues from the checkpoint at `path`; without `optimizer` AdamW restarts."""
+        self.use(model_id)
+        version = self.load(path)
+        if not optimizer:
+            self.trainer.learner.forget_optimizer_state()
+        return version
+
     def forward_backward(
-        self, data: list[Datum], loss_fn: str, config: dict, backward: bool
+        self, model_id: str, data: list[Datum], loss_fn: str, config: dict, backward: bool
     ) -> tuple[list[dict[str, list[float]]], dict[str, float]]:
-        """The loss's forward (and with `backward` its backward, gradients added to those of the
-        calls since the last optim_step) -> each datum's {"logprobs": per target} and the metrics
-        ("loss:sum", Tinker's reduction suffix)."""
+        """`model_id`'s loss forward (and with `backward` its backward, gradients added to those of
+        its calls since its last optim_step) -> each datum's {"logprobs": per target} and the
+        metrics ("loss:sum", Tinker's reduction suffix)."""
+        self.use(model_id)
         learner, loss_of = self.trainer.learner, LOSSES.get(loss_fn)
         samples = as_samples(data)
         width = max(len(d.targets) for d in data)
@@ -97,24 +159,34 @@ class ServeTrainer(TrainActor):
         per_datum = [{"logprobs": logp[i, : len(d.targets)].tolist()} for i, d in enumerate(data)]
         return per_datum, {"loss:sum": sums.get("loss:sum", 0.0)}
 
-    def optim_step(
-        self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, clip: float
-    ) -> dict:
-        """One AdamW step on the accumulated gradients with the client's parameters (grad clip 0:
-        none) -> metrics; the gradients are cleared."""
-        hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, grad_clip=clip)
+    def optim_step(self, model_id: str, hyper: dict) -> dict:
+        """One AdamW step on `model_id`'s accumulated gradients with the client's hyper-parameters
+        (`Learner.set_hyperparameters`' arguments; grad_clip 0: none) -> metrics; the gradients are
+        cleared."""
+        self.use(model_id)
         norm = self.trainer.step_accumulated(hyper)
+        lr = hyper["lr"]
         return {"grad_norm:mean": norm, "learning_rate:mean": lr}
-
-    def drop_optimizer_state(self) -> None:
-        """After a load without the optimizer (TrainingClient.load_state): AdamW starts afresh."""
-        self.trainer.learner.forget_optimizer_state()
 
 
 class ServeRollout(RolloutActor):
     def reset(self, cfg: Config) -> None:
-        """An engine for a fresh model (its adapters' shapes from train.lora), at version 0."""
+        """An engine for a fresh model shape (its adapters' from train.lora), at version 0."""
         self.rebuild(cfg)
+
+    def serve_weights(self, weights: dict[str, torch.Tensor]) -> int:
+        """From the next sample on, the engine computes with `weights` (a sampler's: what a push of
+        its model sends, `ServeTrainer.snapshot`) -> the engine's new version."""
+        version = self.worker.version + 1
+
+        def apply() -> None:
+            with torch.no_grad():
+                for name, param in self.params.items():
+                    param.copy_(weights[name])
+
+        self.worker.set_pending_update(version, apply)
+        self.worker.apply_pending()
+        return version
 
     def sample(self, requests: list[tuple[list[int], int, int, int | None]], params: SamplingParams) -> list:
         """Requests of (prompt tokens, samples, max new tokens, seed) sampled in one generate call
@@ -164,13 +236,6 @@ class Workers:
         cluster = self.train if role == "train" else self.rollout
         worker = cluster.names[role][0]
         return cluster.get([cluster.submit(worker, method, *args)], self.timeout_s)[0]
-
-    def push(self, version: int) -> None:
-        """The trainer's weights (a LoRA model's adapters) to the engine as `version`, in buckets,
-        as `tandem train` pushes them: no file in between."""
-        sent = self.call("train", "send_weights", version)
-        self.call("rollout", "receive_weights", sent, version)
-        self.call("rollout", "apply_pending")
 
     def close(self) -> None:
         self.train.close()

@@ -257,6 +257,36 @@ class Learner:
     def clear_gradients(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def take_trainable(self) -> dict[str, tuple[Tensor, Tensor | None, dict]]:
+        """What trains, taken out: each trainable parameter's name -> (its value, its accumulated
+        gradient or None, its AdamW state), the gradient and state handed over (the learner keeps
+        none of them). With `put_trainable`, one learner trains several adapters on one base in
+        turn (`tandem serve`'s clients), each with its own gradients and moments."""
+        if self.sharded:
+            raise TandemError("Only an unsharded learner's adapters are taken out (fsdp2 shards them).")
+        taken = {}
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                taken[name] = (p.detach().clone(), p.grad, self.optimizer.state.pop(p, {}))
+                p.grad = None
+        return taken
+
+    @torch.no_grad()
+    def put_trainable(self, taken: dict[str, tuple[Tensor, Tensor | None, dict]]) -> None:
+        """Every trainable parameter set from `taken` (`take_trainable`'s form; a fresh adapter's
+        values come with no gradient and an empty state); the compute copy follows."""
+        params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        if set(taken) != set(params):
+            raise TandemError(f"put_trainable: {len(taken)} tensors for {len(params)} trainable parameters.")
+        for name, p in params.items():
+            value, p.grad, state = taken[name]
+            p.copy_(value)
+            self.optimizer.state.pop(p, None)
+            if state:
+                self.optimizer.state[p] = state
+        if self.masters is not None:
+            self.masters.refresh()
+
     def forget_optimizer_state(self) -> None:
         """AdamW's moments and step counts dropped: the next step starts them afresh (the weights
         stay). `tandem serve`'s load of a checkpoint without its optimizer."""
