@@ -11,9 +11,10 @@ push to the engine after every step. `tandem train` runs its default recipe for 
 steps' `timing_s/step`. The service runs `tandem serve --full-weights` in a subprocess and the
 example loop here with no held-out evaluation; its loop time is the example's. On the service side
 the seconds of each worker call (`/tandem/timings`: sample = generate, forward_backward,
-optim_step, push) are read before and after the loop; what the loop took beyond them is the
-service's overhead: HTTP, protobuf and JSON, the futures' polling, and the client's own work
-(tokenizing, decoding, rewards, building datums), which `tandem train` does in its workers.
+optim_step, push = the weights' snapshot and the engine taking them) are read before and after
+the loop; what the loop took beyond them is the service's overhead: HTTP, protobuf and JSON, the
+futures' polling, and the client's own work (tokenizing, decoding, rewards, building datums),
+which `tandem train` does in its workers.
 
 Prints the ratio (service / train) and the per-step parts; `--json` writes them as one flat object.
 Both runs share the machine's cores in turn, never at once.
@@ -94,7 +95,7 @@ def service_side(steps: int, out: Path) -> dict[str, float]:
         "serve_sample_s": spent.get("rollout.sample", 0.0),
         "serve_forward_backward_s": spent.get("train.forward_backward", 0.0),
         "serve_optim_step_s": spent.get("train.optim_step", 0.0),
-        "serve_push_s": spent.get("push", 0.0),
+        "serve_push_s": spent.get("push", 0.0) + spent.get("rollout.serve_weights", 0.0),
     }
     step_s = loop_s / steps
     return {"serve_step_s": step_s, **parts, "serve_overhead_s": step_s - sum(parts.values())}
