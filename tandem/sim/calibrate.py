@@ -271,6 +271,7 @@ def ray_figures(cfg: Config, costs: Costs, repeats: int = 20) -> dict[str, float
     if started_here:
         cpus = cfg.placement.num_cpus or None  # a Ray of its own, not a cluster `ray start` recorded
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level="ERROR")
+    cfg = devices.resolve(cfg, ray.cluster_resources().get("GPU", 0))  # as a run on this Ray would
     cluster = RayCluster.start(cfg)
     try:
         ray.get(cluster.built[1], timeout=cfg.run.timeout_s)  # every actor built
