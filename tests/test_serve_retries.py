@@ -28,6 +28,8 @@ from tandem.serve.app import build_app  # noqa: E402
 from tandem.serve.replies import REPLAYED  # noqa: E402
 from tandem.serve.service import open_service  # noqa: E402
 
+pytestmark = pytest.mark.integration  # a service of its own: seconds to start, a minute of SDK calls
+
 
 class DropFirst:
     """An ASGI wrapper: the app answers every request, but the first answer to a request whose path

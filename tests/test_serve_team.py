@@ -54,6 +54,7 @@ def sft_steps(training, data, steps: int) -> None:
         training.optim_step(types.AdamParams(learning_rate=3e-3)).result(timeout=WAIT_S)
 
 
+@pytest.mark.integration
 def test_two_clients_train_their_own_adapters_as_each_would_alone(exact):
     """Interleaved step by step, each client's model ends where the same loop alone ends, bit for
     bit: its adapters, gradients and AdamW moments are its own."""
@@ -83,6 +84,7 @@ def test_two_clients_train_their_own_adapters_as_each_would_alone(exact):
         two.close("success").result()
 
 
+@pytest.mark.integration
 def test_samplers_of_several_clients_and_versions_sample_together_each_exactly_its_own(exact):
     """Four clients' samplers, and an older sampler of the first, sample in one burst; each sampled
     token's logprob equals what its own trainer computes for it, bit for bit (run.deterministic):
@@ -122,6 +124,7 @@ def test_samplers_of_several_clients_and_versions_sample_together_each_exactly_i
             c.close("success").result()
 
 
+@pytest.mark.integration
 def test_a_client_that_died_does_not_block_the_next(exact, tmp_path):
     """A client killed (SIGKILL: no close, no more heartbeats) while its model is live: the next
     client's model is made at once, not 60 s later."""
