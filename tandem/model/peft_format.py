@@ -59,15 +59,23 @@ def peft_config(model: CausalLM, base_path: str = "") -> dict:
     writes it, since its all-linear would also take an MoE block's shared expert."""
     a = model.adapters
     c = a.config
+    targets = a.targets if c.target_modules == LORA_ALL_LINEAR else list(c.target_modules)
+    return lora_config(c.rank, c.alpha, c.dropout, targets, list(c.modules_to_save), base_path)
+
+
+def lora_config(
+    rank: int, alpha: float, dropout: float, targets: list[str], modules_to_save: list[str], base_path: str
+) -> dict:
+    """adapter_config.json's contents for a plain LoRA adapter of these settings (`peft_config`'s)."""
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_path or None,
-        "r": c.rank,
-        "lora_alpha": c.alpha,
-        "lora_dropout": c.dropout,
-        "target_modules": a.targets if c.target_modules == LORA_ALL_LINEAR else list(c.target_modules),
-        "modules_to_save": list(c.modules_to_save) or None,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": targets,
+        "modules_to_save": modules_to_save or None,
         "bias": "none",
         "fan_in_fan_out": False,
         "init_lora_weights": True,

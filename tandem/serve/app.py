@@ -32,7 +32,9 @@ from tandem.errors import TandemError
 from tandem.sample import SamplingParams
 from tandem.serve import wire
 from tandem.serve.futures import Failure, NotFound
+from tandem.serve.hub import tokenizer_id
 from tandem.serve.replies import Replies
+from tandem.serve.rest import admits, rest_routes
 from tandem.serve.service import Service, open_service
 from tandem.serve.wire import parse_forward_backward
 
@@ -143,7 +145,8 @@ def build_app(service: Service, api_key: str = "") -> FastAPI:
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
         given = request.headers.get("x-api-key", "")
-        if api_key and not hmac.compare_digest(given.encode(), api_key.encode()):
+        keyed = hmac.compare_digest(given.encode(), api_key.encode()) or admits(request, api_key)
+        if api_key and not keyed:
             return JSONResponse({"detail": "Wrong or missing API key (X-API-Key)."}, status_code=401)
         return await call_next(request)
 
@@ -158,7 +161,7 @@ def build_app(service: Service, api_key: str = "") -> FastAPI:
         return JSONResponse({"detail": detail}, status_code=500, headers={"x-should-retry": "false"})
 
     api = APIRouter(prefix="/api/v1")  # the SDK's routes, all under one prefix
-    for routes in (session_routes, training_routes, sampling_routes):
+    for routes in (session_routes, training_routes, sampling_routes, rest_routes):
         routes(api, service)
     app.include_router(api)
 
@@ -217,14 +220,16 @@ def training_routes(api: APIRouter, service: Service) -> None:
         lora = r.lora_config or types.LoraConfig(rank=0)
         seed = lora.seed if lora.seed is not None else service.cfg.run.seed
         rid = service.create_model(
-            r.session_id, r.model_seq_id, r.base_model, lora.rank, seed, lora.train_attn, lora.train_mlp
+            r.session_id, r.model_seq_id, r.base_model, lora.rank, seed, lora.train_attn, lora.train_mlp,
+            r.user_metadata,
         )
         return wire.future(rid)
 
     @api.post("/get_info")
     async def get_info(request: Request):
         model = service.model_of((await body(request, types.GetInfoRequest)).model_id)
-        return wire.model_info(model.model_id, model.base_model, model.tokenizer_dir, model.shape["rank"])
+        tokenizer = tokenizer_id(request, model.tokenizer_dir, service.base_model)  # a path only here
+        return wire.model_info(model.model_id, model.base_model, tokenizer, model.shape["rank"])
 
     @api.post("/forward_backward")
     async def forward_backward(request: Request):
@@ -245,20 +250,23 @@ def training_routes(api: APIRouter, service: Service) -> None:
     async def save_weights(request: Request):
         r = await body(request, types.SaveWeightsRequest)
         name = r.path or f"step-{r.seq_id}"
-        return wire.future(service.save_state(r.model_id, r.seq_id, name, r.overwrite))
+        saved = service.save_state(r.model_id, r.seq_id, name, r.overwrite, r.ttl_seconds, r.user_metadata)
+        return wire.future(saved)
 
     @api.post("/load_weights")
     async def load_weights(request: Request):
         r = await body(request, types.LoadWeightsRequest)
         if r.session_id is not None:  # create_training_client_from_state: the load makes the model
-            made = service.create_from_state(r.session_id, r.model_seq_id or 0, r.path, r.optimizer)
+            seq = r.model_seq_id or 0
+            made = service.create_from_state(r.session_id, seq, r.path, r.optimizer, r.user_metadata)
             return wire.future(made)
         return wire.future(service.load_state(r.model_id or "", r.seq_id, r.path, r.optimizer))
 
     @api.post("/save_weights_for_sampler")
     async def save_for_sampler(request: Request):
         r = await body(request, types.SaveWeightsForSamplerRequest)
-        return wire.future(service.save_for_sampler(r.model_id, r.seq_id, r.path))
+        saved = service.save_for_sampler(r.model_id, r.seq_id, r.path, r.ttl_seconds, r.user_metadata)
+        return wire.future(saved)
 
 
 def sampling_routes(api: APIRouter, service: Service) -> None:

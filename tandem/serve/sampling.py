@@ -107,6 +107,11 @@ class Sampling:
 
     async def _serve(self, weights: str) -> None:
         """The engine holds the snapshot `weights` (given it unless it holds it already)."""
+        if weights not in self.snapshots:
+            raise NotFound(
+                f"The sampler weights {weights!r} are gone: deleted, or past their ttl_seconds. Save "
+                "them again (save_weights_for_sampler) and sample those."
+            )
         if self.serving == weights:
             return
         if self.snapshots.shapes[weights] != self.shape:

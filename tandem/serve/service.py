@@ -37,11 +37,12 @@ from tandem.errors import TandemError
 from tandem.model.config import ModelConfig, model_dir
 from tandem.runtime.startup import resolve_inputs
 from tandem.serve import wire
-from tandem.serve.checkpoints import Checkpoints
+from tandem.serve.checkpoints import Checkpoints, expiry, stamp
 from tandem.serve.checks import check_adam, check_tokens
 from tandem.serve.futures import Failure, NotFound, fail, failure_of, nothing, settle
 from tandem.serve.losses import check_provenance, check_request
 from tandem.serve.records import Records
+from tandem.serve.runs import Runs
 from tandem.serve.sampling import SampleJob, Sampler, Sampling
 from tandem.serve.snapshots import Snapshots
 from tandem.serve.wire import FwdBwdRequest, forward_backward_output
@@ -68,6 +69,7 @@ class Model:
     requests: dict = dataclasses.field(default_factory=dict)  # seq_id -> its request id
     draining: bool = False  # a task runs its queue
     pushes: int = 0
+    last_request: float = 0.0  # seconds since the epoch, for the REST side
 
 
 class Service:
@@ -77,6 +79,7 @@ class Service:
         self.cfg, self.workers, self.full_weights = cfg, workers, full_weights
         self.base_model = base_model or cfg.model.path
         self.checkpoints = Checkpoints(Path(cfg.run.out_dir) / cfg.run.name)
+        self.runs = Runs(self.checkpoints.root)  # every model made, for the REST side
         self.sessions: dict[str, float] = {}  # session id -> last heartbeat (monotonic)
         self.models: dict[str, Model] = {}  # the live ones
         self.shape: dict | None = None  # what the trainer and the engine are built for now
@@ -160,11 +163,19 @@ class Service:
             asyncio.create_task(self._call("train", "drop_model", model.model_id))
 
     def create_model(
-        self, session_id: str, seq: int, base: str, rank: int, seed: int, attn: bool, mlp: bool
+        self,
+        session_id: str,
+        seq: int,
+        base: str,
+        rank: int,
+        seed: int,
+        attn: bool,
+        mlp: bool,
+        user_metadata: dict | None = None,
     ) -> str:
-        """A new training model -> the request id whose result is its model id. Refused, naming
-        why and until when, when the live models have another adapter shape, a full-weights model
-        is live, or MAX_MODELS are."""
+        """A new training model -> the request id whose result is its model id; its run recorded
+        with the client's `user_metadata`. Refused, naming why and until when, when the live models
+        have another adapter shape, a full-weights model is live, or MAX_MODELS are."""
         self.check_base(base)
         self._drop_gone()
         shape = dict(rank=0 if self.full_weights else rank, attn=attn, mlp=mlp)
@@ -177,6 +188,7 @@ class Service:
                 if shape != self.shape:  # no live model of another shape: build for this one
                     await self._reset(shape, seed)
                 await self._call("train", "add_model", model.model_id, seed)
+                self.runs.record(model.model_id, session_id, base, shape, user_metadata)
                 model.tokenizer_dir = self.tokenizer_dir
                 base_key = f"base:{self.resets}"
                 if base_key not in self.sampling.snapshots:  # a fresh model's adapters compute the base
@@ -247,6 +259,7 @@ class Service:
         Anything else `check` raises is the service's fault: the request's future fails with it
         (an HTTP 500 would have the SDK send the request again, under a seq_id now used)."""
         model = self.model_of(model_id)
+        model.last_request = time.time()
         seq = seq_id if seq_id is not None else max(model.last_seq, model.next_seq - 1) + 1
         if seq in model.requests:  # a retry (the SDK numbers each request once): the first's future
             return model.requests[seq]
@@ -333,20 +346,36 @@ class Service:
             raise NotFound(f"No checkpoint at {path!r} (looked in {where}).")
         return where, meta
 
-    def save_state(self, model_id: str, seq_id: int | None, name: str, overwrite: bool) -> str:
-        path, where = "", Path()  # set by the check
+    def save_state(
+        self,
+        model_id: str,
+        seq_id: int | None,
+        name: str,
+        overwrite: bool,
+        ttl_seconds: int | None = None,
+        user_metadata: dict | None = None,
+        kind: str = "weights",
+        extra: Callable[[], dict] = dict,
+    ) -> str:
+        """save_state (kind "weights"; "external_weights": save_weights_external) -> its request id;
+        serve.json keeps its expiry, user_metadata and what `extra()` adds (checked with the request:
+        a TandemError from it refuses the request) for the REST side."""
+        path, where, added = "", Path(), {}  # set by the check
 
         def check():
-            nonlocal path, where
-            path, where = self.checkpoints.place(model_id, "weights", name)
+            nonlocal path, where, added
+            path, where = self.checkpoints.place(model_id, kind, name)
+            expiry(ttl_seconds)
+            added = extra()
             if not overwrite and self.checkpoints.exists(where):
                 raise TandemError(f"Checkpoint {path!r} exists; pass overwrite=True to replace it.")
 
         async def work(model: Model):
             meta = {"base_model": model.base_model, **model.shape, "seed": model.seed}
+            meta |= stamp(ttl_seconds, user_metadata) | added
             with self.checkpoints.writing_to(where, meta) as tmp:  # whole, or the old one stays
                 await self._call("train", "save_model", model.model_id, str(tmp))
-            return wire.weights_saved(path)
+            return wire.weights_saved(path, kind)
 
         return self.train(model_id, seq_id, work, check)
 
@@ -362,12 +391,13 @@ class Service:
 
         return self.train(model_id, seq_id, work, check)
 
-    def create_from_state(self, session_id: str, seq: int, path: str, optimizer: bool) -> str:
+    def create_from_state(
+        self, session_id: str, seq: int, path: str, optimizer: bool, user_metadata: dict | None = None
+    ) -> str:
         """create_training_client_from_state: a new model shaped as the checkpoint's, then its state."""
         _, meta = self.checkpoint(path)
-        request_id = self.create_model(
-            session_id, seq, meta["base_model"], meta["rank"], meta["seed"], meta["attn"], meta["mlp"]
-        )
+        shape = (meta["rank"], meta["seed"], meta["attn"], meta["mlp"])
+        request_id = self.create_model(session_id, seq, meta["base_model"], *shape, user_metadata)
         model, created = self.models[f"{session_id}:train:{seq}"], self.results[request_id]
 
         async def work():
@@ -380,14 +410,22 @@ class Service:
 
         return self.run(work)
 
-    def save_for_sampler(self, model_id: str, seq_id: int | None, name: str | None) -> str:
+    def save_for_sampler(
+        self,
+        model_id: str,
+        seq_id: int | None,
+        name: str | None,
+        ttl_seconds: int | None = None,
+        user_metadata: dict | None = None,
+    ) -> str:
         """The model's weights now, kept for sampling (`tandem.serve.snapshots`) -> a sampler for them
-        (a path when named, else a sampling session)."""
+        (a path when named, a sampler checkpoint the REST side lists; else a sampling session)."""
         model, path = self.model_of(model_id), None
 
         def check():
             nonlocal path
             path = self.checkpoints.place(model_id, "sampler_weights", name)[0] if name else None
+            expiry(ttl_seconds)
 
         async def work(model: Model):
             model.pushes += 1
@@ -396,6 +434,8 @@ class Service:
             weights = await self._call("train", "snapshot", model.model_id)
             self.timings["push"] = self.timings.get("push", 0.0) + time.perf_counter() - start
             self.sampling.snapshots.put(key, weights, self.resets)
+            if path:
+                self.sampling.snapshots.name(key, model.model_id, ttl_seconds, user_metadata)
             sampler_id = self.sampling.add(Sampler(model.base_model, key, key, model.session_id))
             return wire.saved_for_sampler(key, sampler_id)
 

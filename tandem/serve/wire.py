@@ -280,7 +280,10 @@ def optim_stepped(metrics: dict[str, float]) -> dict:
     return _json(types.OptimStepResponse(metrics=metrics))
 
 
-def weights_saved(path: str) -> dict:
+def weights_saved(path: str, kind: str = "weights") -> dict:
+    """save_state's answer; save_weights_external's for its kind, external_weights."""
+    if kind == "external_weights":
+        return _json(types.SaveWeightsExternalResponseInternal(path=path, type="save_weights_external"))
     return _json(types.SaveWeightsResponse(path=path, type="save_weights"))
 
 
