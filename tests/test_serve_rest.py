@@ -31,6 +31,7 @@ from tandem.serve.app import build_app  # noqa: E402
 from tandem.serve.service import Service, open_service  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.integration  # a service of its own, transformers and peft loads: seconds each
 
 
 @pytest.fixture(scope="module")
