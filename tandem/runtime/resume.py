@@ -99,9 +99,10 @@ def damage(path: Path, cfg: Config | None = None) -> list[str]:
     config.yaml parses, driver.pt and each train rank's rank_<r>.pt are whole torch.save archives
     (their records' checksums match), the DCP shards of trainer/ (and critic/ under
     algo.adv_estimator=gae) are all there at full length, and the Hugging Face weights match
-    config.json and hold no NaN or inf (`check_checkpoint`). Each of those files is first compared with the size and
-    CRC-32 its checkpoint's checksums.json recorded (`tandem.checksums`; a checkpoint written before
-    that has none and is checked as before), so a flipped byte inside a shard or the weights shows. With `cfg`, a saved config that differs in a FIXED key is
+    config.json and hold no NaN or inf (`check_checkpoint`). Each of those files is first compared
+    with the size and CRC-32 its checkpoint's checksums.json recorded (`tandem.checksums`; a
+    checkpoint written before that has none and is checked as before), so a flipped byte inside a
+    shard or the weights shows. With `cfg`, a saved config that differs in a FIXED key is
     refused first (`check_compatible` raises): that is the user's to set back, not damage."""
     if not path.is_dir():
         return [f"{path} is not a directory"]
