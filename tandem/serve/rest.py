@@ -55,6 +55,7 @@ def admits(request: Request, api_key: str) -> bool:
 def rest_routes(api: APIRouter, service: Service) -> None:
     run_routes(api, service)
     checkpoint_routes(api, service)
+    export_routes(api, service)
     download_routes(api, service)
     hub_routes(api, service)
 
@@ -86,6 +87,7 @@ def run_routes(api: APIRouter, service: Service) -> None:
 
 
 def checkpoint_routes(api: APIRouter, service: Service) -> None:
+    """Listing a run's checkpoints, their weights' shape, deleting one, and its time to live."""
     one = "/training_runs/{run_id}/checkpoints/{kind}/{name}"
 
     @api.get("/training_runs/{run_id}/checkpoints")
@@ -139,6 +141,11 @@ def checkpoint_routes(api: APIRouter, service: Service) -> None:
         else:
             service.checkpoints.amend(found, expires_at=expires_at)
         return Response(status_code=204)
+
+
+def export_routes(api: APIRouter, service: Service) -> None:
+    """Publishing, copying and exporting a checkpoint."""
+    one = "/training_runs/{run_id}/checkpoints/{kind}/{name}"
 
     @api.post(one + "/publish")
     async def publish(run_id: str, kind: str, name: str):
