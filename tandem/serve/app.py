@@ -175,6 +175,7 @@ def build_app(service: Service, api_key: str = "") -> FastAPI:
 
 def session_routes(api: APIRouter, service: Service) -> None:
     """Health, the client's config, sessions and what the service serves."""
+
     @api.get("/healthz")
     async def healthz():
         return wire.healthy()
@@ -214,13 +215,20 @@ def session_routes(api: APIRouter, service: Service) -> None:
 
 def training_routes(api: APIRouter, service: Service) -> None:
     """A training model and its requests: each returns a future."""
+
     @api.post("/create_model")
     async def create_model(request: Request):
         r = await body(request, types.CreateModelRequest)
         lora = r.lora_config or types.LoraConfig(rank=0)
         seed = lora.seed if lora.seed is not None else service.cfg.run.seed
         rid = service.create_model(
-            r.session_id, r.model_seq_id, r.base_model, lora.rank, seed, lora.train_attn, lora.train_mlp,
+            r.session_id,
+            r.model_seq_id,
+            r.base_model,
+            lora.rank,
+            seed,
+            lora.train_attn,
+            lora.train_mlp,
             r.user_metadata,
         )
         return wire.future(rid)
@@ -271,6 +279,7 @@ def training_routes(api: APIRouter, service: Service) -> None:
 
 def sampling_routes(api: APIRouter, service: Service) -> None:
     """Samplers, sample requests, and the futures the SDK polls."""
+
     @api.post("/create_sampling_session")
     async def create_sampling_session(request: Request):
         r = await body(request, types.CreateSamplingSessionRequest)
