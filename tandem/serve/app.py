@@ -161,7 +161,7 @@ def build_app(service: Service, api_key: str = "") -> FastAPI:
         return JSONResponse({"detail": detail}, status_code=500, headers={"x-should-retry": "false"})
 
     api = APIRouter(prefix="/api/v1")  # the SDK's routes, all under one prefix
-    for routes in (session_routes, training_routes, sampling_routes, rest_routes):
+    for routes in (session_routes, training_routes, state_routes, sampling_routes, rest_routes):
         routes(api, service)
     app.include_router(api)
 
@@ -253,6 +253,10 @@ def training_routes(api: APIRouter, service: Service) -> None:
         adam = isinstance(r.optim_params, types.AdamParams)
         params = {"type": "adam", **r.optim_params.model_dump()} if adam else r.optim_params.model_dump()
         return wire.future(service.optim_step(r.model_id, r.seq_id, params))
+
+
+def state_routes(api: APIRouter, service: Service) -> None:
+    """A training model's state saved and loaded, and its weights saved for sampling."""
 
     @api.post("/save_weights")
     async def save_weights(request: Request):
