@@ -163,3 +163,33 @@ def test_samplers_past_the_resident_ones_are_read_back_from_disk(tmp_path):
     snapshots.put("two", {"w": torch.zeros(4, dtype=torch.bfloat16)}, 1)
     assert list(snapshots.memory) == ["two"] and len(list(tmp_path.iterdir())) == 1
     assert torch.equal(snapshots.get("one")["w"], first["w"]) and "one" in snapshots
+
+
+@pytest.mark.integration
+def test_each_full_weights_model_starts_from_the_base(tmp_path_factory):
+    """--full-weights trains the base itself: the next model (after the last one closed) starts
+    from the base again, not from where its predecessor left it."""
+    cfg = load_config(None, [f"run.out_dir={tmp_path_factory.mktemp('serve')}", "run.name=serve"])
+    service = open_service(cfg, full_weights=True)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(service), "127.0.0.1", port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        seen = []
+        for steps in (2, 0):
+            client = tinker.ServiceClient(base_url=url, api_key=KEY)
+            try:
+                training = client.create_lora_training_client(base_model=MODEL, rank=8).result()
+                data = carries(training.get_tokenizer())
+                seen.append(logprobs(training, data))
+                sft_steps(training, data, steps)
+            finally:
+                client.close("success").result()
+        assert seen[1] == seen[0]
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -185,7 +185,9 @@ class Service:
 
         async def work():
             async with self.shaping:
-                if shape != self.shape:  # no live model of another shape: build for this one
+                # No live model of another shape: build for this one. A full-weights model trains the
+                # base itself, so each one starts from a fresh trainer.
+                if shape != self.shape or self.full_weights:
                     await self._reset(shape, seed)
                 await self._call("train", "add_model", model.model_id, seed)
                 self.runs.record(model.model_id, session_id, base, shape, user_metadata)
