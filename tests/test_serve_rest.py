@@ -20,9 +20,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("peft")
 import httpx  # noqa: E402
 import torch  # noqa: E402
-import uvicorn  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
-from test_serve_tinker import KEY, MODEL, WAIT_S, carries, client, free_port  # noqa: E402
+from test_serve_tinker import KEY, MODEL, WAIT_S, carries, client, on_uvicorn  # noqa: E402
 from tinker import types  # noqa: E402
 
 from tandem.model.config import resolve_model_path  # noqa: E402
@@ -43,15 +42,8 @@ def served(tmp_path_factory):
         None, [f"run.out_dir={out}", "run.name=serve", "train.dtype=float32", "rollout.dtype=float32"]
     )
     service = open_service(cfg)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(service), "127.0.0.1", port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", service
-    server.should_exit = True
-    thread.join(10)
+    with on_uvicorn(build_app(service)) as url:
+        yield url, service
 
 
 def trained(service_client, **metadata) -> tuple:

@@ -9,8 +9,6 @@ a 502) and the real SDK retries.
 """
 
 import os
-import threading
-import time
 
 import pytest
 
@@ -19,8 +17,7 @@ pytest.importorskip("fastapi")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 import httpx  # noqa: E402
-import uvicorn  # noqa: E402
-from test_serve_tinker import KEY, MODEL, WAIT_S, carries, free_port  # noqa: E402
+from test_serve_tinker import KEY, MODEL, WAIT_S, carries, on_uvicorn  # noqa: E402
 from tinker import types  # noqa: E402
 
 from tandem.runtime.startup import load_config  # noqa: E402
@@ -73,15 +70,8 @@ def dropping(tmp_path_factory):
     cfg = load_config(None, [f"run.out_dir={tmp_path_factory.mktemp('serve')}", "run.name=serve"])
     service = open_service(cfg)
     wrapper = DropFirst(build_app(service), ("/forward_backward", "/optim_step", "/save_weights_for_sampler"))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(wrapper, "127.0.0.1", port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", service, wrapper
-    server.should_exit = True
-    thread.join(10)
+    with on_uvicorn(wrapper) as url:
+        yield url, service, wrapper
 
 
 def test_a_lost_answer_is_retried_by_the_sdk_and_the_request_runs_once(dropping, monkeypatch):

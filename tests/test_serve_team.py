@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -17,8 +16,7 @@ pytest.importorskip("fastapi")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 import torch  # noqa: E402
-import uvicorn  # noqa: E402
-from test_serve_tinker import KEY, MODEL, WAIT_S, carries, free_port, logprobs  # noqa: E402
+from test_serve_tinker import KEY, MODEL, WAIT_S, carries, logprobs, on_uvicorn  # noqa: E402
 from tinker import types  # noqa: E402
 
 from tandem.runtime.startup import load_config  # noqa: E402
@@ -27,25 +25,14 @@ from tandem.serve.service import open_service  # noqa: E402
 from tandem.serve.snapshots import Snapshots  # noqa: E402
 
 
-def serving(tmp_path_factory, *overrides: str):
-    cfg = load_config(None, [f"run.out_dir={tmp_path_factory.mktemp('serve')}", "run.name=serve", *overrides])
-    service = open_service(cfg)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(service), "127.0.0.1", port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{port}", service, server, thread
-
-
 @pytest.fixture(scope="module")
 def exact(tmp_path_factory):
     """A service in run.deterministic mode: the engine scores as the trainer does."""
-    url, service, server, thread = serving(tmp_path_factory, "run.deterministic=true")
-    yield url, service
-    server.should_exit = True
-    thread.join(10)
+    out = f"run.out_dir={tmp_path_factory.mktemp('serve')}"
+    cfg = load_config(None, [out, "run.name=serve", "run.deterministic=true"])
+    service = open_service(cfg)
+    with on_uvicorn(build_app(service)) as url:
+        yield url, service
 
 
 def sft_steps(training, data, steps: int) -> None:
@@ -171,14 +158,7 @@ def test_each_full_weights_model_starts_from_the_base(tmp_path_factory):
     from the base again, not from where its predecessor left it."""
     cfg = load_config(None, [f"run.out_dir={tmp_path_factory.mktemp('serve')}", "run.name=serve"])
     service = open_service(cfg, full_weights=True)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(service), "127.0.0.1", port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with on_uvicorn(build_app(service)) as url:
         seen = []
         for steps in (2, 0):
             client = tinker.ServiceClient(base_url=url, api_key=KEY)
@@ -190,6 +170,3 @@ def test_each_full_weights_model_starts_from_the_base(tmp_path_factory):
             finally:
                 client.close("success").result()
         assert seen[1] == seen[0]
-    finally:
-        server.should_exit = True
-        thread.join(10)

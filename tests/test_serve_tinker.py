@@ -50,16 +50,25 @@ def served(tmp_path_factory):
     """The service in this process, on uvicorn in a thread, for the module's tests -> its URL and
     its `Service` (whose run.out_dir holds the checkpoints)."""
     cfg = load_config(None, [f"run.out_dir={tmp_path_factory.mktemp('serve')}", "run.name=serve"])
-    port = free_port()
     service = open_service(cfg)
-    server = uvicorn.Server(uvicorn.Config(build_app(service), "127.0.0.1", port, log_level="warning"))
+    with on_uvicorn(build_app(service)) as url:
+        yield url, service
+
+
+@contextlib.contextmanager
+def on_uvicorn(app):
+    """`app` answering on a free loopback port, on uvicorn in a thread, for the block -> its URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, "127.0.0.1", port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", service
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 @pytest.fixture(scope="module")
