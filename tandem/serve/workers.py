@@ -190,8 +190,7 @@ class ServeRollout(RolloutActor):
 
     def sample(self, requests: list[tuple[list[int], int, int, int | None]], params: SamplingParams) -> list:
         """Requests of (prompt tokens, samples, max new tokens, seed) sampled in one generate call
-        -> per request its `Sequence`s. The weights are the newest pushed (`apply_pending`)."""
-        self.worker.apply_pending()
+        -> per request its `Sequence`s, under the weights last served (`serve_weights`)."""
         samples = []
         for g, (prompt, n, max_tokens, seed) in enumerate(requests):
             for i in range(n):
@@ -213,7 +212,6 @@ class ServeRollout(RolloutActor):
             raise TandemError(
                 f"Prompt logprobs need a built-in engine; rollout.engine={self.cfg.rollout.engine}."
             )
-        self.worker.apply_pending()
         sample = Sample(Prompt(text=""), tokens[:1], response_ids=tokens[1:])
         logp = sequence_logprobs(model, [sample], len(tokens), 1.0)[0]
         return [None] + logp[: len(tokens) - 1].tolist()
@@ -228,14 +226,13 @@ class Workers:
     cfg: Config
     train: "LocalCluster | RayCluster"
     rollout: "LocalCluster | RayCluster"
-    timeout_s: float
     stack: ExitStack
 
     def call(self, role: str, method: str, *args):
         """`method(*args)` on the role's worker, waited for (run it off the event loop)."""
         cluster = self.train if role == "train" else self.rollout
         worker = cluster.names[role][0]
-        return cluster.get([cluster.submit(worker, method, *args)], self.timeout_s)[0]
+        return cluster.get([cluster.submit(worker, method, *args)], self.cfg.run.timeout_s)[0]
 
     def close(self) -> None:
         self.train.close()
@@ -261,7 +258,7 @@ def start_workers(cfg: Config) -> Workers:
     classes = {"train": ServeTrainer, "rollout": ServeRollout}
     if not local:
         cluster = build_cluster(cfg, local, classes)
-        return Workers(cfg, cluster, cluster, cfg.run.timeout_s, stack)
+        return Workers(cfg, cluster, cluster, stack)
     train = build_cluster(cfg, local, classes, only=["train"])
     rollout = build_cluster(cfg, local, classes, only=["rollout"])
-    return Workers(cfg, train, rollout, cfg.run.timeout_s, stack)
+    return Workers(cfg, train, rollout, stack)
