@@ -58,6 +58,9 @@ class Sample:
     # Sampling seed of this request: its tokens then do not depend on the rest of its batch. None =
     # the engine's shared generator. Give the samples of one group different seeds, or they agree.
     seed: int | None = None
+    # The adapter of the engine's table (`DecoderEngine.load_adapters`) its rows take, by name, in a
+    # call of rows of several adapters (tandem serve's); None: the weights the engine serves.
+    adapter: str | None = None
     ref_logprobs: list[float] = field(default_factory=list)  # reference policy's, when a ref worker ran
     teacher_logprobs: list[float] = field(default_factory=list)  # the teacher's (algo.distill.teacher)
     reward: float = 0.0

@@ -45,6 +45,7 @@ more at small tiles (a train step's matmuls 1.3x slower at 128 rows than at 256)
 """
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -136,20 +137,35 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+Adapt = Callable[[Tensor, Tensor], Tensor]  # (a matmul's input rows, its output rows) -> output
+
+
 def mlp(
-    x: Tensor, gate_up: Tensor, gate_up_bias: Tensor | None, down: Tensor, down_bias: Tensor | None
+    x: Tensor,
+    gate_up: Tensor,
+    gate_up_bias: Tensor | None,
+    down: Tensor,
+    down_bias: Tensor | None,
+    adapters: tuple[Adapt, Adapt] | None = None,
 ) -> Tensor:
     """x (..., E), gate_up (2I, E) the gate and up weights stacked, down (E, I) -> (..., E):
-    down(silu(gate(x)) * up(x)) over `padded_rows` rows, SiLU reading the gate half in place."""
+    down(silu(gate(x)) * up(x)) over `padded_rows` rows, SiLU reading the gate half in place.
+    adapters: what adds LoRA deltas to the gate|up and to the down matmul's outputs (of the M real
+    rows, given their inputs), after each bias."""
     rows = x.reshape(-1, x.shape[-1])  # (M, E)
     m, width = rows.shape[0], down.shape[1]
     h = _mm(pad_rows(rows, padded_rows(m, width, rows.dtype)), gate_up)  # (M', 2I)
     if gate_up_bias is not None:
         h = h + gate_up_bias
+    if adapters is not None:
+        h = torch.cat([adapters[0](rows, h[:m]), h[m:]])
     gate, up = h.chunk(2, dim=-1)  # strided views: the activation loops row by row
-    out = _mm(F.silu(gate) * up, down)[:m]
+    act = F.silu(gate) * up
+    out = _mm(act, down)[:m]
     if down_bias is not None:
         out = out + down_bias
+    if adapters is not None:
+        out = adapters[1](act[:m], out)
     return out.reshape(*x.shape[:-1], down.shape[0])
 
 

@@ -19,7 +19,12 @@ from tandem.model.experts import SparseMoE
 from tandem.model.kv_cache import BatchCache, KVCache
 from tandem.model.logprobs import Targets, score_tokens
 from tandem.model.rope import apply_rope, check_positions, rope_table
+from tandem.model.row_adapters import LowRank
 from tandem.model.segments import Segments
+
+# The projections whose outputs one matmul gives side by side (what a `low_rank` hook is told)
+QKV, OUT = ("q_proj", "k_proj", "v_proj"), ("o_proj",)
+GATE_UP, DOWN = ("gate_proj", "up_proj"), ("down_proj",)
 
 
 class RMSNorm(nn.Module):
@@ -59,6 +64,10 @@ class Attention(nn.Module):
         self.fused: tuple[Tensor, Tensor | None] | None = None  # q|k|v weight, bias: fuse_projections
         self.packed: Tensor | None = None  # the fused weight for oneDNN: tandem.model.packed
         self.batch_invariant = False  # set by CausalLM.batch_invariant
+        # Adds LoRA deltas after the batch-invariant or fused matmuls (never the unfused ones, where a
+        # LoraLinear adds its own): an engine's rows of several adapters (tandem.model.row_adapters),
+        # or a trainer's unmerged adapters in the batch-invariant mode (tandem.model.lora).
+        self.low_rank: LowRank | None = None
 
     def forward(
         self,
@@ -82,14 +91,19 @@ class Attention(nn.Module):
                 if isinstance(mask, Segments)
                 else bi.attention(q, k, v, mask)
             )
-            return bi.linear(out.transpose(1, 2).reshape(b, t, -1), _weight(self.o_proj), self.o_proj.bias)
+            heads = out.transpose(1, 2).reshape(b, t, -1)
+            return self._adapted(heads, bi.linear(heads, _weight(self.o_proj), self.o_proj.bias), OUT)
         if isinstance(mask, Segments):
             out = mask.attend(q, k, v)
         elif t == 1:
             out = decode_attention(q, k, v, mask)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        heads = out.transpose(1, 2).reshape(b, t, -1)
+        return self.o_proj(heads) if self.fused is None else self._adapted(heads, self.o_proj(heads), OUT)
+
+    def _adapted(self, x: Tensor, out: Tensor, names: tuple[str, ...]) -> Tensor:
+        return out if self.low_rank is None else self.low_rank(x, out, names)
 
     def _rotated_qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, E) -> q (B, H, T, D), k, v (B, Hkv, T, D); q and k rotated by RoPE (and normed
@@ -102,6 +116,8 @@ class Attention(nn.Module):
             qkv = bi.linear(x, *(self.fused or _stacked([self.q_proj, self.k_proj, self.v_proj])))
         elif self.fused is not None:
             qkv = packed.linear(x, *self.fused, self.packed)
+        if qkv is not None:
+            qkv = self._adapted(x, qkv, QKV)
         if qkv is not None and not self.cfg.qk_norm:
             qkv = qkv.view(b, t, -1, d).transpose(1, 2)  # (B, H + 2 Hkv, T, D)
             q, k = apply_rope(qkv[:, : h + kv], cos, sin).split([h, kv], dim=1)
@@ -156,16 +172,25 @@ class MLP(nn.Module):
         self.fused: tuple[Tensor, Tensor | None] | None = None  # gate|up weight, bias: fuse_projections
         self.packed: Tensor | None = None  # the fused weight for oneDNN: tandem.model.packed
         self.batch_invariant = False  # set by CausalLM.batch_invariant
+        self.low_rank: LowRank | None = None  # as Attention.low_rank
 
     def forward(self, x: Tensor) -> Tensor:
+        hook = self.low_rank
         if self.batch_invariant:
             gate_up = self.fused or _stacked([self.gate_proj, self.up_proj])
-            return bi.mlp(x, *gate_up, _weight(self.down_proj), self.down_proj.bias)
-        if self.fused is not None:
-            gate, up = packed.linear(x, *self.fused, self.packed).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+            adapters = (
+                None if hook is None else (lambda a, o: hook(a, o, GATE_UP), lambda a, o: hook(a, o, DOWN))
+            )
+            return bi.mlp(x, *gate_up, _weight(self.down_proj), self.down_proj.bias, adapters)
+        if self.fused is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = packed.linear(x, *self.fused, self.packed)
+        if hook is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
+        gate, up = hook(x, gate_up, GATE_UP).chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        return hook(act, self.down_proj(act), DOWN)
 
 
 class DecoderLayer(nn.Module):
@@ -218,6 +243,8 @@ class CausalLM(nn.Module):
         self._rope: tuple[Tensor, Tensor] | None = None  # built on first use, on the model's device
         self._decode_layers = None  # torch.compile'd `_layers` for one-token forwards: compile_decode()
         self._batch_invariant = False
+        # While an engine's forward runs rows of several adapters: their table (RowAdapters.use)
+        self.row_adapters = None
 
     @property
     def batch_invariant(self) -> bool:
@@ -336,6 +363,7 @@ class CausalLM(nn.Module):
                 hidden, self.lm_head.weight, targets.tokens, targets.temperature, self.batch_invariant
             )
         compiled = self._decode_layers is not None and input_ids.shape[1] == 1 and not self.batch_invariant
+        compiled = compiled and self.row_adapters is None  # rows of several adapters: eagerly
         if compiled:
             return self._decode_layers(input_ids, cos, sin, mask, cache)
         return self._layers(input_ids, cos, sin, mask, cache, logits_at)
@@ -418,7 +446,8 @@ def _stacked(linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
 
 def _weight(linear: nn.Module) -> Tensor:
     """The weight a linear's forward multiplies by: a LoRA-adapted one's merged with its adapter
-    (`tandem.model.lora.LoraLinear.merged_weight`), for the batch-invariant forward."""
+    (`tandem.model.lora.LoraLinear.merged_weight`; its base weight in the unmerged form, whose
+    adapter the `low_rank` hook adds), for the batch-invariant forward."""
     merged = getattr(linear, "merged_weight", None)
     return linear.weight if merged is None else merged()
 

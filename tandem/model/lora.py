@@ -21,6 +21,10 @@ The batch-invariant forward (run.deterministic) multiplies by each adapted linea
 `LoraLinear.merged_weight`: W + s · B @ A in fp32, rounded once, differentiable in A and B, the
 same bits an engine merges into its copy of the base (`merged`), so the behaviour logprobs equal
 the trainer's exactly with an adapter as without. Adapter dropout has no merged form: refused there.
+That is `tandem train`'s form (`MergedAdapters` merges on its engine). `tandem serve`'s engine runs
+rows of several adapters unmerged beside the base (`tandem.model.row_adapters`), so its trainer
+takes the unmerged form (`set_lora_form`): the batch-invariant forward multiplies by W and adds
+s · (x Aᵀ) Bᵀ as the engine adds a row's, by the same function, in the same order.
 """
 
 import math
@@ -39,6 +43,9 @@ from tandem.model import batch_invariant as bi
 from tandem.model.config import ModelConfig
 from tandem.model.decoder import CausalLM, meta_model
 from tandem.model.experts import SparseMoE
+from tandem.model.row_adapters import side_by_side
+
+LORA_FORMS = ("merged", "unmerged")
 
 
 class LoraLinear(nn.Module):
@@ -57,6 +64,7 @@ class LoraLinear(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.scaling = alpha / rank
         self.enabled = True
+        self.unmerged = False  # set_lora_form: the batch-invariant forward adds the adapter apart
 
     def forward(self, x: Tensor) -> Tensor:
         out = F.linear(x, self.weight, self.bias)
@@ -67,11 +75,49 @@ class LoraLinear(nn.Module):
     def merged_weight(self) -> Tensor:
         """The weight the batch-invariant forward multiplies by: W + s · B @ A computed as `merged`
         computes it (the engines' merge, bit for bit), rounded once to W's dtype, with gradients to
-        A and B; W itself with the adapter off."""
-        if not self.enabled:
+        A and B; W itself with the adapter off or in the unmerged form (`set_lora_form`)."""
+        if not self.enabled or self.unmerged:
             return self.weight
         product = bi.linear(self.lora_B.weight.float(), self.lora_A.weight.float().t())  # B @ A
         return (product * self.scaling + self.weight.float()).to(self.weight.dtype)
+
+
+class LoraDeltas:
+    """The unmerged form's `low_rank` hook on an attention or MLP (`set_lora_form`): its adapted
+    projections' s · (x Aᵀ) Bᵀ side by side (`side_by_side`, as `RowLora` computes a row's), added
+    to the base's output. Called in the batch-invariant forward only (elsewhere each `LoraLinear`
+    adds its own, PEFT's way)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self, x: Tensor, out: Tensor, names: tuple[str, ...]) -> Tensor:
+        linears = [getattr(self.module, n) for n in names]
+        on = [isinstance(lin, LoraLinear) and lin.enabled for lin in linears]
+        parts = [
+            (lin.lora_A.weight, lin.lora_B.weight) if o else None for lin, o in zip(linears, on, strict=True)
+        ]
+        if not any(on):
+            return out
+        scaling = next(lin.scaling for lin, o in zip(linears, on, strict=True) if o)
+        widths = [lin.out_features for lin in linears]
+        return out + side_by_side(x, parts, widths, scaling, self.module.batch_invariant)
+
+
+def set_lora_form(model: CausalLM, form: str) -> None:
+    """How `model`'s batch-invariant forward computes its adapters: "merged" (the default,
+    `tandem train`'s: x (W + s · B @ A)ᵀ, `LoraLinear.merged_weight`) or "unmerged" (`tandem
+    serve`'s: x Wᵀ + s · (x Aᵀ) Bᵀ, as its engine computes rows of several adapters). Outside that
+    mode each `LoraLinear` computes PEFT's form either way. In place."""
+    if form not in LORA_FORMS:
+        raise ValueError(f"form={form!r}; valid: {', '.join(LORA_FORMS)}")
+    unmerged = form == "unmerged"
+    for _, m in lora_modules(model):
+        m.unmerged = unmerged
+    for layer in model.model.layers:
+        for module in (layer.self_attn, layer.mlp):
+            if hasattr(module, "low_rank") and any(isinstance(c, LoraLinear) for c in module.children()):
+                module.low_rank = LoraDeltas(module) if unmerged else None
 
 
 def initial_a(rank: int, in_features: int, generator: torch.Generator) -> Tensor:

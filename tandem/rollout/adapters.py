@@ -40,17 +40,29 @@ bf16 the merged weight is rounded once where the trainer rounds the base's and t
 products apart: the behaviour logprobs differ from the trainer's
 recompute about as the bf16 engine's do without one (1.3 times as much on the tiny model of
 tests/test_lora_sync.py); in fp32 to float error, as without an adapter.
+
+Rows of several adapters in one call (`tandem serve`'s samplers): no merge can serve them, so
+`DecoderEngine.load_adapters` brings a table of adapters (`table`: `RowAdapters`) and the base's
+weights back into the projections (`unmerge`: W0, then requantised and repacked as after a
+merge), and each sample's rows add their adapter unmerged at every adapted projection,
+x W0ᵀ + s · (x Aᵀ) Bᵀ (`tandem.model.row_adapters`), the cost measured above for the unmerged form
+(not measured for the table itself). Any later update drops the table. A `modules_to_save`
+parameter replaces the base's module for every row, so such adapters are refused a table (the
+service runs one call per adapter for them). In `run.deterministic` the trainer then computes the
+same unmerged form (`tandem.model.lora.set_lora_form`), so the rows' logprobs equal it exactly.
 """
+
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
 from tandem.config.schema import LoraConfig
+from tandem.errors import TandemError
 from tandem.model.decoder import CausalLM
 from tandem.model.fp8 import Fp8Linear
 from tandem.model.lora import adapter_shapes, merged
-
-LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
+from tandem.model.row_adapters import LORA_A, LORA_B, RowAdapters
 
 
 class MergedAdapters:
@@ -70,6 +82,24 @@ class MergedAdapters:
         self.tensors = {n: params[n] if n in params else torch.zeros(s, **like) for n, s in shapes.items()}
         self.targets = [n.removesuffix(LORA_A) for n in shapes if n.endswith(LORA_A)]
         self.base = {t: model.get_submodule(t).weight.detach().clone() for t in self.targets}
+
+    def table(self, named: Mapping[str, Mapping[str, Tensor]]) -> RowAdapters:
+        """Adapters of this run's shape, each by name as a push carries it, as a table for rows of
+        several adapters in one call (served unmerged beside the base, `unmerge`). TandemError with
+        `modules_to_save`: a module trained whole replaces the base's, which rows cannot mix."""
+        saved = [n for n in self.tensors if not n.endswith((LORA_A, LORA_B))]
+        if saved:
+            raise TandemError(
+                f"Rows of several adapters cannot share one engine call when the adapters train "
+                f"{saved[0]} whole (train.lora.modules_to_save): run one call per adapter."
+            )
+        return RowAdapters(named, self.targets, self.scaling)
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Every adapted projection's weight <- W0: the base, beside which a table's adapters run."""
+        for t in self.targets:
+            self.model.get_submodule(t).weight.copy_(self.base[t])
 
     @torch.no_grad()
     def merge(self) -> None:

@@ -5,8 +5,8 @@ generator, and the tensors sleeping frees."""
 import itertools
 import os
 import shutil
-from collections.abc import Callable, Iterator
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import Tensor
@@ -20,6 +20,7 @@ from tandem.model.fp8 import quantize_model, requantize
 from tandem.model.fuse import fuse_projections
 from tandem.model.gemv import gemv_backend
 from tandem.model.packed import drop, pack_model, packed_bytes, packing_available, repack
+from tandem.model.row_adapters import RowAdapters
 from tandem.rollout.adapters import MergedAdapters
 from tandem.rollout.base import RolloutEngine, Storages
 from tandem.rollout.call import GenerateCall
@@ -39,7 +40,8 @@ class DecoderEngine(RolloutEngine):
     for one more copy of the linear weights. None: in bf16 only.
     record_routing (an MoE model): every token's experts go to `Sample.routing` (routing replay).
     lora (rank > 0): a LoRA run's engine: `named_weights()` are the adapters (and modules_to_save),
-    which pushes carry, merged into the weights after every update (`tandem.rollout.adapters`).
+    which pushes carry, merged into the weights after every update (`tandem.rollout.adapters`);
+    or, after `load_adapters`, a table of several, each sample's applied to its rows unmerged.
     """
 
     def __init__(
@@ -86,6 +88,8 @@ class DecoderEngine(RolloutEngine):
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.memory = Storages(self.weight_tensors())
         self._ids = itertools.count()
+        self.row_table: RowAdapters | None = None  # the adapters samples may name (load_adapters)
+        self._next_table: RowAdapters | None = None  # the table the update being applied brings
 
     @property
     def device(self) -> torch.device:
@@ -119,6 +123,13 @@ class DecoderEngine(RolloutEngine):
     def sequences(self, samples: list[Sample], call: GenerateCall) -> list[Sequence]:
         """The call's samples as `Sequence`s (ids unique over the engine's life); recording routing,
         each with an empty record of its experts, (max_tokens, L, k) of -1."""
+        named = {s.adapter for s in samples} - {None}
+        held = set(self.row_table.names) if self.row_table is not None else set()
+        if named - held:
+            raise ValueError(
+                f"samples name the adapters {sorted(named - held)}, which the engine does not hold "
+                f"(load_adapters; it holds {sorted(held)})"
+            )
         seqs = [Sequence.start(next(self._ids), s, call.cap(s)) for s in samples]
         if self.moe_layers:
             for seq in seqs:
@@ -126,8 +137,39 @@ class DecoderEngine(RolloutEngine):
                 seq.routes = torch.full(shape, -1, dtype=torch.int16)
         return seqs
 
+    def load_adapters(self, named: Mapping[str, Mapping[str, Tensor]], version: int) -> None:
+        """While idle: from now on serve `version`: the base's weights, no adapter merged, and a table
+        of `named`'s adapters (name -> its tensors as a push carries them, `named_weights()`'s
+        names), so that each sample of a later call may name one (`Sample.adapter`) and its rows
+        take that adapter unmerged (`tandem.model.row_adapters`; None: the base). Any later update
+        drops the table. TandemError for an engine that cannot: not a LoRA run's, FP8 (its
+        projections are not fused), or with modules_to_save."""
+        if self.adapters is None or self.quantized:
+            raise TandemError(
+                "Rows of several adapters in one call need a LoRA run's built-in engine (train.lora.rank "
+                "> 0) with fused projections (rollout.quantization=none)."
+            )
+        table = self.adapters.table(named)
+
+        def apply() -> None:
+            self._next_table = table
+
+        self.set_pending_update(version, apply)
+        self.apply_pending()
+
+    def adapter_rows(self, names: list[str | None]) -> AbstractContextManager:
+        """Within this context a forward adds to batch row b the adapter names[b] of the table
+        (`Sample.adapter`; None: none); nothing when no row names one."""
+        if all(n is None for n in names):
+            return nullcontext()
+        index = self.row_table.index
+        return self.row_table.use(self.model, [-1 if n is None else index[n] for n in names])
+
     def _after_update(self) -> None:
-        if self.adapters is not None:
+        self.row_table, self._next_table = self._next_table, None
+        if self.adapters is not None and self.row_table is not None:
+            self.adapters.unmerge()
+        elif self.adapters is not None:
             self.adapters.merge()
         if self.quantized:  # from the merged weights
             requantize(self.model)

@@ -46,12 +46,13 @@ class BuiltinEngine(DecoderEngine):
         every sequence that shares it (a GRPO group) -> last logits (B, V), next positions (B,) and
         a cache of B rows with `room` more slots; a sequence that records routing gets its
         prefilled tokens' experts."""
-        unique: dict[tuple[int, ...], int] = {}
-        owner = [unique.setdefault(tuple(seq.token_ids), len(unique)) for seq in seqs]
-        u, width = len(unique), max(map(len, unique))
+        unique: dict[tuple[str | None, tuple[int, ...]], int] = {}  # of one adapter (rows of several)
+        owner = [unique.setdefault((seq.sample.adapter, tuple(seq.token_ids)), len(unique)) for seq in seqs]
+        heads = list({o: seq for o, seq in zip(owner, seqs, strict=True)}.values())  # a sequence each
+        u, width = len(unique), max(len(p) for _, p in unique)
         ids = torch.full((u, width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros(u, width, dtype=torch.bool)
-        for i, p in enumerate(unique):
+        for i, (_, p) in enumerate(unique):
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = True
         ids, mask = ids.to(self.device), mask.to(self.device)
@@ -61,7 +62,8 @@ class BuiltinEngine(DecoderEngine):
         cache = KVCache(self.model.cfg, u, length, dtype, self.device)
         # left-padded: every row's last token is in the last column
         last = torch.full((u,), width - 1, dtype=torch.long, device=self.device)
-        logits, routes = self.forward(ids, positions, mask, cache, None, last)  # (U, 1, V)
+        with self.adapter_rows([seq.sample.adapter for seq in heads]):
+            logits, routes = self.forward(ids, positions, mask, cache, None, last)  # (U, 1, V)
         expand = torch.tensor(owner, device=self.device)
         cache.keep(expand)
         if routes is not None:  # recording routing: the prefilled tokens' experts
@@ -151,7 +153,10 @@ class _Batch:
             tokens, self.next_pos = tokens[keep], self.next_pos[keep]
         self.version = self.engine.version
         step_mask = torch.ones(len(tokens), 1, dtype=torch.bool, device=self.engine.device)
-        logits, routes = self.engine.forward(tokens[:, None], self.next_pos[:, None], step_mask, self.cache)
+        with self.engine.adapter_rows([self.seqs[i].sample.adapter for i in self.rows]):
+            logits, routes = self.engine.forward(
+                tokens[:, None], self.next_pos[:, None], step_mask, self.cache
+            )
         self.logits = logits[:, -1]
         if routes is not None:  # each live row fed its sequence's last token
             for r, (i, done) in enumerate(zip(self.rows, self.done, strict=True)):

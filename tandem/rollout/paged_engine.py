@@ -86,6 +86,11 @@ class PagedEngine(DecoderEngine):
         self.block_manager.reset_prefix_cache()  # keys of the old weights serve no new request
 
     def _begin(self, samples: list[Sample], call: GenerateCall) -> "_Continuous":
+        if any(s.adapter is not None for s in samples):  # its prefix cache and groups know no adapter
+            raise ValueError(
+                "The paged engine runs one adapter a call; rows of several adapters need "
+                "rollout.engine=builtin."
+            )
         return _Continuous(self, samples, call)
 
 
