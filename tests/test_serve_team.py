@@ -20,6 +20,7 @@ from test_serve_tinker import KEY, MODEL, WAIT_S, carries, logprobs, on_uvicorn 
 from tinker import types  # noqa: E402
 
 from tandem.runtime.startup import load_config  # noqa: E402
+from tandem.serve import sampling  # noqa: E402
 from tandem.serve.app import build_app  # noqa: E402
 from tandem.serve.service import open_service  # noqa: E402
 from tandem.serve.snapshots import Snapshots  # noqa: E402
@@ -72,11 +73,13 @@ def test_two_clients_train_their_own_adapters_as_each_would_alone(exact):
 
 
 @pytest.mark.integration
-def test_samplers_of_several_clients_and_versions_sample_together_each_exactly_its_own(exact):
-    """Four clients' samplers, and an older sampler of the first, sample in one burst; each sampled
-    token's logprob equals what its own trainer computes for it, bit for bit (run.deterministic):
-    the sampler–trainer gap is exactly 0 with adapters mixed (TuFT measured 0.114 there)."""
+def test_samplers_of_several_clients_and_versions_sample_together_each_exactly_its_own(exact, monkeypatch):
+    """Four clients' samplers, an older sampler of the first and the base sample in one burst, as
+    ONE engine call over rows of their adapters; each sampled token's logprob equals what its own
+    trainer computes for it, bit for bit (run.deterministic): the sampler–trainer gap is exactly 0
+    with adapters mixed in a call (TuFT measured 0.114 there)."""
     url, service = exact
+    monkeypatch.setattr(sampling, "GATHER_S", 2.0)  # the burst's requests surely arrive together
     clients = [tinker.ServiceClient(base_url=url, api_key=KEY) for _ in range(4)]
     try:
         models = [
@@ -88,13 +91,16 @@ def test_samplers_of_several_clients_and_versions_sample_together_each_exactly_i
         for i, m in enumerate(models):
             sft_steps(m, data[i : i + 2], 1 + i)
         samplers = [m.save_weights_and_get_sampling_client().result() for m in models]
+        base = clients[0].create_sampling_client(base_model=MODEL).result(timeout=WAIT_S)
         prompt = data[0].model_input.to_ints()[:-3]
-        asks = [(s, m) for s, m in zip(samplers, models, strict=True)] + [(older, None)]
+        asks = [(s, m) for s, m in zip(samplers, models, strict=True)] + [(older, None), (base, None)]
+        calls = service.counts.get("rollout.sample", 0)
         futures = [
             s.sample(types.ModelInput.from_ints(prompt), 2, types.SamplingParams(max_tokens=4, seed=5))
             for s, _ in asks
         ]
         replies = [f.result(timeout=WAIT_S) for f in futures]
+        assert service.counts["rollout.sample"] == calls + 1  # one generate call for all six samplers
         for (_, model), reply in zip(asks[:4], replies[:4], strict=True):
             for seq in reply.sequences:
                 full = prompt + list(seq.tokens)
@@ -106,6 +112,7 @@ def test_samplers_of_several_clients_and_versions_sample_together_each_exactly_i
                 theirs = trained.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :]
                 assert list(seq.logprobs) == theirs  # bit for bit
         assert len(replies[4].sequences) == 2  # the oldest sampler still samples
+        assert len(replies[5].sequences) == 2  # and the base, rows of no adapter
     finally:
         for c in clients:
             c.close("success").result()

@@ -88,13 +88,16 @@ class Service:
         self.tokenizer_dir = ""
         root = Path(cfg.run.out_dir) / cfg.run.name
         self.records = Records()  # sequences sampled with record_stability_info
-        self.sampling = Sampling(self._call, Snapshots(root / "samplers"), self.records)
+        self.sampling = Sampling(
+            self._call, Snapshots(root / "samplers"), self.records, cfg.run.deterministic
+        )
         self.results: OrderedDict[str, asyncio.Future] = OrderedDict()
         self.ids = itertools.count(1)
         self.loops: list[asyncio.Task] = []
         model = ModelConfig.load(model_dir(cfg.model.path))
         self.vocab, self.context = model.vocab_size, model.max_position_embeddings
         self.timings: dict[str, float] = {}  # seconds in each worker call (role.method), summed
+        self.counts: dict[str, int] = {}  # calls of each (role.method): "rollout.sample" counts generates
 
     def start(self) -> None:
         """The sampling loop, on the running event loop."""
@@ -233,10 +236,10 @@ class Service:
         engine serving nothing."""
         cfg = with_lora(self.cfg, shape["rank"], seed, shape["attn"], shape["mlp"])
         self.tokenizer_dir = await self._call("train", "reset", cfg)
-        await self._call("rollout", "reset", cfg)
+        mixes = await self._call("rollout", "reset", cfg)
         self.shape = shape
         self.resets += 1
-        self.sampling.reshaped(self.resets)
+        self.sampling.reshaped(self.resets, mixes)
 
     async def _call(self, role: str, method: str, *args):
         start = time.perf_counter()
@@ -245,6 +248,7 @@ class Service:
         finally:
             key = f"{role}.{method}"
             self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - start
+            self.counts[key] = self.counts.get(key, 0) + 1
 
     # -- training requests, in seq_id order ---------------------------------------------------------
     def train(

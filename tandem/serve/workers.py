@@ -7,7 +7,9 @@ learner's micro-batched forward and backward under one of `tandem.serve.losses`,
 gradients accumulated until optim_step, which steps AdamW with the client's parameters; weights
 reach the engine by the actor's own versioned push (`send_weights` / `receive_weights`), and state
 saves and loads are the actor's checkpoints (`save` / `load`: weights, optimizer, schedule, RNGs).
-`ServeRollout` is a `RolloutActor`: sampling is its worker's generate call.
+`ServeRollout` is a `RolloutActor`: sampling is its worker's generate call, over rows of several
+samplers' adapters where the engine mixes them (`mixes_rows`; then the trainer computes the same
+unmerged form in the batch-invariant mode, `tandem.model.lora.set_lora_form`).
 
 In one process (run.cluster auto or local), each worker gets a `LocalCluster` of its own (one
 call thread each, calls in order), so a sample runs while a forward_backward runs, on threads of
@@ -25,7 +27,7 @@ import torch
 from tandem.config import Config
 from tandem.dtypes import DTYPES
 from tandem.errors import TandemError
-from tandem.model.lora import fresh_adapters
+from tandem.model.lora import fresh_adapters, set_lora_form
 from tandem.runtime.actors import RolloutActor, TrainActor
 from tandem.runtime.startup import build_cluster, place
 from tandem.sample import Prompt, Sample, SamplingParams
@@ -49,6 +51,15 @@ def with_lora(cfg: Config, rank: int, seed: int, attn: bool, mlp: bool) -> Confi
     lora = dataclasses.replace(cfg.train.lora, rank=rank, target_modules=targets)
     train = dataclasses.replace(cfg.train, lora=lora, share_prompts=False)
     return dataclasses.replace(cfg, train=train, run=dataclasses.replace(cfg.run, seed=seed))
+
+
+def mixes_rows(cfg: Config) -> bool:
+    """Whether the service's engine runs rows of several samplers' adapters in one call: a LoRA
+    model's (rank > 0) on the built-in engine with fused projections (rollout.quantization=none),
+    its adapters alone (no train.lora.modules_to_save: a module trained whole cannot differ by
+    row). Otherwise each sampler's requests run as a call of their own, its weights merged."""
+    c, r = cfg.train.lora, cfg.rollout
+    return bool(c.rank) and not c.modules_to_save and r.engine == "builtin" and r.quantization == "none"
 
 
 def as_samples(data: list[Datum]) -> list[Sample]:
@@ -75,6 +86,10 @@ class ServeTrainer(TrainActor):
         """A fresh trainer for `cfg` (the base at model.path, train.lora's adapter shape), no model
         on it yet -> the tokenizer's directory, for clients that load it."""
         self.rebuild(cfg)
+        if mixes_rows(cfg):  # the engine's form, so that run.deterministic's logprobs agree exactly
+            learner = self.trainer.learner
+            for model in {id(m): m for m in (learner.model, learner.compute)}.values():
+                set_lora_form(model, "unmerged")
         self.parked.clear()
         self.active = None
         return self.tokenizer.name_or_path
@@ -170,9 +185,19 @@ class ServeTrainer(TrainActor):
 
 
 class ServeRollout(RolloutActor):
-    def reset(self, cfg: Config) -> None:
-        """An engine for a fresh model shape (its adapters' from train.lora), at version 0."""
+    def reset(self, cfg: Config) -> bool:
+        """An engine for a fresh model shape (its adapters' from train.lora), at version 0 -> whether
+        it runs rows of several adapters in one call (`mixes_rows`)."""
         self.rebuild(cfg)
+        return mixes_rows(cfg)
+
+    def serve_adapters(self, named: dict[str, dict[str, torch.Tensor]]) -> int:
+        """From the next sample on, the engine computes with the base's weights and holds `named`'s
+        adapters (sampler weights name -> what a push of its model sends), which each request of a
+        sample call may name -> the engine's new version."""
+        version = self.worker.version + 1
+        self.worker.engine.load_adapters(named, version)
+        return version
 
     def serve_weights(self, weights: dict[str, torch.Tensor]) -> int:
         """From the next sample on, the engine computes with `weights` (a sampler's: what a push of
@@ -188,14 +213,18 @@ class ServeRollout(RolloutActor):
         self.worker.apply_pending()
         return version
 
-    def sample(self, requests: list[tuple[list[int], int, int, int | None]], params: SamplingParams) -> list:
-        """Requests of (prompt tokens, samples, max new tokens, seed) sampled in one generate call
-        -> per request its `Sequence`s, under the weights last served (`serve_weights`)."""
+    def sample(
+        self, requests: list[tuple[list[int], int, int, int | None, str | None]], params: SamplingParams
+    ) -> list:
+        """Requests of (prompt tokens, samples, max new tokens, seed, adapter) sampled in one generate
+        call -> per request its `Sequence`s, under the weights last served (`serve_weights`), each
+        request's rows with its adapter of the table `serve_adapters` gave (None: none)."""
         samples = []
-        for g, (prompt, n, max_tokens, seed) in enumerate(requests):
+        for g, (prompt, n, max_tokens, seed, adapter) in enumerate(requests):
             for i in range(n):
                 s = Sample(Prompt(text=""), list(prompt), group_id=g, index=i, max_new_tokens=max_tokens)
                 s.seed = None if seed is None else seed + i  # one seed each, or a request's samples agree
+                s.adapter = adapter
                 samples.append(s)
         done = self.worker.generate(samples, params)
         out: list[list[Sequence]] = [[] for _ in requests]
@@ -204,16 +233,18 @@ class ServeRollout(RolloutActor):
             out[s.group_id].append(Sequence(s.response_ids, s.logprobs, reason))
         return out
 
-    def prompt_logprobs(self, tokens: list[int]) -> list[float | None]:
-        """Each prompt token's logprob given those before it, under the served weights (None for the
-        first). Built-in engines only: they expose their model."""
-        model = getattr(self.worker.engine, "model", None)
-        if model is None:
+    def prompt_logprobs(self, tokens: list[int], adapter: str | None = None) -> list[float | None]:
+        """Each prompt token's logprob given those before it, under the served weights (with
+        `adapter` of the table, as `sample` takes it) (None for the first). Built-in engines only:
+        they expose their model."""
+        engine = self.worker.engine
+        if getattr(engine, "model", None) is None:
             raise TandemError(
                 f"Prompt logprobs need a built-in engine; rollout.engine={self.cfg.rollout.engine}."
             )
         sample = Sample(Prompt(text=""), tokens[:1], response_ids=tokens[1:])
-        logp = sequence_logprobs(model, [sample], len(tokens), 1.0)[0]
+        with engine.adapter_rows([adapter]):
+            logp = sequence_logprobs(engine.model, [sample], len(tokens), 1.0)[0]
         return [None] + logp[: len(tokens) - 1].tolist()
 
 
