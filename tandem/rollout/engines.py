@@ -42,6 +42,8 @@ class EngineSpec:
     # cannot serve such an adapter
     check_lora: Callable[[int, Sequence[str]], None] = _nothing
     torch_compile: bool = False  # rollout.compile: its decode step through torch.compile
+    # rows of several LoRA adapters in one call (`DecoderEngine.load_adapters`, tandem serve's)
+    mixes_adapters: bool = False
     one_process: bool = True  # it can run in the driver's process (`tandem.runtime.local`)
 
     def builder(self) -> Callable:
@@ -56,9 +58,10 @@ BUILTIN = EngineSpec(
     fp8=True,
     records_routing=True,
     torch_compile=True,
+    mixes_adapters=True,
 )
 ENGINES.register("builtin")(BUILTIN)
-ENGINES.register("paged")(replace(BUILTIN, build="tandem.runtime.roles:paged_engine"))
+ENGINES.register("paged")(replace(BUILTIN, build="tandem.runtime.roles:paged_engine", mixes_adapters=False))
 ENGINES.register("vllm")(
     EngineSpec(
         build="tandem.runtime.roles:vllm_engine",

@@ -28,6 +28,7 @@ from tandem.config import Config
 from tandem.dtypes import DTYPES
 from tandem.errors import TandemError
 from tandem.model.lora import fresh_adapters, set_lora_form
+from tandem.rollout.engines import ENGINES
 from tandem.runtime.actors import RolloutActor, TrainActor
 from tandem.runtime.startup import build_cluster, place
 from tandem.sample import Prompt, Sample, SamplingParams
@@ -55,11 +56,17 @@ def with_lora(cfg: Config, rank: int, seed: int, attn: bool, mlp: bool) -> Confi
 
 def mixes_rows(cfg: Config) -> bool:
     """Whether the service's engine runs rows of several samplers' adapters in one call: a LoRA
-    model's (rank > 0) on the built-in engine with fused projections (rollout.quantization=none),
-    its adapters alone (no train.lora.modules_to_save: a module trained whole cannot differ by
-    row). Otherwise each sampler's requests run as a call of their own, its weights merged."""
+    model's (rank > 0) on an engine whose spec mixes them (the built-in one), its projections fused
+    (rollout.quantization=none), its adapters alone (no train.lora.modules_to_save: a module
+    trained whole cannot differ by row). Otherwise each sampler's requests run as a call of their
+    own, its weights merged."""
     c, r = cfg.train.lora, cfg.rollout
-    return bool(c.rank) and not c.modules_to_save and r.engine == "builtin" and r.quantization == "none"
+    return (
+        bool(c.rank)
+        and not c.modules_to_save
+        and ENGINES.get(r.engine).mixes_adapters
+        and r.quantization == "none"
+    )
 
 
 def as_samples(data: list[Datum]) -> list[Sample]:
