@@ -109,6 +109,28 @@ def test_a_call_s_result_is_freed_when_the_loop_drops_it_without_waiting_for_the
         gc.enable()
 
 
+def test_a_push_in_one_process_is_freed_once_the_engine_has_it(tmp_path, monkeypatch):
+    """A full push in one process is the buckets themselves (the weights in the engine's dtype):
+    neither the sender nor the loop keeps them once the engine has swapped them in, so they are
+    gone before the next push is packed (fp32, SmolLM2-135M: 0.54 GB lower peak)."""
+    import weakref
+
+    from tandem.sync.object_store import ObjectStoreTransport
+
+    sent, alive_at_send = [], []
+    send = ObjectStoreTransport.send
+
+    def watched(self, named_tensors, version):
+        alive_at_send.append(sum(ref() is not None for ref in sent))
+        handle = send(self, named_tensors, version)
+        sent.extend(weakref.ref(array) for array in handle.refs)
+        return handle
+
+    monkeypatch.setattr(ObjectStoreTransport, "send", watched)
+    _run(tmp_path, ["run.cluster=local"])
+    assert len(alive_at_send) >= 3 and alive_at_send == [0] * len(alive_at_send)
+
+
 @pytest.mark.ray
 def test_a_deterministic_run_in_one_process_equals_the_same_run_on_ray_bit_for_bit(tmp_path):
     """The same workers behind either cluster: every metric and the final weights."""

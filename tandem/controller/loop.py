@@ -381,6 +381,8 @@ class Loop(Recovery):
     def received(self, version: int) -> None:
         """One rollout worker is done with a push (or died, and gets re-synced): publish when all are."""
         self.receiving[version] -= 1
+        if self.receiving[version] == 0 and version == self.version and not self.cluster.restarts_workers:
+            self.last_handle = None  # nobody will need it again: its buckets' memory goes now
         if self.receiving[version] == 0 and version > self.published:
             self.published = version
             self.start_validations()

@@ -35,6 +35,9 @@ class Done:
 
 class Cluster(Protocol):
     names: dict[str, list[str]]  # role -> its workers' names, e.g. {"rollout": ["rollout/0", ...]}
+    # Whether a dead worker can come back (Ray restarts it) and need the last push again; where
+    # none can (one process), the loop lets go of a push once every engine has it.
+    restarts_workers: bool
 
     def submit(self, worker: str, method: str, *args: Any, until_restarted: bool = False) -> Handle:
         """Start `worker.method(*args)` -> its handle. `until_restarted`: retry the call while the

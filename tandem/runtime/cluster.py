@@ -164,6 +164,7 @@ class RayCluster:
     pg: object = None
     outstanding: set = field(default_factory=set)  # submitted calls whose result was not taken yet
     built: tuple = (0.0, [])  # when the actors were asked for, and a `ready` call's handle per actor
+    restarts_workers = True  # Ray restarts a killed rollout worker, re-synced from the last push
 
     @property
     def names(self) -> dict[str, list[str]]:

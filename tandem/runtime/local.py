@@ -79,6 +79,8 @@ class LocalCall:
 
 
 class LocalCluster:
+    restarts_workers = False  # a worker's death is the process's
+
     def __init__(self, workers: dict[str, Any], names: dict[str, list[str]], threads: int = 0, spans=()):
         """workers: "<role>/<rank>" -> the worker object; names: role -> its workers' names;
         threads: torch threads of the calls' thread (0: as torch has them); spans: each worker's

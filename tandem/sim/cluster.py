@@ -69,6 +69,8 @@ class SimWorker(Protocol):
 
 
 class SimCluster:
+    restarts_workers = True  # as on Ray
+
     def __init__(
         self,
         workers: dict[str, SimWorker],

@@ -22,7 +22,8 @@ receiver rebuilding from it reads at most about that much.
 
 Ray is imported inside `send` / `receive` only, so `import tandem.sync` does not import Ray. In a
 run held in one process (`tandem.runtime.local.LocalCluster`, Ray not started) the "object" is the
-bucket's array itself, handed from the trainer to the engine in memory.
+bucket's array itself, handed from the trainer to the engine in memory; nothing keeps a full push's
+arrays once the engines have them (the loop lets go of the last handle where no worker restarts).
 """
 
 import sys
@@ -121,14 +122,18 @@ class ObjectStoreTransport:
             self.sent_bytes += message.numel()
         chain = () if base is None else (*self._sent.chain, Push(self._sent.version, self._sent.refs))
         plan = self.plan
-        self._sent = ObjectStoreHandle(
+        sent = ObjectStoreHandle(
             version, plan.fingerprint, plan.produce_bytes, tuple(plan.specs), tuple(refs), chain
         )
+        # Ray frees an object its owner lets go of, and a delta chain is built on the last push: both
+        # keep it. A full push in one process is the buckets themselves, freed once the receivers
+        # are done with the handle (as many bytes as the weights in the engines' dtype).
+        self._sent = sent if scratch else None
         if self.delta is not None:
             self.delta.end(version)
             self._chain_bytes = 0 if base is None else self._chain_bytes + self.sent_bytes
             self._full_bytes = self.sent_bytes if base is None else self._full_bytes
-        return self._sent
+        return sent
 
     def _delta_base(self) -> int | None:
         """The version this push's deltas are taken against: the last one sent, unless there is
