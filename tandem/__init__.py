@@ -24,24 +24,6 @@ os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
 
 
-def _bounded_heap() -> None:
-    """glibc's malloc serves a request of under M_MMAP_THRESHOLD bytes from its heap, and raises that
-    threshold (up to 32 MiB) each time a larger block is freed. A training step frees tensors of
-    every size, so after the first the heap serves them all and fragments: freed memory stays in
-    the process. Measured on SmolLM2-135M-Instruct's recipe (5 steps, AMD EPYC): peak 7.27 GB with
-    the moving threshold, 6.24 GB with it fixed at 128 KiB. Fixed here, once, for every process
-    tandem runs (what MALLOC_MMAP_THRESHOLD_=131072 in the environment does); not glibc: nothing."""
-    import ctypes
-    import ctypes.util
-    import sys
+from tandem import heap  # noqa: E402  (after the variables above: it imports no torch)
 
-    if not sys.platform.startswith("linux") or os.environ.get("MALLOC_MMAP_THRESHOLD_"):
-        return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # musl and others: no mallopt, their own policy
-        pass
-
-
-_bounded_heap()
+heap.bound()  # glibc's mmap threshold, fixed: tandem/heap.py
