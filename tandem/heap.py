@@ -13,11 +13,11 @@ same at 32 MiB (AMD EPYC, Zen 4, bf16; `bench/train_step.py`'s batch).
 
 So `bound()` fixes the threshold at `THRESHOLD` (4 MiB: every activation- and gradient-sized tensor
 of a small model from the heap, weight-sized ones and the logits mapped), and `trim()`, called
-after each generate call, hands the heap's free pages back (glibc's `malloc_trim`: tens of
-milliseconds), so the train step that follows starts without the engine's holes. The recipe's
-first 4 steps peak at 4.92 GB this way, against 4.71 at 128 KiB and 5.11 at 4 MiB without trimming
-(bf16, same machine); trimming after the train step as well lowers that peak no further and costs
-the next step its pages again (~0.5 s of the step). Not glibc (musl, macOS): nothing;
+after each generate call and each train step, hands the heap's free pages back (glibc's
+`malloc_trim`: tens of milliseconds), so what one phase leaves in holes does not stay beside the
+next. The recipe's first 4 steps peak at 4.93 GB in bf16 and 4.94 GB in fp32 this way, against
+4.71 / 4.40 at 128 KiB, and 5.11 / 5.11 at 4 MiB with a trim after generate calls alone; the train
+step took 5.9 s with its trim and without (same machine). Not glibc (musl, macOS): nothing;
 MALLOC_MMAP_THRESHOLD_ in the environment keeps the user's own threshold.
 """
 

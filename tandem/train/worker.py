@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tandem import heap
 from tandem.algo import (
     KL_ESTIMATORS,
     POLICY_LOSSES,
@@ -186,6 +187,7 @@ class TrainWorker:
         metrics.update({f"actor/old_logprob_source/{n.value}": float(n is source) for n in OldSource})
         metrics.update(advantage_metrics(batch.adv, batch.mask))
         metrics.update(self._mismatch(batch, source, *first))
+        heap.trim()  # the step's activations and gradients, freed into the heap's holes
         return metrics
 
     def step_accumulated(self, hyper: dict[str, Any]) -> float:
