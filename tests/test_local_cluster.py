@@ -115,7 +115,11 @@ def test_a_push_in_one_process_is_freed_once_the_engine_has_it(tmp_path, monkeyp
     gone before the next push is packed (fp32, SmolLM2-135M: 0.54 GB lower peak)."""
     import weakref
 
+    from tandem.sync import object_store
     from tandem.sync.object_store import ObjectStoreTransport
+
+    # as in a process of its own: another test of the session may have started Ray here
+    monkeypatch.setattr(object_store, "_ray_running", lambda: False)
 
     sent, alive_at_send = [], []
     send = ObjectStoreTransport.send
