@@ -109,6 +109,7 @@ def test_a_call_s_result_is_freed_when_the_loop_drops_it_without_waiting_for_the
         gc.enable()
 
 
+@pytest.mark.integration  # a run of its own (4 s): out of the unit tier
 def test_a_push_in_one_process_is_freed_once_the_engine_has_it(tmp_path, monkeypatch):
     """A full push in one process is the buckets themselves (the weights in the engine's dtype):
     neither the sender nor the loop keeps them once the engine has swapped them in, so they are
