@@ -84,6 +84,7 @@ MAPPED = textwrap.dedent(
 )
 
 
+@pytest.mark.integration  # two fresh interpreters: out of the unit tier
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads glibc's mallinfo2")
 @pytest.mark.parametrize(
     "environment, mapped", [({}, ["0", "1"]), ({"MALLOC_MMAP_THRESHOLD_": "131072"}, ["1", "1"])]
