@@ -8,7 +8,8 @@ import textwrap
 
 import pytest
 
-GROWTH = textwrap.dedent(
+# The start of each check: tandem imported, and glibc's malloc counters (mallinfo2) readable
+MALLINFO = textwrap.dedent(
     """
     import ctypes
     import tandem, torch
@@ -19,6 +20,11 @@ GROWTH = textwrap.dedent(
 
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = Info
+    """
+)
+
+GROWTH = MALLINFO + textwrap.dedent(
+    """
 
     def held():
         m = libc.mallinfo2()
@@ -61,17 +67,8 @@ def test_a_setting_the_user_made_is_kept():
     assert done.stdout.split() == ["512", "ACTIVE"], done.stderr
 
 
-MAPPED = textwrap.dedent(
+MAPPED = MALLINFO + textwrap.dedent(
     """
-    import ctypes
-    import tandem, torch
-
-    class Info(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in
-                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = Info
     mapped = []
     for mib in (1, 16):
         before = libc.mallinfo2().hblks  # blocks mapped apart from the heap
