@@ -162,7 +162,9 @@ def test_ctrl_c_ends_tandem_train_in_seconds_when_the_checkpoint_it_saves_fails(
     """Ctrl-C saves a checkpoint and stops; on a full disk that save raises: the run still ends
     within seconds, saying the checkpoint was not written. Where the trainer's thread died, the
     save waited run.timeout_s, and one Ctrl-C no longer stopped the run."""
-    run = train(f"{TRAIN_ACTOR}.save", tmp_path, "run.steps=10000", "run.save_every=0")
+    # 8 responses a prompt: the warm-started toy gets 2 of 2 right often enough that 5 steps with
+    # nothing to learn (which end a run) could pass between the first step and the signal.
+    run = train(f"{TRAIN_ACTOR}.save", tmp_path, "run.steps=10000", "run.save_every=0", "rollout.n=8")
     metrics = tmp_path / "default" / "metrics.jsonl"
     deadline = time.monotonic() + WAIT_S
     while not (metrics.is_file() and any("version" in r for r in records(metrics.parent))):
