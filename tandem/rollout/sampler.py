@@ -140,20 +140,24 @@ def inverse_cdf(scores: Tensor, draws: Tensor, block: int = 256) -> Tensor:
     alone), so a row's token depends on nothing else in the batch; the sums in float64, so the
     cumulative mass of a 49k vocabulary loses no token to rounding.
 
-    In two levels, so the (B, V) probabilities are read once more, not copied to float64 and
-    summed: the running mass of `block`-token blocks finds the block the draw falls in, a cumsum of
-    that block alone the token (at B = 64 over a 49k vocabulary: 15 ms a decode step instead of 22
-    on 2 Zen 4 cores). A token of zero mass has its predecessor's running mass, so no draw lands
-    on it."""
+    In two levels, so the (B, V) probabilities are read once more, not copied: each `block`-token
+    block's mass (summed in fp32, read in place), their float64 running sum finds the block the
+    draw falls in, a float64 cumsum of that block alone, scaled to the block's mass, the token. A
+    token's chance is then its probability times its block's fp32 mass over the block's exact one,
+    1 within ~1e-7. At B = 64 over a 49k vocabulary, 2 Zen 4 cores: 7 ms a decode step, against 17
+    with the block sums in float64 (a (B, V) float64 copy) and 22 with one cumsum over the row. A
+    token of zero mass has its predecessor's running mass, so no draw lands on it."""
     probs = torch.softmax(scores, dim=-1)
     rows, vocab = probs.shape
     pad = -vocab % block
     blocks = (F.pad(probs, (0, pad)) if pad else probs).view(rows, -1, block)
-    ends = blocks.sum(-1, dtype=torch.float64).cumsum_(-1)  # (B, V / block): mass up to each block's end
+    mass = blocks.sum(-1)  # (B, V / block)
+    ends = mass.double().cumsum_(-1)  # the running mass up to each block's end
     target = (draws.to(ends) * ends[:, -1])[:, None]
     b = torch.searchsorted(ends, target, right=True).clamp_(max=ends.shape[1] - 1)  # (B, 1)
     start = torch.where(b > 0, ends.gather(-1, (b - 1).clamp(min=0)), 0.0)
-    inside = blocks.gather(1, b[:, :, None].expand(-1, 1, block)).squeeze(1).double().cumsum_(-1) + start
+    inside = blocks.gather(1, b[:, :, None].expand(-1, 1, block)).squeeze(1).double().cumsum_(-1)
+    inside = inside * (mass.gather(-1, b).double() / inside[:, -1:]).nan_to_num_(0.0) + start
     offset = torch.searchsorted(inside, target, right=True).clamp_(max=block - 1)
     tokens = (b * block + offset).squeeze(-1).clamp_(max=vocab - 1)
     # A draw that rounds up to the row's total mass would land past the last token with any:
