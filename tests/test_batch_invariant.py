@@ -164,12 +164,20 @@ def nudged_last_column(out: torch.Tensor) -> torch.Tensor:
 FAULTS = {
     # another result when the call holds more than one row: depends on the batch
     "batch": (
-        lambda mm: lambda x, w: nudged_last_column(mm(x, w)) if x.shape[0] > 1 else mm(x, w),
+        lambda mm: (
+            lambda x, w, *packed: (
+                nudged_last_column(mm(x, w, *packed)) if x.shape[0] > 1 else mm(x, w, *packed)
+            )
+        ),
         "batch of",
     ),
     # another result on more than one thread: depends on the thread count
     "threads": (
-        lambda mm: lambda x, w: nudged_last_column(mm(x, w)) if torch.get_num_threads() > 1 else mm(x, w),
+        lambda mm: (
+            lambda x, w, *packed: (
+                nudged_last_column(mm(x, w, *packed)) if torch.get_num_threads() > 1 else mm(x, w, *packed)
+            )
+        ),
         "16 thread",
     ),
 }

@@ -92,7 +92,8 @@ class Attention(nn.Module):
                 else bi.attention(q, k, v, mask)
             )
             heads = out.transpose(1, 2).reshape(b, t, -1)
-            return self._adapted(heads, bi.linear(heads, _weight(self.o_proj), self.o_proj.bias), OUT)
+            out = bi.linear(heads, _weight(self.o_proj), self.o_proj.bias, _packed(self.o_proj))
+            return self._adapted(heads, out, OUT)
         if isinstance(mask, Segments):
             out = mask.attend(q, k, v)
         elif t == 1:
@@ -112,8 +113,10 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         h, kv, d = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
         qkv = None
-        if self.batch_invariant:  # one fixed-shape matmul whether fused (engine) or not (trainer)
-            qkv = bi.linear(x, *(self.fused or _stacked([self.q_proj, self.k_proj, self.v_proj])))
+        if self.batch_invariant and self.fused is not None:  # one fixed-shape matmul: the engine's
+            qkv = bi.linear(x, *self.fused, self.packed)
+        elif self.batch_invariant:  # the trainer's, of the same shape
+            qkv = bi.linear(x, *_stacked([self.q_proj, self.k_proj, self.v_proj]))
         elif self.fused is not None:
             qkv = packed.linear(x, *self.fused, self.packed)
         if qkv is not None:
@@ -181,7 +184,8 @@ class MLP(nn.Module):
             adapters = (
                 None if hook is None else (lambda a, o: hook(a, o, GATE_UP), lambda a, o: hook(a, o, DOWN))
             )
-            return bi.mlp(x, *gate_up, _weight(self.down_proj), self.down_proj.bias, adapters)
+            down = (_weight(self.down_proj), self.down_proj.bias)
+            return bi.mlp(x, *gate_up, *down, adapters, (self.packed, _packed(self.down_proj)))
         if self.fused is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate_up = packed.linear(x, *self.fused, self.packed)
@@ -382,7 +386,7 @@ class CausalLM(nn.Module):
             rows = torch.arange(hidden.shape[0], device=hidden.device)
             hidden = hidden[rows, logits_at][:, None]  # (B, 1, E)
         if self.batch_invariant:
-            return bi.linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
+            return bi.linear(hidden, self.lm_head.weight, self.lm_head.bias, _packed(self.lm_head)).float()
         return self.lm_head(hidden).float()
 
     def _backbone(
@@ -442,6 +446,11 @@ def _stacked(linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
     biases = [lin.bias for lin in linears]
     bias = None if biases[0] is None else torch.cat(biases)
     return torch.cat([_weight(lin) for lin in linears]), bias
+
+
+def _packed(linear: nn.Module) -> Tensor | None:
+    """An engine's packed copy of a linear's weight (`tandem.model.packed.PackedLinear`), or None."""
+    return getattr(linear, "packed", None)
 
 
 def _weight(linear: nn.Module) -> Tensor:

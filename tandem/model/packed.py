@@ -15,6 +15,8 @@ weights (the tied `lm_head` included). A forward takes them only while oneDNN is
 (`tandem.model.gemv` turns it off for one or two rows, whose kernel reads the plain weights).
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -37,11 +39,29 @@ def pack(weight: Tensor) -> Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
+@functools.cache
+def same_as_mm(n: int, k: int, dtype: torch.dtype, rows: int, threads: int) -> bool:
+    """Whether a (rows, k) x packed (n, k) product equals `torch.mm`'s of the plain weight bit for
+    bit here: one random product each way, once per shape and thread count in a process (oneDNN
+    then runs one kernel for both; on 2 Zen 4 cores in bf16 it does). The batch-invariant mode's
+    engine multiplies by its packed copies only where this holds (`batch_invariant.tiled_mm`), so
+    its logits stay the trainer's, which multiplies plain weights."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    return torch.equal(torch.mm(x, weight.t()), multiply(x, pack(weight)))
+
+
+def multiply(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (..., K) @ the packed weight's transpose (+ bias)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | None) -> Tensor:
     """`F.linear(x, weight, bias)`, multiplied by `packed` (the same weight, `pack`ed) when there is
     one and oneDNN is on."""
     if packed is not None and torch.backends.mkldnn.enabled:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return multiply(x, packed, bias)
     return F.linear(x, weight, bias)
 
 
