@@ -15,7 +15,9 @@ So `bound()` fixes the threshold at `THRESHOLD` (4 MiB: every activation- and gr
 of a small model from the heap, weight-sized ones and the logits mapped), and `trim()`, called
 after each generate call and each train step, hands the heap's free pages back (glibc's
 `malloc_trim`: tens of milliseconds), so what one phase leaves in holes does not stay beside the
-next. The recipe's first 4 steps peak at 4.93 GB in bf16 and 4.94 GB in fp32 this way, against
+next. A generate call runs under `reusing()`: a decode step makes and frees the same tensors as
+the last (the logits, the paged engine's gathered KV blocks), so there both thresholds are raised
+and the step reuses the heap, trimmed at the call's end. The recipe's first 4 steps peak at 4.93 GB in bf16 and 4.94 GB in fp32 this way, against
 4.71 / 4.40 at 128 KiB, and 5.11 / 5.11 at 4 MiB with a trim after generate calls alone; the train
 step took 5.9 s with its trim and without (same machine). Not glibc (musl, macOS): nothing;
 MALLOC_MMAP_THRESHOLD_ in the environment keeps the user's own threshold.
@@ -25,9 +27,16 @@ import ctypes
 import ctypes.util
 import os
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 THRESHOLD = 4 * 2**20
-M_MMAP_THRESHOLD = -3  # mallopt's parameter number
+# While an engine generates (`reusing`): what a decode step allocates and frees again, its (rows,
+# vocabulary) logits and probabilities and the paged engine's gathered KV blocks, stays in the heap
+GENERATE_THRESHOLD = 256 * 2**20
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers
+DEFAULT_TRIM = 128 * 2**10  # glibc's M_TRIM_THRESHOLD, which a fixed mmap threshold leaves fixed
 
 
 def _libc():
@@ -43,10 +52,48 @@ def _libc():
 _LIBC = _libc()
 
 
+_lock = threading.Lock()
+_generating = 0  # `reusing` blocks open in this process
+
+
+def _ours() -> bool:
+    """Whether tandem sets the thresholds: glibc, and none chosen in the environment."""
+    chosen = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+    return _LIBC is not None and not any(os.environ.get(name) for name in chosen)
+
+
 def bound() -> None:
-    """Fix glibc's mmap threshold at THRESHOLD, unless MALLOC_MMAP_THRESHOLD_ chose another."""
-    if _LIBC is not None and not os.environ.get("MALLOC_MMAP_THRESHOLD_"):
+    """Fix glibc's mmap threshold at THRESHOLD, unless the environment chose one."""
+    if _ours():
         _LIBC.mallopt(M_MMAP_THRESHOLD, THRESHOLD)
+
+
+@contextmanager
+def reusing() -> Iterator[None]:
+    """Within the block (an engine's generate call), tensors up to GENERATE_THRESHOLD come from the
+    heap and the heap keeps what is freed at its top (glibc's trim threshold, else 128 KiB, raised
+    with it): a decode step's tensors reuse the last step's memory instead of being mapped and
+    zero-filled afresh. The paged engine decoding 64 sequences of SmolLM2-135M: ~350 -> ~480
+    tokens/s (one process, alternating, 2 Zen 4 cores). At the block's end both thresholds are
+    back and the heap trimmed (the last of several threads' blocks to end does it)."""
+    global _generating
+    if not _ours():
+        yield
+        return
+    with _lock:
+        _generating += 1
+        if _generating == 1:
+            _LIBC.mallopt(M_MMAP_THRESHOLD, GENERATE_THRESHOLD)
+            _LIBC.mallopt(M_TRIM_THRESHOLD, 2 * GENERATE_THRESHOLD)
+    try:
+        yield
+    finally:
+        with _lock:
+            _generating -= 1
+            if _generating == 0:
+                _LIBC.mallopt(M_MMAP_THRESHOLD, THRESHOLD)
+                _LIBC.mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM)
+                trim()
 
 
 def trim() -> None:

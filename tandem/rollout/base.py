@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from tandem import heap
 from tandem.rollout.call import GenerateCall
 from tandem.rollout.protocol import ON_UPDATE_POLICIES, StopCheck
 from tandem.sample import Sample, SamplingParams
@@ -140,7 +141,8 @@ class RolloutEngine:
                 )
             todo = [s for s in samples if call.needs_tokens(s)]
             if todo:
-                self._drive(self._begin(todo, call))
+                with heap.reusing():  # a step's tensors in the last step's memory; trimmed after
+                    self._drive(self._begin(todo, call))
         finally:
             with self._lock:
                 # An abort() that came too late to stop this call must not stop the next one.

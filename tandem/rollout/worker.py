@@ -6,7 +6,6 @@ from collections.abc import Callable, Iterable
 
 from torch import Tensor
 
-from tandem import heap
 from tandem.agent import AgentLoop, SingleTurn, context_end
 from tandem.rollout.base import RolloutEngine
 from tandem.sample import Sample, SamplingParams
@@ -90,7 +89,6 @@ class RolloutWorker:
         finally:
             with self._lock:
                 self._running = False
-            heap.trim()  # the call's caches and logits, freed into the heap's holes
         stop = self._stop_check(params)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         for s in samples:  # partials too: a continued response must not keep its old text
