@@ -32,6 +32,7 @@ from tandem.model.invariance import (
     probe_model,
 )
 from tandem.model.logprobs import token_logprobs
+from tandem.model.packed import packing_available
 from tandem.rollout.engine import BuiltinEngine
 from tandem.rollout.paged_engine import PagedEngine
 from tandem.runtime.startup import load_config
@@ -257,6 +258,24 @@ def test_engine_logprobs_equal_the_trainers_bit_for_bit(dtype):
             got = torch.tensor(s.logprobs)
             assert torch.equal(got, row[: len(got)]), f"engine {i} ({type(engine).__name__})"
     assert engines[-2].num_preemptions > 0 and engines[-1].runner.graphs.num_steps > 0
+
+
+@pytest.mark.skipif(not packing_available(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bf16 here")
+def test_the_engines_packed_weights_multiply_its_tiles_and_keep_the_trainers_logprobs(monkeypatch):
+    """A bf16 engine keeps its weights packed for oneDNN; in the batch-invariant mode its tiles
+    multiply by those copies where oneDNN gives torch.mm's result bit for bit (`packed.same_as_mm`),
+    and its logprobs stay the trainer's, which multiplies the plain weights."""
+    calls = []
+    multiply = bi.packing.multiply
+    monkeypatch.setattr(bi.packing, "multiply", lambda x, w, *b: calls.append(x.shape) or multiply(x, w, *b))
+    trainer = train_worker(tiny_model(std=0.3), train=dict(micro_batch_tokens=300), dtype=torch.bfloat16)
+    trainer.compute.batch_invariant = True
+    engine = BuiltinEngine(model_in(torch.bfloat16), [EOS], 0, seed=3)
+    assert engine.packed
+    samples = engine_samples(engine, 16, 4, seed=3)
+    assert calls and {rows for rows, _ in calls} == {bi.row_tile(torch.bfloat16)}
+    for s, row in zip(samples, trainer.compute_logprobs(samples), strict=True):
+        assert torch.equal(torch.tensor(s.logprobs), row[: len(s.logprobs)])
 
 
 @pytest.mark.xfail(
