@@ -17,10 +17,11 @@ after each generate call and each train step, hands the heap's free pages back (
 `malloc_trim`: tens of milliseconds), so what one phase leaves in holes does not stay beside the
 next. A generate call runs under `reusing()`: a decode step makes and frees the same tensors as
 the last (the logits, the paged engine's gathered KV blocks), so there both thresholds are raised
-and the step reuses the heap, trimmed at the call's end. The recipe's first 4 steps peak at 4.93 GB in bf16 and 4.94 GB in fp32 this way, against
-4.71 / 4.40 at 128 KiB, and 5.11 / 5.11 at 4 MiB with a trim after generate calls alone; the train
-step took 5.9 s with its trim and without (same machine). Not glibc (musl, macOS): nothing;
-MALLOC_MMAP_THRESHOLD_ in the environment keeps the user's own threshold.
+and the step reuses the heap, trimmed at the call's end. With the built-in engine the recipe's
+first 4 steps peaked at 4.93 GB in bf16 and 4.94 GB in fp32 this way, against 4.71 / 4.40 at 128
+KiB, and 5.11 / 5.11 at 4 MiB with a trim after generate calls alone; the train step took 5.9 s
+with its trim and without (same machine). Not glibc (musl, macOS): nothing; MALLOC_MMAP_THRESHOLD_
+or MALLOC_TRIM_THRESHOLD_ in the environment keeps the user's own thresholds.
 """
 
 import ctypes
