@@ -100,7 +100,7 @@ def test_activation_sized_tensors_come_from_the_heap_and_weight_sized_ones_are_m
 
 REUSED = MALLINFO + textwrap.dedent(
     """
-    def step():  # a decode step's (rows, vocabulary) tensor, made and freed again: -> pages it touched
+    def step():  # a decode step's (rows, vocabulary) tensor, made and freed again: -> blocks it mapped
         before = libc.mallinfo2().hblks
         x = torch.ones(16 << 20, dtype=torch.uint8)
         mapped = libc.mallinfo2().hblks - before
