@@ -58,9 +58,51 @@ def score_tokens(
 def _score_chunk(
     h: Tensor, weight: Tensor, tokens: Tensor, temperature: float, batch_invariant: bool = False
 ) -> tuple[Tensor, Tensor]:
-    """H = -sum p log p of the tempered distribution, the same as algo.entropy_from_logits."""
+    """(logp, entropy) of one chunk: its logits in the compute dtype, then `TokenScores`."""
     logits = bi.linear(h, weight) if batch_invariant else F.linear(h, weight)
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # (n, V)
-    logp = logp_all.gather(-1, tokens[:, None]).squeeze(-1).clone()  # not a view: FSDP2 hooks outputs
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+    return TokenScores.apply(logits, tokens, temperature, batch_invariant)
+
+
+class TokenScores(torch.autograd.Function):
+    """logits (n, V), tokens (n,) -> logp (n,) = log_softmax(logits.float() / T)[token] and the
+    tempered distribution's entropy H = -sum p log p (n,), both fp32, with a backward of its own.
+
+    logp is `token_logprobs`'s value bit for bit (the same three kernels: the engine's logprobs in
+    the batch-invariant mode). Autograd's graph of these steps allocated (and faulted in) about ten
+    (n, V) fp32 tensors a chunk, with a pass over each: a cast, a division, the gather's zeros and
+    scatter, log_softmax's backward, the entropy's product and its backward. Here forward writes
+    two, exp(log p) over the tempered logits' buffer, and backward one (the bf16 gradient):
+
+        d logp / d z_j = [j = token] - p_j,  d H / d z_j = -p_j (log p_j + H),  z = logits / T.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, tokens: Tensor, temperature: float, batch_invariant: bool):
+        z = logits.float()
+        if temperature != 1.0:
+            z.div_(temperature)  # the same kernel and values as `logits.float() / temperature`
+        logp_all = torch.log_softmax(z, dim=-1)
+        logp = logp_all.gather(-1, tokens[:, None]).squeeze(-1)
+        p = torch.exp(logp_all, out=z)
+        if batch_invariant:  # each row reduced on its own, whatever the rows beside it
+            entropy = -(p * logp_all).sum(-1)
+        else:  # one dot product a row, without a third (n, V) tensor
+            entropy = -torch.bmm(p[:, None, :], logp_all[:, :, None]).view(-1)
+        ctx.save_for_backward(p, logp_all, tokens, entropy)
+        ctx.temperature, ctx.dtype = temperature, logits.dtype
+        ctx.set_materialize_grads(False)
+        return logp, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_logp: Tensor | None, g_entropy: Tensor | None):
+        p, logp_all, tokens, entropy = ctx.saved_tensors
+        t = ctx.temperature
+        g_logp = torch.zeros_like(entropy) if g_logp is None else g_logp
+        if g_entropy is None:  # the usual case: the entropy a metric only
+            grad = p.mul_((-g_logp / t)[:, None])  # p in place: once_differentiable, backward runs once
+        else:
+            weight = (logp_all + entropy[:, None]).mul_(g_entropy[:, None]).add_(g_logp[:, None])
+            grad = weight.mul_(p).mul_(-1 / t)
+        grad.scatter_add_(-1, tokens[:, None], (g_logp / t)[:, None])
+        return grad.to(ctx.dtype), None, None, None
