@@ -18,9 +18,9 @@ between threads by the shape of the call, so each call here has ONE shape whatev
   padded to a multiple of 4, rested on what one CPU's BLAS was seen to do; on an Intel Xeon with
   AMX the engine and the trainer then differed by 0.030 in a logprob.
 - Attention (`attention`): each (key head, sequence)'s query rows in tiles of QUERY_TILE and its
-  keys in tiles of KEY_TILE; every matmul call multiplies one query tile by one key tile of every
-  entry, so its per-entry shape is fixed and its reductions (over the head dim, over KEY_TILE
-  keys) are short and of one length. The partial sums over key tiles are added in fp32 by tandem,
+  keys in tiles of KEY_TILE; every matmul call multiplies each query tile by one key tile, each
+  pair an entry of a batched call, so its per-entry shape is fixed and its reductions (over the
+  head dim, over KEY_TILE keys) are short and of one length. The partial sums over key tiles are added in fp32 by tandem,
   in key order, and a key a row cannot see (another row's longer context, a cache's free slots,
   padding) adds exact zeros, so it changes nothing.
 - Element-wise ops are exactly rounded except the transcendental ones, whose vectorised and scalar
@@ -230,7 +230,8 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
 
     An entry is one (key head, sequence), in the caches' head-major order, so their keys are read
     in place. Its G·T query rows (G query heads x T tokens) come in QUERY_TILE tiles, its keys in
-    KEY_TILE tiles; each matmul call takes one query tile and one key tile of every entry. The
+    KEY_TILE tiles; each matmul call takes one key tile of every entry, beside each of its query
+    tiles (an entry of the call each: the call's per-entry shape is one whatever T). The
     element-wise steps and row sums run on all of them at once (`_entries` pads their count so
     that every element runs in the vectorised loop).
     """
@@ -264,11 +265,17 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     bias[:, n:], bias[count:] = 0.0, 0.0
     bias = bias.view(total, tiles_q, QUERY_TILE, tiles_k, KEY_TILE).permute(3, 1, 0, 2, 4).contiguous()
 
+    # One call a key tile: each query tile of each entry is an entry of the call, its key tile
+    # copied beside it, so every entry is still (QUERY_TILE, D) x (D, KEY_TILE).
+    entries = tiles_q * total
+    queries = queries.view(total, tiles_q, QUERY_TILE, d).transpose(0, 1).reshape(entries, QUERY_TILE, d)
+
+    def beside(x: Tensor, j: int) -> Tensor:  # key tile j of every entry, once per query tile
+        return tile(x, j).expand(tiles_q, total, KEY_TILE, d).reshape(entries, KEY_TILE, d)
+
     scores = q.new_empty(tiles_k, tiles_q, total, QUERY_TILE, KEY_TILE)
     for j in range(tiles_k):
-        key_tile = tile(keys, j).transpose(1, 2)
-        for i in range(tiles_q):
-            torch.bmm(queries[:, i * QUERY_TILE : (i + 1) * QUERY_TILE], key_tile, out=scores[j, i])
+        torch.bmm(queries, beside(keys, j).transpose(1, 2), out=scores[j].view(entries, QUERY_TILE, KEY_TILE))
     x = bias.add_(scores)  # fp32
     top = x.amax(-1, keepdim=True).amax(0)  # (tiles_q, total, QT, 1): a max is exact in any order
     p = torch.exp(x.sub_(top))
@@ -276,9 +283,8 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     p = p.to(v.dtype)
     weighted = v.new_empty(tiles_k, tiles_q, total, QUERY_TILE, d)
     for j in range(tiles_k):
-        value_tile = tile(values, j)
-        for i in range(tiles_q):
-            torch.bmm(p[j, i], value_tile, out=weighted[j, i])
+        flat = p[j].view(entries, QUERY_TILE, KEY_TILE)
+        torch.bmm(flat, beside(values, j), out=weighted[j].view(entries, QUERY_TILE, d))
     norm, acc = sums[0], weighted[0].float()
     for j in range(1, tiles_k):  # in key order: a tile no row sees adds exact zeros
         norm, acc = norm + sums[j], acc + weighted[j].float()
