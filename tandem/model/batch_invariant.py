@@ -44,6 +44,7 @@ the engine 1.09x / 1.71x / 2.7x and the train step 1.56x / 1.24x / 1.24x; fp32 m
 more at small tiles (a train step's matmuls 1.3x slower at 128 rows than at 256), so fp32 keeps 256.
 """
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -55,6 +56,7 @@ from tandem.model import packed as packing
 
 ROW_TILE = 256  # rows per matmul call (fp32 and fp16; `row_tile`)
 ROW_TILES = {torch.bfloat16: 128}  # dtypes whose matmuls lose little at fewer rows a call
+SUB_TILES = (16, 32, 64)  # smaller calls for the rows after the last whole tile (`calls`)
 COL_TILE = 64  # a weight's rows are padded to a multiple of this
 QUERY_TILE = 4  # attention: query rows (query heads x tokens) per matmul entry
 KEY_TILE = 32  # attention: keys per matmul entry
@@ -78,13 +80,12 @@ def row_tile(dtype: torch.dtype) -> int:
     return ROW_TILES.get(dtype, ROW_TILE)
 
 
-def padded_rows(m: int, width: int, dtype: torch.dtype) -> int:
-    """-> the row count >= m, a multiple of `row_tile(dtype)`, at which an element-wise op over
+def padded_rows(m: int, width: int) -> int:
+    """-> the row count >= m, a multiple of SUB_TILES[0], at which an element-wise op over
     (rows, width) splits between threads at row boundaries (`_threads_used`)."""
-    tile = row_tile(dtype)
-    rows = round_up(m, tile)
+    rows = round_up(m, SUB_TILES[0])
     while rows % _threads_used(rows * width):
-        rows += tile
+        rows += SUB_TILES[0]
     return rows
 
 
@@ -96,21 +97,50 @@ def pad_rows(x: Tensor, rows: int) -> Tensor:
 
 
 def tiled_mm(x: Tensor, weight: Tensor, packed: Tensor | None = None) -> Tensor:
-    """x (M, K), weight (N, K) -> x @ weight.T (M, N), as (row_tile, K) x (K, N') calls (no autograd).
+    """x (M, K), weight (N, K) -> x @ weight.T (M, N), as (rows, K) x (K, N') calls (`calls`: whole
+    tiles, then a smaller call for the last rows where that gives the same bits; no autograd).
     packed: the weight packed for oneDNN (an engine's `tandem.model.packed` copy), multiplied by
     instead where that gives `torch.mm`'s result bit for bit (`packed.same_as_mm`): a fifth less
     time for a decode step's tiles, which need not re-lay the weight out at every call."""
-    m, n = x.shape[0], weight.shape[0]
-    cols, tile = round_up(n, COL_TILE), row_tile(x.dtype)
-    rows = pad_rows(x, round_up(m, tile)).contiguous()
-    if packed is not None and n == cols and _packed_exact(n, x.shape[1], x.dtype, tile):
-        tiles = [packing.multiply(rows[i : i + tile], packed) for i in range(0, rows.shape[0], tile)]
+    m, (n, k) = x.shape[0], weight.shape
+    cols = round_up(n, COL_TILE)
+    sizes = calls(m, cols, k, x.dtype, x.device)
+    rows = pad_rows(x, sum(sizes)).contiguous()
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    if packed is not None and n == cols and all(_packed_exact(n, k, x.dtype, r) for r in set(sizes)):
+        tiles = [packing.multiply(rows[i : i + r], packed) for i, r in zip(starts, sizes, strict=True)]
         return (tiles[0] if len(tiles) == 1 else torch.cat(tiles))[:m]
     wt = pad_rows(weight, cols).t()  # (K, N')
     out = rows.new_empty(rows.shape[0], cols)
-    for i in range(0, rows.shape[0], tile):
-        torch.mm(rows[i : i + tile], wt, out=out[i : i + tile])
+    for i, r in zip(starts, sizes, strict=True):
+        torch.mm(rows[i : i + r], wt, out=out[i : i + r])
     return out[:m, :n]
+
+
+def calls(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> list[int]:
+    """The row counts of `tiled_mm`'s calls for m rows by an (n, k) weight: whole tiles of
+    `row_tile(dtype)` rows, then the rows left in the smallest of SUB_TILES whose call gives each
+    row a whole tile's bits on this machine (`rows_exact`), else in a whole tile. A decode step of
+    64 sequences then multiplies 64 rows, not 128, where the library's kernel allows it."""
+    tile = row_tile(dtype)
+    whole, rest = divmod(m, tile)
+    if rest == 0 and whole:
+        return [tile] * whole
+    threads = torch.get_num_threads()
+    fits = (r for r in SUB_TILES if rest <= r < tile and rows_exact(n, k, dtype, r, device.type, threads))
+    return [tile] * whole + [next(fits, tile)]
+
+
+@functools.cache
+def rows_exact(n: int, k: int, dtype: torch.dtype, rows: int, device: str, threads: int) -> bool:
+    """Whether a (rows, k) x (k, n) matmul gives the rows of a (row_tile, k) one bit for bit here:
+    one random product each way, once per shape and thread count in a process. A library picks its
+    kernel (and so a row's reduction order) by the call's shape: this checks, not assumes, that the
+    smaller shape's is the same (on 2 Zen 4 cores it is, from 1 row in bf16 and from 8 in fp32)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(row_tile(dtype), k, generator=gen).to(dtype).to(device)
+    weight = torch.randn(n, k, generator=gen).to(dtype).to(device).t()
+    return torch.equal(torch.mm(x[:rows], weight), torch.mm(x, weight)[:rows])
 
 
 def _packed_exact(n: int, k: int, dtype: torch.dtype, tile: int) -> bool:
@@ -167,7 +197,7 @@ def mlp(
     rows, given their inputs), after each bias. packed: the two weights' packed copies (`linear`)."""
     rows = x.reshape(-1, x.shape[-1])  # (M, E)
     m, width = rows.shape[0], down.shape[1]
-    h = _mm(pad_rows(rows, padded_rows(m, width, rows.dtype)), gate_up, packed[0])  # (M', 2I)
+    h = _mm(pad_rows(rows, padded_rows(m, width)), gate_up, packed[0])  # (M', 2I)
     if gate_up_bias is not None:
         h = h + gate_up_bias
     if adapters is not None:
