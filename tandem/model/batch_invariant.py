@@ -20,9 +20,9 @@ between threads by the shape of the call, so each call here has ONE shape whatev
 - Attention (`attention`): each (key head, sequence)'s query rows in tiles of QUERY_TILE and its
   keys in tiles of KEY_TILE; every matmul call multiplies each query tile by one key tile, each
   pair an entry of a batched call, so its per-entry shape is fixed and its reductions (over the
-  head dim, over KEY_TILE keys) are short and of one length. The partial sums over key tiles are added in fp32 by tandem,
-  in key order, and a key a row cannot see (another row's longer context, a cache's free slots,
-  padding) adds exact zeros, so it changes nothing.
+  head dim, over KEY_TILE keys) are short and of one length. The partial sums over key tiles are
+  added in fp32 by tandem, in key order, and a key a row cannot see (another row's longer context,
+  a cache's free slots, padding) adds exact zeros, so it changes nothing.
 - Element-wise ops are exactly rounded except the transcendental ones, whose vectorised and scalar
   loops can differ in the last bit (ATen runs the last elements of a thread's range, under two
   vectors, scalar). The attention's exp runs on a tensor padded (`_entries`) so that every
