@@ -18,11 +18,11 @@ between threads by the shape of the call, so each call here has ONE shape whatev
   padded to a multiple of 4, rested on what one CPU's BLAS was seen to do; on an Intel Xeon with
   AMX the engine and the trainer then differed by 0.030 in a logprob.
 - Attention (`attention`): each (key head, sequence)'s query rows in tiles of QUERY_TILE and its
-  keys in tiles of KEY_TILE; every matmul call multiplies each query tile by one key tile, each
-  pair an entry of a batched call, so its per-entry shape is fixed and its reductions (over the
-  head dim, over KEY_TILE keys) are short and of one length. The partial sums over key tiles are
-  added in fp32 by tandem, in key order, and a key a row cannot see (another row's longer context,
-  a cache's free slots, padding) adds exact zeros, so it changes nothing.
+  keys in tiles of KEY_TILE; every matmul call multiplies one key tile of every entry by its query
+  tiles, each tile's rows as by a call of its own (checked on the machine: `rows_free`), so its
+  reductions (over the head dim, over KEY_TILE keys) are short and of one length. The partial sums
+  over key tiles are added in fp32 by tandem, in key order, and a key a row cannot see (another
+  row's longer context, a cache's free slots, padding) adds exact zeros, so it changes nothing.
 - Element-wise ops are exactly rounded except the transcendental ones, whose vectorised and scalar
   loops can differ in the last bit (ATen runs the last elements of a thread's range, under two
   vectors, scalar). The attention's exp runs on a tensor padded (`_entries`) so that every
@@ -260,10 +260,10 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
 
     An entry is one (key head, sequence), in the caches' head-major order, so their keys are read
     in place. Its G·T query rows (G query heads x T tokens) come in QUERY_TILE tiles, its keys in
-    KEY_TILE tiles; each matmul call takes one key tile of every entry, beside each of its query
-    tiles (an entry of the call each: the call's per-entry shape is one whatever T). The
-    element-wise steps and row sums run on all of them at once (`_entries` pads their count so
-    that every element runs in the vectorised loop).
+    KEY_TILE tiles; each matmul call takes one key tile of every entry and all its query tiles,
+    where a call of many query tiles gives each the bits of a call of its own (`rows_free`), else
+    one query tile a call. The element-wise steps and row sums run on all of them at once
+    (`_entries` pads their count so that every element runs in the vectorised loop).
     """
     b, h, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
@@ -287,40 +287,66 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         out[:count, : part.shape[1]] = part
         return out
 
-    # Additive mask (tiles_k, tiles_q, total, QT, KT): the run's mask, -inf on padded keys, 0 on
-    # padding rows and entries (finite, and dropped).
-    bias = torch.full((total, tiles_q * QUERY_TILE, tiles_k * KEY_TILE), float("-inf"), device=q.device)
+    # Additive mask (tiles_k, total, rows, KT): the run's mask, -inf on padded keys, 0 on padding
+    # rows and entries (finite, and dropped).
+    rows_q = tiles_q * QUERY_TILE
+    bias = torch.full((total, rows_q, tiles_k * KEY_TILE), float("-inf"), device=q.device)
     visible = mask.float()[:, 0].expand(hkv, b, t, s)[:, :, None].expand(hkv, b, g, t, s)
     bias[:count, :n, :s] = visible.reshape(count, n, s)
     bias[:, n:], bias[count:] = 0.0, 0.0
-    bias = bias.view(total, tiles_q, QUERY_TILE, tiles_k, KEY_TILE).permute(3, 1, 0, 2, 4).contiguous()
+    bias = bias.view(total, rows_q, tiles_k, KEY_TILE).permute(2, 0, 1, 3).contiguous()
 
-    # One call a key tile: each query tile of each entry is an entry of the call, its key tile
-    # copied beside it, so every entry is still (QUERY_TILE, D) x (D, KEY_TILE).
-    entries = tiles_q * total
-    queries = queries.view(total, tiles_q, QUERY_TILE, d).transpose(0, 1).reshape(entries, QUERY_TILE, d)
-
-    def beside(x: Tensor, j: int) -> Tensor:  # key tile j of every entry, once per query tile
-        return tile(x, j).expand(tiles_q, total, KEY_TILE, d).reshape(entries, KEY_TILE, d)
-
-    scores = q.new_empty(tiles_k, tiles_q, total, QUERY_TILE, KEY_TILE)
+    threads = torch.get_num_threads()
+    scores = q.new_empty(tiles_k, total, rows_q, KEY_TILE)
+    whole = rows_free(rows_q, d, KEY_TILE, True, q.dtype, q.device.type, threads)
     for j in range(tiles_k):
-        torch.bmm(queries, beside(keys, j).transpose(1, 2), out=scores[j].view(entries, QUERY_TILE, KEY_TILE))
+        _query_tiles(queries, tile(keys, j).transpose(1, 2), scores[j], whole)
     x = bias.add_(scores)  # fp32
-    top = x.amax(-1, keepdim=True).amax(0)  # (tiles_q, total, QT, 1): a max is exact in any order
+    top = x.amax(-1, keepdim=True).amax(0)  # (total, rows, 1): a max is exact in any order
     p = torch.exp(x.sub_(top))
-    sums = p.sum(-1)  # (tiles_k, tiles_q, total, QT): each row of KEY_TILE alone
+    sums = p.sum(-1)  # (tiles_k, total, rows): each row of KEY_TILE alone
     p = p.to(v.dtype)
-    weighted = v.new_empty(tiles_k, tiles_q, total, QUERY_TILE, d)
+    weighted = v.new_empty(tiles_k, total, rows_q, d)
+    whole = rows_free(rows_q, KEY_TILE, d, False, q.dtype, q.device.type, threads)
     for j in range(tiles_k):
-        flat = p[j].view(entries, QUERY_TILE, KEY_TILE)
-        torch.bmm(flat, beside(values, j), out=weighted[j].view(entries, QUERY_TILE, d))
+        _query_tiles(p[j], tile(values, j), weighted[j], whole)
     norm, acc = sums[0], weighted[0].float()
     for j in range(1, tiles_k):  # in key order: a tile no row sees adds exact zeros
         norm, acc = norm + sums[j], acc + weighted[j].float()
-    out = (acc / norm[..., None]).to(v.dtype)  # (tiles_q, total, QT, D)
-    out = out[:, :count].permute(1, 0, 2, 3).reshape(count, tiles_q * QUERY_TILE, d)[:, :n]
+    out = (acc / norm[..., None]).to(v.dtype)[:count, :n]  # (count, n, D)
     return out.reshape(hkv, b, g, t, d).permute(1, 0, 2, 3, 4).reshape(b, h, t, d)
+
+
+def _query_tiles(a: Tensor, b: Tensor, out: Tensor, whole: bool) -> None:
+    """a (E, rows, K) @ b (E, K, N) -> out (E, rows, N), each QUERY_TILE of rows as by a call of
+    its own: in one call where that gives the same bits (`rows_free`), else one call a tile."""
+    if whole:
+        torch.bmm(a, b, out=out)
+        return
+    for i in range(0, a.shape[1], QUERY_TILE):
+        out[:, i : i + QUERY_TILE] = torch.bmm(a[:, i : i + QUERY_TILE].contiguous(), b)
+
+
+@functools.cache
+def rows_free(
+    rows: int, k: int, n: int, transposed: bool, dtype: torch.dtype, device: str, threads: int
+) -> bool:
+    """Whether an entry (rows, k) x (k, n) of a batched matmul gives each QUERY_TILE of its rows the
+    bits of a (QUERY_TILE, k) entry here (transposed: the right operand is a (n, k) transposed, as
+    keys are): one random product each way, once per shape and thread count in a process. Then
+    `tiled_attention` multiplies all of a key tile's query tiles in one call (on 2 Zen 4 cores it
+    can, in bf16 and fp32), not one call a query tile."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(3, rows, k, generator=gen).to(dtype).to(device)
+    right = (
+        torch.randn(3, n, k, generator=gen).transpose(1, 2)
+        if transposed
+        else torch.randn(3, k, n, generator=gen)
+    )
+    right = right.to(dtype).to(device)
+    product = torch.bmm(a, right)
+    tiles = (torch.bmm(a[:, i : i + QUERY_TILE].contiguous(), right) for i in range(0, rows, QUERY_TILE))
+    return torch.equal(torch.cat(list(tiles), dim=1), product)
 
 
 def _entries(count: int, tiles: int) -> int:
