@@ -171,16 +171,17 @@ def test_logprobs_in_chunks_equal_the_whole_and_so_do_their_gradients(monkeypatc
     assert_same_gradients(grads(chunked.model), grads(whole.model), model, samples)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.05])
-def test_token_scores_hand_written_backward_is_autograds(temperature, entropy_coef):
+def test_token_scores_hand_written_backward_is_autograds(temperature, entropy_coef, dtype):
     """`TokenScores` (log_softmax, gather and entropy with one backward of its own) against autograd
     through the plain composition it replaces: the same logp bit for bit, the same entropy and
     gradient of logits to fp32 rounding, with the entropy in the loss or a metric only."""
     from tandem.model.logprobs import TokenScores
 
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(6, VOCAB, generator=gen, dtype=torch.float64).mul_(3).to(torch.bfloat16)
+    logits = torch.randn(6, VOCAB, generator=gen, dtype=torch.float64).mul_(3).to(dtype)
     tokens = torch.randint(0, VOCAB, (6,), generator=gen)
     weights = torch.randn(6, generator=gen)
 
@@ -188,8 +189,9 @@ def test_token_scores_hand_written_backward_is_autograds(temperature, entropy_co
         return (weights * logp).sum() + entropy_coef * entropy.sum()
 
     ours = logits.clone().requires_grad_()
-    logp, entropy = TokenScores.apply(ours, tokens, temperature, False)
-    loss(logp, entropy).backward()
+    logp, entropy = TokenScores.apply(ours.view(6, VOCAB), tokens, temperature, False)  # a view, as
+    loss(logp, entropy).backward()  # the batch-invariant linear's output is: never written in place
+    assert torch.equal(ours.detach(), logits)
     ref = logits.float().requires_grad_()  # autograd's graph, in fp32 (a bf16 grad would hide a slip)
     logp_all = torch.log_softmax(ref / temperature, dim=-1)
     ref_logp = logp_all.gather(-1, tokens[:, None]).squeeze(-1)
@@ -197,7 +199,7 @@ def test_token_scores_hand_written_backward_is_autograds(temperature, entropy_co
     loss(ref_logp, ref_entropy).backward()
     assert torch.equal(logp, token_logprobs(logits, tokens, temperature))
     torch.testing.assert_close(entropy, ref_entropy.detach(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(ours.grad.float(), ref.grad.to(torch.bfloat16).float(), rtol=0.01, atol=1e-4)
+    torch.testing.assert_close(ours.grad.float(), ref.grad.to(dtype).float(), rtol=0.01, atol=1e-4)
 
 
 def test_gradient_checkpointing_changes_nothing_but_memory():

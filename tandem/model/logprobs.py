@@ -78,7 +78,7 @@ class TokenScores(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, tokens: Tensor, temperature: float, batch_invariant: bool):
-        z = logits.float()
+        z = logits.to(torch.float32, copy=True)  # a buffer of its own, fp32 logits too
         if temperature != 1.0:
             z.div_(temperature)  # the same kernel and values as `logits.float() / temperature`
         logp_all = torch.log_softmax(z, dim=-1)
