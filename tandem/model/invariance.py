@@ -134,19 +134,22 @@ def first_difference(model: CausalLM, threads: Iterable[int], seed: int = 0) -> 
     target = [rng.randrange(vocab) for _ in range(20)]
     prompt = 8
     before = torch.get_num_threads()
+    # torch's own setter: vLLM's CPU worker replaces torch.set_num_threads with a no-op in the
+    # process it ran in, and the test would then run every "thread count" on the same threads.
+    set_threads = torch._C.set_num_threads
     try:
-        torch.set_num_threads(1)
+        set_threads(1)
         with torch.no_grad():
             ref = padded_logits(model, [target])[0]
             for count in sorted(set(threads)):
-                torch.set_num_threads(count)
+                set_threads(count)
                 for n in BATCH_SIZES:
                     for path, got in _paths(model, target, prompt, n, rng):
                         if not torch.equal(got, ref[-got.shape[0] :]):
                             gap = float((got - ref[-got.shape[0] :]).abs().max())
                             return f"{path}, batch of {n}, {count} thread(s): max |Δlogit| {gap:.3g}"
     finally:
-        torch.set_num_threads(before)
+        set_threads(before)
     return None
 
 
