@@ -140,6 +140,20 @@ def test_prefix_cache_hit_across_requests_with_a_shared_system_prompt():
     assert_logprobs_match_recompute(engine.model, c)
 
 
+def test_prompts_of_one_call_with_a_shared_system_prompt_prefill_it_once():
+    """Different prompts sharing leading full blocks, in one call: the first computes them, the
+    others wait one step and take them from the prefix cache (they were computed once per prompt)."""
+    model = tiny_model(std=0.3)
+    engine = paged(model, seed=4)
+    system = list(range(3, 15))  # 12 tokens: 3 full blocks of 4
+    ids = [system + [15 + i, 20 + i, 25 + i] for i in range(5)]
+    samples = run(engine, ids, SamplingParams(max_new_tokens=6))
+    assert engine.block_manager.hit_blocks == 3 * 4  # every prompt after the first
+    assert engine.runner.num_prefill_tokens == 12 + 5 * 3
+    assert_logprobs_match_recompute(model, samples)
+    assert engine.block_manager.num_used_blocks == 0
+
+
 def test_preemption_recomputes_and_matches_recompute():
     model = tiny_model(std=0.3)
     engine = paged(model, seed=5, num_kv_blocks=12, block_size=2)  # 24 slots for 12 sequences

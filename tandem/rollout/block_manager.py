@@ -120,6 +120,19 @@ class BlockManager:
         """Leading tokens whose keys the prefix cache supplied at `allocate`: skip them in prefill."""
         return self._seq(seq_id).num_cached_tokens
 
+    def first_uncached(self, token_ids: list[int]) -> bytes | None:
+        """The name of the first leading full block of `token_ids` that the prefix cache does not
+        hold, which `allocate` then prefill would compute; None when there is none (or no cache).
+        Two prompts get the same name only if they agree on every token up to that block's end."""
+        if not self.prefix_caching:
+            return None
+        bs, parent = self.block_size, self._root()
+        for i in range(max(len(token_ids) - 1, 0) // bs):
+            parent = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
+            if parent not in self._block_of:
+                return parent
+        return None
+
     def ref_count(self, block: int) -> int:
         return self._ref[block]
 

@@ -12,6 +12,10 @@ budget (`BlockManager.can_allocate`) allow; otherwise every running sequence dec
   freed and goes back to the front of the waiting queue, to be recomputed (never an OOM error).
 - Group sharing: equal waiting sequences next to each other (a GRPO group, as `make_groups` lays
   them out) are admitted together: the first is prefilled, the others `fork` its blocks.
+- Shared prefixes: a prompt whose first uncached full block another prompt of the step computes
+  (a system prompt and chat template common to every request) waits for the next step, where the
+  prefix cache gives it those blocks: 256 held-out prompts of the recipe prefill their common
+  first block once, not 256 times.
 """
 
 from collections import deque
@@ -135,10 +139,15 @@ class Scheduler:
         """Admit waiting groups into one prefill step while the budgets allow; the last may get only
         a first chunk of its prompt (it becomes `partial`) -> the step, or None if none fits."""
         step, tokens = Step(), 0  # tokens to compute: the prompt less what the prefix cache holds
+        computing: set[bytes] = set()  # the first block each prompt of this step computes
         while self.waiting and len(self.running) < self.max_num_seqs and tokens < self.max_num_batched_tokens:
             head = self.waiting[0]
             if not self.bm.can_allocate(len(head)):
                 break
+            first = self.bm.first_uncached(head.token_ids)
+            if first is not None and first in computing:  # next step, from the prefix cache
+                break
+            computing.add(first)
             self.waiting.popleft()
             self.bm.allocate(head.seq_id, head.token_ids)
             head.num_computed = self.bm.num_cached_tokens(head.seq_id)
