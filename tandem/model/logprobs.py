@@ -82,7 +82,7 @@ class TokenScores(torch.autograd.Function):
         if temperature != 1.0:
             z.div_(temperature)  # the same kernel and values as `logits.float() / temperature`
         logp_all = torch.log_softmax(z, dim=-1)
-        logp = logp_all.gather(-1, tokens[:, None]).squeeze(-1)
+        logp = logp_all.gather(-1, tokens[:, None]).squeeze(-1).clone()  # not a view: FSDP2 hooks outputs
         p = torch.exp(logp_all, out=z)
         if batch_invariant:  # each row reduced on its own, whatever the rows beside it
             entropy = -(p * logp_all).sum(-1)
