@@ -280,6 +280,46 @@ def test_the_engines_packed_weights_multiply_its_tiles_and_keep_the_trainers_log
         assert torch.equal(torch.tensor(s.logprobs), row[: len(s.logprobs)])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batchs_last_rows_take_a_smaller_call_only_where_it_gives_a_tiles_bits(monkeypatch, dtype):
+    """`tiled_mm` multiplies the rows after its last whole tile in the smallest call the probe
+    (`rows_exact`) finds exact here, else in a whole tile: either way every row's bits are those of
+    a whole tile's call. Forced to find none exact, it falls back to whole tiles."""
+    gen = torch.Generator().manual_seed(0)
+    tile = bi.row_tile(dtype)
+    x = torch.randn(tile + 20, 96, generator=gen).to(dtype)
+    weight = torch.randn(130, 96, generator=gen).to(dtype)  # padded to 192 columns
+    padded = torch.cat([weight, weight.new_zeros(62, 96)])
+    whole = torch.cat([torch.mm(bi.pad_rows(x[i : i + tile], tile), padded.t()) for i in (0, tile)])
+    expected = whole[: x.shape[0], :130]
+    threads = torch.get_num_threads()
+    last = next((r for r in (32, 64) if bi.rows_exact(192, 96, dtype, r, "cpu", threads)), tile)
+    assert bi.calls(x.shape[0], 192, 96, dtype, x.device) == [tile, last]
+    assert torch.equal(bi.tiled_mm(x, weight), expected)
+    monkeypatch.setattr(bi, "rows_exact", lambda *_: False)
+    assert bi.calls(x.shape[0], 192, 96, dtype, x.device) == [tile, tile]
+    assert torch.equal(bi.tiled_mm(x, weight), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_in_one_call_a_key_tile_equals_one_call_a_query_tile(monkeypatch, dtype):
+    """`tiled_attention` multiplies all of a key tile's query tiles in one call where `rows_free`
+    finds it exact here; forced not to, one call a query tile: the same bits, for a prefill of
+    several sequences, a decode step and a long training row."""
+    gen = torch.Generator().manual_seed(1)
+    cases = [(3, 9, 40), (5, 1, 70), (1, 70, 70)]  # (sequences, query tokens, keys)
+    inputs = []
+    for b, t, s in cases:
+        q, k, v = (torch.randn(b, h, n, 16, generator=gen).to(dtype) for h, n in ((4, t), (2, s), (2, s)))
+        mask = torch.zeros(b, 1, t, s)
+        mask[..., s - t :] = torch.full((t, t), float("-inf")).triu(1)
+        inputs.append((q, k, v, mask))
+    batched = [bi.tiled_attention(*args) for args in inputs]
+    monkeypatch.setattr(bi, "rows_free", lambda *_: False)
+    for args, out in zip(inputs, batched, strict=True):
+        assert torch.equal(bi.tiled_attention(*args), out)
+
+
 @pytest.mark.xfail(
     strict=False,  # these seeds hit it on an AVX512-BF16 EPYC; another CPU's bf16 may sample past it
     reason="known bug (found 2026-11-28): in bf16, a sequence preempted and recomputed with the "
