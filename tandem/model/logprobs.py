@@ -68,12 +68,12 @@ class TokenScores(torch.autograd.Function):
     tempered distribution's entropy H = -sum p log p (n,), both fp32, with a backward of its own.
 
     logp is `token_logprobs`'s value bit for bit (the same three kernels: the engine's logprobs in
-    the batch-invariant mode). Autograd's graph of these steps allocated (and faulted in) about ten
-    (n, V) fp32 tensors a chunk, with a pass over each: a cast, a division, the gather's zeros and
-    scatter, log_softmax's backward, the entropy's product and its backward. Here forward writes
-    two, exp(log p) over the tempered logits' buffer, and backward one (the bf16 gradient):
-
-        d logp / d z_j = [j = token] - p_j,  d H / d z_j = -p_j (log p_j + H),  z = logits / T.
+    the batch-invariant mode), and so is the gradient of a loss of logp alone (the same kernels
+    again). Autograd's graph of these steps allocated (and faulted in) about ten (n, V) fp32
+    tensors a chunk, with a pass over each: a cast, a division, the gather's zeros and scatter,
+    log_softmax's backward, the entropy's product and its backward. Here forward writes two (exp
+    of log p over the tempered logits' buffer) and backward two (log_softmax's gradient, its bf16
+    copy); an entropy in the loss adds d H / d z_j = -p_j (log p_j + H), z = logits / T.
     """
 
     @staticmethod
@@ -97,12 +97,14 @@ class TokenScores(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_logp: Tensor | None, g_entropy: Tensor | None):
         p, logp_all, tokens, entropy = ctx.saved_tensors
-        t = ctx.temperature
         g_logp = torch.zeros_like(entropy) if g_logp is None else g_logp
-        if g_entropy is None:  # the usual case: the entropy a metric only
-            grad = p.mul_((-g_logp / t)[:, None])  # p in place: once_differentiable, backward runs once
-        else:
-            weight = (logp_all + entropy[:, None]).mul_(g_entropy[:, None]).add_(g_logp[:, None])
-            grad = weight.mul_(p).mul_(-1 / t)
-        grad.scatter_add_(-1, tokens[:, None], (g_logp / t)[:, None])
+        # The gathered logp's gradient through log_softmax's own backward kernel: the bits autograd's
+        # graph gave, so a run trains as before. p's buffer holds the one-hot unless H needs p.
+        one_hot = p.zero_() if g_entropy is None else torch.zeros_like(p)
+        one_hot.scatter_(-1, tokens[:, None], g_logp[:, None])
+        grad = torch._log_softmax_backward_data(one_hot, logp_all, -1, torch.float32)
+        if g_entropy is not None:  # d H / d z_j = -p_j (log p_j + H)
+            grad.sub_(logp_all.add_(entropy[:, None]).mul_(p).mul_(g_entropy[:, None]))
+        if ctx.temperature != 1.0:
+            grad.div_(ctx.temperature)
         return grad.to(ctx.dtype), None, None, None
