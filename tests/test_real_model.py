@@ -375,7 +375,7 @@ def test_the_recipe_learns_in_a_few_steps_in_bounded_memory(real, tmp_path):
     (26% -> 63% after 5 steps on an AMD EPYC with AVX512-BF16), and the process's peak, as
     summary.json reports it, at most 2.4x the weights, gradients and AdamW state (2.2 GB): 5.18 GB,
     in bf16 and in fp32 (what train.dtype=auto picks on a CPU without native bf16). These 4 steps
-    peak at 4.70 GB in bf16 and 4.95 GB in fp32 on that EPYC (docs/results.md); before a run in one
+    peak at 4.35 GB in bf16 and 4.80 GB in fp32 on that EPYC (docs/results.md); before a run in one
     process stopped keeping a 512 MB packing buffer beside each push's buckets, 4.96 and 5.48 (5.57
     on an AVX2-only EPYC: over the 5.4 GB bound this test had then). Before oneDNN's caches were
     bounded and a one-process call stopped holding its result in a cycle, 4 steps passed 5.5 GB and

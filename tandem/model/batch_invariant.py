@@ -36,12 +36,13 @@ a batched matmul computes each entry the same whatever the number of entries, an
 a shape gets does not change with the thread count. `tandem.model.invariance` checks all three on
 the machine at hand, in the run's dtype and shapes, before a deterministic run starts.
 
-Cost (docs/results.md#determinism): a batch of fewer rows than a tile pays for a tile of them, so a
-decode step of 8 sequences multiplies 128 rows in bf16 (256 in fp32); RL's batches (hundreds of
-sequences to generate, thousands of tokens to train) fill the tiles. The tile trades the two: on
-SmolLM2-135M in bf16 (2 Zen 4 cores, 64 sequences decoding), tiles of 64 / 128 / 256 rows cost
-the engine 1.09x / 1.71x / 2.7x and the train step 1.56x / 1.24x / 1.24x; fp32 matmuls lose
-more at small tiles (a train step's matmuls 1.3x slower at 128 rows than at 256), so fp32 keeps 256.
+Cost (docs/results.md#determinism): a batch of fewer rows than a tile pays for a tile of them,
+unless a smaller call gives its rows a tile's bits on the machine (`calls`: on 2 Zen 4 cores a
+decode step of 64 sequences then multiplies 64 rows, not 128). The whole tile trades the engine
+against the trainer: on SmolLM2-135M in bf16 (2 Zen 4 cores, 64 sequences decoding), tiles of 64 /
+128 / 256 rows cost the engine 1.09x / 1.71x / 2.7x and the train step 1.56x / 1.24x / 1.24x (before
+the smaller last calls); fp32 matmuls lose more at small tiles (a train step's matmuls 1.3x slower
+at 128 rows than at 256), so fp32 keeps 256.
 """
 
 import functools
