@@ -145,9 +145,10 @@ class Scheduler:
             if not self.bm.can_allocate(len(head)):
                 break
             first = self.bm.first_uncached(head.token_ids)
-            if first is not None and first in computing:  # next step, from the prefix cache
-                break
-            computing.add(first)
+            if first is not None:
+                if first in computing:  # next step, from the prefix cache
+                    break
+                computing.add(first)
             self.waiting.popleft()
             self.bm.allocate(head.seq_id, head.token_ids)
             head.num_computed = self.bm.num_cached_tokens(head.seq_id)
