@@ -124,14 +124,7 @@ class BlockManager:
         """The name of the first leading full block of `token_ids` that the prefix cache does not
         hold, which `allocate` then prefill would compute; None when there is none (or no cache).
         Two prompts get the same name only if they agree on every token up to that block's end."""
-        if not self.prefix_caching:
-            return None
-        bs, parent = self.block_size, self._root()
-        for i in range(max(len(token_ids) - 1, 0) // bs):
-            parent = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
-            if parent not in self._block_of:
-                return parent
-        return None
+        return self._match_prefix(token_ids)[2]
 
     def ref_count(self, block: int) -> int:
         return self._ref[block]
@@ -158,7 +151,7 @@ class BlockManager:
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already holds blocks; free it before allocating again")
-        hits, hashes = self._match_prefix(token_ids)
+        hits, hashes, _ = self._match_prefix(token_ids)
         new = self.blocks_for(len(token_ids)) - len(hits)
         revived = sum(self._ref[b] == 0 for b in hits)  # cached hits leave the available pool too
         if new + revived > self.num_available_blocks:
@@ -253,20 +246,21 @@ class BlockManager:
     def _root(self) -> bytes:
         return block_hash(b"tandem-kv", [self._epoch])
 
-    def _match_prefix(self, token_ids: list[int]) -> tuple[list[int], list[bytes]]:
-        """The cached blocks holding the leading full blocks of `token_ids`, and their hashes."""
+    def _match_prefix(self, token_ids: list[int]) -> tuple[list[int], list[bytes], bytes | None]:
+        """The cached blocks holding the leading full blocks of `token_ids`, their hashes, and the
+        hash of the first full block past them that the cache does not hold (None: none)."""
         if not self.prefix_caching:
-            return [], []
+            return [], [], None
         bs, hits, hashes = self.block_size, [], []
         eligible = max(len(token_ids) - 1, 0) // bs  # leave at least the last token to compute
         parent = self._root()
         for i in range(eligible):
             parent = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
             if parent not in self._block_of:
-                break
+                return hits, hashes, parent
             hits.append(self._block_of[parent])
             hashes.append(parent)
-        return hits, hashes
+        return hits, hashes, None
 
     def _take(self) -> int:
         """A block for new keys, ref count 1: a free one, else the least recently released cached one."""
