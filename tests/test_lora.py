@@ -222,30 +222,40 @@ def test_the_adapter_carries_peft_names():
     assert {n: t.shape for n, t in ours.items()} == {n: t.shape for n, t in theirs.items()}
 
 
-def test_peft_loads_the_saved_adapter_with_the_trainers_logits(tmp_path):
+@pytest.mark.parametrize("targets", [PROJECTIONS, [*PROJECTIONS, "lm_head"]], ids=["projections", "and-head"])
+def test_peft_loads_the_saved_adapter_with_the_trainers_logits(tmp_path, targets):
     """After three steps (B non-zero) the step directory's adapter, loaded by PEFT into transformers'
     Qwen2 built from tandem's base checkpoint, gives the trainer's fp32 logits; so does the directory
     itself (the base's weights, the adapter beside them) through tandem's loader and through
-    transformers' own, which both apply an adapter they find beside a model's weights."""
+    transformers' own, which both apply an adapter they find beside a model's weights. With an
+    adapter on the LM head (Tinker's train_unembed), tied to the embedding here, too: the adapter
+    adds to the head alone, and the merged checkpoint unties the two."""
     peft = pytest.importorskip("peft")
     import transformers
 
     save_model(tiny_model(), tmp_path / "base")
-    w = lora_worker(lora_model(model=load_model(tmp_path / "base")))
+    lora = dataclasses.replace(LORA, target_modules=targets)
+    w = lora_worker(lora_model(lora=lora, model=load_model(tmp_path / "base")))
     for i in range(3):
         w.train_step(random_samples(4, 4, seed=i))
     assert all(w.model.get_submodule(m).lora_B.weight.abs().sum() > 0 for m in _targets(w.model))
+    assert ("lm_head" in _targets(w.model)) == ("lm_head" in targets)
     save_hf_model(w, build_char_tokenizer(), tmp_path / "step", base_path=str(tmp_path / "base"))
     config = json.loads((tmp_path / "step" / "adapter_config.json").read_text())
-    assert config["r"] == 4 and config["lora_alpha"] == 8 and config["target_modules"] == PROJECTIONS
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and config["target_modules"] == targets
     with torch.no_grad():
         expected = logits(w.compute, IDS)
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").float().eval()
         loaded = peft.PeftModel.from_pretrained(hf, tmp_path / "step").eval()
         torch.testing.assert_close(loaded(input_ids=IDS).logits, expected, rtol=0, atol=1e-5)
-        torch.testing.assert_close(logits(load_model(tmp_path / "step"), IDS), expected, rtol=0, atol=1e-5)
+        merged = load_model(tmp_path / "step")
+        torch.testing.assert_close(logits(merged, IDS), expected, rtol=0, atol=1e-5)
         auto = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "step").float().eval()
         torch.testing.assert_close(auto(input_ids=IDS).logits, expected, rtol=0, atol=1e-5)
+        save_model(merged, tmp_path / "merged")
+        plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").float().eval()
+        torch.testing.assert_close(plain(input_ids=IDS).logits, expected, rtol=0, atol=1e-5)
+        assert plain.config.tie_word_embeddings == ("lm_head" not in targets)
 
 
 def test_peft_loads_an_all_linear_adapter_with_a_head_trained_whole(tmp_path):
@@ -402,9 +412,8 @@ def test_rank_zero_is_off_and_a_lora_kl_run_places_no_reference_worker():
         (
             LoraConfig(rank=4, target_modules=["q_proj", "qv_proj"]),
             r"'qv_proj', which matches no linear layer.*: q_proj, k_proj, v_proj, o_proj, gate_proj, "
-            r"up_proj, down_proj ",
+            r"up_proj, down_proj, lm_head ",
         ),
-        (LoraConfig(rank=4, target_modules=["lm_head"]), r"'lm_head', the LM head.*modules_to_save"),
         (LoraConfig(rank=4, modules_to_save=["lm_head"]), r"lm_head, whose weight is tied to .*embed_tokens"),
         (LoraConfig(rank=4, modules_to_save=["self_attn"]), r"'self_attn', which holds .*q_proj"),
         (LoraConfig(rank=4, modules_to_save=["nohead"]), r"'nohead', which matches no module"),

@@ -19,10 +19,11 @@ from tandem.rollout.paged_engine import PagedEngine
 from tandem.sample import Prompt, Sample, SamplingParams
 from tandem.train.batch import sequence_logprobs
 
+# Every projection and the LM head (tied to the embedding: Tinker's train_unembed, its default)
 LORA = LoraConfig(
     rank=4,
     alpha=8.0,
-    target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"],
 )
 NAMES = ["a", "b", "c"]
 

@@ -1,5 +1,6 @@
 """Load and save Hugging Face checkpoint directories (config.json + safetensors, sharded or not)."""
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable, Iterable
@@ -187,8 +188,12 @@ def load_model(
     model = meta_model(cfg)
     tensors = _read_tensors(path, cfg)
     if (path / ADAPTER_CONFIG).is_file():
+        had_head = "lm_head.weight" in tensors
         tensors = merge_adapter_file(tensors, path)
+        if cfg.tie_word_embeddings and not had_head and "lm_head.weight" in tensors:  # an adapted head: untied
+            model = meta_model(dataclasses.replace(cfg, tie_word_embeddings=False))
     model = model.to_empty(device=device)
+    cfg = model.cfg
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     with torch.no_grad():

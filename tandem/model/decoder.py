@@ -5,7 +5,7 @@ state dict loads with no renaming, and weight sync to any engine speaks the same
 The engines' inference-only fusing of projections is applied to it (`tandem.model.fuse`).
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -19,12 +19,13 @@ from tandem.model.experts import SparseMoE
 from tandem.model.kv_cache import BatchCache, KVCache
 from tandem.model.logprobs import Targets, score_tokens
 from tandem.model.rope import apply_rope, check_positions, rope_table
-from tandem.model.row_adapters import LowRank
+from tandem.model.row_adapters import LowRank, low_rank
 from tandem.model.segments import Segments
 
 # The projections whose outputs one matmul gives side by side (what a `low_rank` hook is told)
 QKV, OUT = ("q_proj", "k_proj", "v_proj"), ("o_proj",)
 GATE_UP, DOWN = ("gate_proj", "up_proj"), ("down_proj",)
+HEAD = ("lm_head",)
 
 
 class RMSNorm(nn.Module):
@@ -247,8 +248,10 @@ class CausalLM(nn.Module):
         self._rope: tuple[Tensor, Tensor] | None = None  # built on first use, on the model's device
         self._decode_layers = None  # torch.compile'd `_layers` for one-token forwards: compile_decode()
         self._batch_invariant = False
-        # While an engine's forward runs rows of several adapters: their table (RowAdapters.use)
+        # While an engine's forward runs rows of several adapters: their table (RowAdapters.use), and
+        # the hook that adds each row's adapter of lm_head, where the adapters have one (as Attention.low_rank)
         self.row_adapters = None
+        self.head_low_rank: LowRank | None = None
 
     @property
     def batch_invariant(self) -> bool:
@@ -363,8 +366,9 @@ class CausalLM(nn.Module):
                 mask = decode_bias(mask, self.cfg)
         if targets is not None:
             hidden = self._backbone(input_ids, cos, sin, mask, cache).flatten(0, 1)[targets.index]  # (N, E)
+            weight = _weight(self.lm_head) if self.batch_invariant else self.lm_head.weight
             return score_tokens(
-                hidden, self.lm_head.weight, targets.tokens, targets.temperature, self.batch_invariant
+                hidden, weight, targets.tokens, targets.temperature, self.batch_invariant, self._head_delta()
             )
         compiled = self._decode_layers is not None and input_ids.shape[1] == 1 and not self.batch_invariant
         compiled = compiled and self.row_adapters is None  # rows of several adapters: eagerly
@@ -385,9 +389,33 @@ class CausalLM(nn.Module):
         if logits_at is not None:
             rows = torch.arange(hidden.shape[0], device=hidden.device)
             hidden = hidden[rows, logits_at][:, None]  # (B, 1, E)
+        head = self.lm_head
         if self.batch_invariant:
-            return bi.linear(hidden, self.lm_head.weight, self.lm_head.bias, _packed(self.lm_head)).float()
-        return self.lm_head(hidden).float()
+            logits = bi.linear(hidden, _weight(head), head.bias, _packed(head))
+            delta = self._head_delta()
+            logits = logits if delta is None else logits + delta(hidden)
+        else:
+            logits = head(hidden)  # a LoRA-adapted head adds its own adapter, PEFT's way
+        if self.head_low_rank is not None:  # an engine's rows of several adapters
+            logits = self.head_low_rank(hidden, logits, HEAD)
+        return logits.float()
+
+    def _head_delta(self) -> Callable[[Tensor], Tensor] | None:
+        """What a LoRA adapter on lm_head (`tandem.model.lora`; Tinker's train_unembed) adds to the
+        logits of hidden states h (..., E), where they are computed from the head's weight and not by
+        the head itself (the trainer's scoring, the batch-invariant forward): s · B(A(dropout(h))) as
+        the adapter's own forward computes it; in the batch-invariant mode nothing in the merged
+        form (the weight `_weight` gives holds it) and in the unmerged form `low_rank`'s, as an
+        engine adds a row's (`tandem.model.row_adapters`). None without an adapter or with it off."""
+        head = self.lm_head
+        if not getattr(head, "enabled", False):
+            return None
+        a, b, scaling = head.lora_A, head.lora_B, head.scaling
+        if not self.batch_invariant:
+            return lambda h: b(a(head.dropout(h))) * scaling
+        if not head.unmerged:
+            return None
+        return lambda h: low_rank(h, a.weight, b.weight, scaling, True)
 
     def _backbone(
         self,

@@ -1,5 +1,6 @@
 """Per-token logprobs of given tokens, computed the same way by the engine and the trainer."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,12 @@ class Targets:
 
 
 def score_tokens(
-    hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float = 1.0, batch_invariant: bool = False
+    hidden: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    temperature: float = 1.0,
+    batch_invariant: bool = False,
+    delta: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """hidden (N, E), lm_head weight (V, E), tokens (N,) -> logp (N,), entropy (N,), both fp32.
 
@@ -39,27 +45,35 @@ def score_tokens(
     of CHUNK_ELEMENTS // V tokens. With gradients on, each chunk is checkpointed: backward
     recomputes its logits, so no more than one chunk's fp32 logits are alive at any time.
     batch_invariant: the logits matmul as `tandem.model.batch_invariant.linear` (the decoder's mode).
+    delta: hidden -> what a LoRA adapter on the head adds to the logits (`CausalLM._head_delta`).
     """
     size = max(1, CHUNK_ELEMENTS // weight.shape[0])
     if hidden.shape[0] <= size:
-        return _score_chunk(hidden, weight, tokens, temperature, batch_invariant)
+        return _score_chunk(hidden, weight, tokens, temperature, batch_invariant, delta)
     parts = []
     for h, t in zip(hidden.split(size), tokens.split(size), strict=True):
         if torch.is_grad_enabled():
             parts.append(
-                checkpoint(_score_chunk, h, weight, t, temperature, batch_invariant, use_reentrant=False)
+                checkpoint(_score_chunk, h, weight, t, temperature, batch_invariant, delta, use_reentrant=False)
             )
         else:
-            parts.append(_score_chunk(h, weight, t, temperature, batch_invariant))
+            parts.append(_score_chunk(h, weight, t, temperature, batch_invariant, delta))
     logp, entropy = zip(*parts, strict=True)
     return torch.cat(logp), torch.cat(entropy)
 
 
 def _score_chunk(
-    h: Tensor, weight: Tensor, tokens: Tensor, temperature: float, batch_invariant: bool = False
+    h: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    temperature: float,
+    batch_invariant: bool = False,
+    delta: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(logp, entropy) of one chunk: its logits in the compute dtype, then `TokenScores`."""
     logits = bi.linear(h, weight) if batch_invariant else F.linear(h, weight)
+    if delta is not None:
+        logits = logits + delta(h)
     return TokenScores.apply(logits, tokens, temperature, batch_invariant)
 
 

@@ -189,14 +189,15 @@ def apply_lora(model: CausalLM, lora: LoraConfig, seed: int = 0) -> CausalLM:
 
 def lora_targets(model: CausalLM, lora: LoraConfig) -> list[str]:
     """The names of the linears `lora.target_modules` selects, in model order: a module whose name
-    is a target or ends in "." + one (PEFT's rule for a list), or every linear that can have an
-    adapter (all-linear). TandemError naming the target for one that matches no linear, or
-    matches the LM head or an MoE block's router or experts."""
+    is a target or ends in "." + one (PEFT's rule for a list; `lm_head` adapts the LM head, tied to
+    the embedding or not: Tinker's train_unembed), or every linear of the decoder layers that can
+    have an adapter (all-linear, PEFT's: not the head). TandemError naming the target for one that
+    matches no linear, or matches an MoE block's router or experts."""
     moe = [f"{n}." for n, m in model.named_modules() if isinstance(m, SparseMoE)]
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    eligible = [n for n in linears if n != "lm_head" and not n.startswith(tuple(moe))]
+    eligible = [n for n in linears if not n.startswith(tuple(moe))]
     if lora.target_modules == LORA_ALL_LINEAR:
-        return eligible
+        return [n for n in eligible if n != "lm_head"]
     if isinstance(lora.target_modules, str):
         raise TandemError(
             f"train.lora.target_modules is {lora.target_modules!r}: a list, or {LORA_ALL_LINEAR}."
@@ -209,12 +210,6 @@ def lora_targets(model: CausalLM, lora: LoraConfig) -> list[str]:
                 f"Config 'train.lora.target_modules' names {target!r}, which matches no linear layer of "
                 f"the model. Its linear layers that take an adapter: {names} (a name, or a dotted "
                 f"suffix of one such as self_attn.q_proj), or {LORA_ALL_LINEAR} for all of them."
-            )
-        if "lm_head" in matched:
-            raise TandemError(
-                f"Config 'train.lora.target_modules' names {target!r}, the LM head: tandem scores "
-                "tokens with the head's weight directly, past any adapter. Train it whole with "
-                "train.lora.modules_to_save=[lm_head] (an untied head)."
             )
         if inside := [n for n in matched if n.startswith(tuple(moe))]:
             raise TandemError(

@@ -23,6 +23,7 @@ PEFT_PREFIX = "base_model.model."  # PEFT's names: a PeftModel's `base_model` (t
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # PEFT LoRA options that change what the saved tensors mean, which `merge_adapter_file` does not read
+HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
 UNREAD = ("use_dora", "fan_in_fan_out", "lora_bias", "rank_pattern", "alpha_pattern")
 
 
@@ -100,8 +101,9 @@ def save_adapter(
 def merge_adapter_file(tensors: dict[str, Tensor], path: Path) -> dict[str, Tensor]:
     """A checkpoint's weights by tandem's names with the PEFT LoRA adapter saved beside them in
     `path` folded in (W + s · B @ A in fp32, s = lora_alpha / r, or / √r with use_rslora; a module
-    trained whole replaces its weight): what transformers loads from such a directory. TandemError
-    for an adapter this does not read exactly."""
+    trained whole replaces its weight): what transformers loads from such a directory. An adapter on
+    a head tied to the embedding gives the head a weight of its own (`lm_head.weight` in the result:
+    the model is then untied, `load_model`). TandemError for an adapter this does not read exactly."""
     try:
         config = json.loads((path / ADAPTER_CONFIG).read_text())
         r, alpha = config["r"], config["lora_alpha"]
@@ -124,6 +126,8 @@ def merge_adapter_file(tensors: dict[str, Tensor], path: Path) -> dict[str, Tens
         if kind == "B.weight":
             continue
         target = f"{module}.weight" if kind == "A.weight" else name
+        if target == HEAD and HEAD not in out and EMBED in out:  # a tied head: adapted, it is one of its own
+            out[HEAD] = out[EMBED]
         if target not in out:
             raise TandemError(
                 f"{path / ADAPTER_WEIGHTS} holds {name}, for {target}, which the model has not."

@@ -8,7 +8,8 @@ not), untouched. `RowAdapters` holds a table of adapters of one shape, each as a
 (`<projection>.lora_A.weight`, `.lora_B.weight`). For one forward, `RowAdapters.use(model, rows)`
 says which adapter each batch row takes (an index into the table; -1: none, the base) and gives
 each attention and dense MLP of the model a `low_rank` hook (`RowLora`), which the decoder calls
-after each adapted matmul with its input and output (`tandem.model.decoder`). Per adapter, the hook
+after each adapted matmul with its input and output (`tandem.model.decoder`), and the model one for
+its head (`head_low_rank`) when the adapters adapt it. Per adapter, the hook
 gathers that adapter's rows, computes their delta (`low_rank`: two thin matmuls per projection)
 and adds it into those rows; a fused output's delta is its projections' deltas side by side (zeros
 for a projection without an adapter). Rows of no adapter get nothing; a forward whose rows all
@@ -111,20 +112,23 @@ class RowAdapters:
         for n, layer in enumerate(model.model.layers):
             for kind, module in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
                 if hasattr(module, "low_rank"):  # attention and dense MLPs; experts take none
-                    module.low_rank = RowLora(self, module, f"model.layers.{n}.{kind}")
+                    module.low_rank = RowLora(self, module, f"model.layers.{n}.{kind}.")
                     hooked.append(module)
         model.row_adapters = self
+        if "lm_head" in self.a:  # adapters of the LM head (Tinker's train_unembed)
+            model.head_low_rank = RowLora(self, model, "")
         try:
             yield
         finally:
             for module in hooked:
                 module.low_rank = None
-            model.row_adapters, self.groups = None, []
+            model.row_adapters, model.head_low_rank, self.groups = None, None, []
 
 
 class RowLora:
-    """The `LowRank` hook of one attention or MLP (`module`, named `prefix`) in a forward that
-    `RowAdapters.use` set up: each adapter's rows get its delta."""
+    """The `LowRank` hook of one attention or MLP (`module`, its name and a dot `prefix`), or of the
+    model's head (the model, prefix ""), in a forward that `RowAdapters.use` set up: each adapter's
+    rows get its delta."""
 
     def __init__(self, table: RowAdapters, module: nn.Module, prefix: str):
         self.table, self.module, self.prefix = table, module, prefix
@@ -134,7 +138,7 @@ class RowLora:
         x2, out2 = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])  # token rows
         if torch.is_grad_enabled():  # in place below: never into a tensor autograd saved
             out2 = out2.clone()
-        targets = [f"{self.prefix}.{n}" for n in names]
+        targets = [self.prefix + n for n in names]
         widths = [getattr(self.module, n).out_features for n in names]
         invariant = self.module.batch_invariant
         for i, rows in table.token_groups(x2.shape[0]):

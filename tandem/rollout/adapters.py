@@ -55,7 +55,7 @@ same unmerged form (`tandem.model.lora.set_lora_form`), so the rows' logprobs eq
 from collections.abc import Mapping
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from tandem.config.schema import LoraConfig
 from tandem.errors import TandemError
@@ -81,6 +81,10 @@ class MergedAdapters:
         shapes = adapter_shapes(model.cfg, lora)
         self.tensors = {n: params[n] if n in params else torch.zeros(s, **like) for n, s in shapes.items()}
         self.targets = [n.removesuffix(LORA_A) for n in shapes if n.endswith(LORA_A)]
+        head = model.lm_head
+        if "lm_head" in self.targets and head.weight is model.model.embed_tokens.weight:
+            # a merge must not write into the embedding the head is tied to: a head of its own
+            head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
         self.base = {t: model.get_submodule(t).weight.detach().clone() for t in self.targets}
 
     def table(self, named: Mapping[str, Mapping[str, Tensor]]) -> RowAdapters:

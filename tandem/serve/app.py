@@ -229,6 +229,7 @@ def training_routes(api: APIRouter, service: Service) -> None:
             seed,
             lora.train_attn,
             lora.train_mlp,
+            lora.train_unembed,
             r.user_metadata,
         )
         return wire.future(rid)

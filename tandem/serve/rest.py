@@ -111,7 +111,7 @@ def checkpoint_routes(api: APIRouter, service: Service) -> None:
             base_model=run.base_model,
             is_lora=run.rank > 0,
             lora_rank=run.rank or None,
-            train_unembed=False,
+            train_unembed=run.unembed,
             train_attn=run.attn,
             train_mlp=run.mlp,
         )

@@ -29,6 +29,7 @@ class Run:
     mlp: bool
     created: float  # seconds since the epoch
     user_metadata: dict[str, str]
+    unembed: bool = False  # an adapter on the LM head too (a record from before it: none)
 
 
 class Runs:
@@ -38,9 +39,10 @@ class Runs:
     def record(
         self, model_id: str, session_id: str, base_model: str, shape: dict, user_metadata: dict | None
     ) -> None:
-        """Keep a new run's record (shape: rank, attn, mlp), written whole: a crash leaves it or none."""
+        """Keep a new run's record (shape: rank, attn, mlp, unembed), written whole: a crash leaves it
+        or none."""
         lora = (shape["rank"], shape["attn"], shape["mlp"])
-        run = Run(model_id, session_id, base_model, *lora, time.time(), strings(user_metadata))
+        run = Run(model_id, session_id, base_model, *lora, time.time(), strings(user_metadata), shape["unembed"])
         folder = model_dir(self.root, model_id)
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".{RUN}.new"
@@ -61,7 +63,8 @@ class Runs:
             try:
                 s = json.loads(meta.read_text())
                 lora = (s["rank"], s["attn"], s["mlp"])
-                return Run(model_id, model_id.split(":")[0], s["base_model"], *lora, meta.stat().st_mtime, {})
+                when, unembed = meta.stat().st_mtime, s.get("unembed", False)
+                return Run(model_id, model_id.split(":")[0], s["base_model"], *lora, when, {}, unembed)
             except (OSError, ValueError, KeyError):
                 continue
         return None

@@ -174,6 +174,7 @@ class Service:
         seed: int,
         attn: bool,
         mlp: bool,
+        unembed: bool = False,
         user_metadata: dict | None = None,
     ) -> str:
         """A new training model -> the request id whose result is its model id; its run recorded
@@ -181,7 +182,7 @@ class Service:
         have another adapter shape, a full-weights model is live, or MAX_MODELS are."""
         self.check_base(base)
         self._drop_gone()
-        shape = dict(rank=0 if self.full_weights else rank, attn=attn, mlp=mlp)
+        shape = dict(rank=0 if self.full_weights else rank, attn=attn, mlp=mlp, unembed=unembed)
         self._check_room(shape)
         model = Model(f"{session_id}:train:{seq}", session_id, base, shape, seed)
         self.models[model.model_id] = model
@@ -234,7 +235,7 @@ class Service:
     async def _reset(self, shape: dict, seed: int) -> None:
         """Trainer and engine rebuilt for adapters of `shape`: the base with no model on it yet, an
         engine serving nothing."""
-        cfg = with_lora(self.cfg, shape["rank"], seed, shape["attn"], shape["mlp"])
+        cfg = with_lora(self.cfg, shape["rank"], seed, shape["attn"], shape["mlp"], shape["unembed"])
         self.tokenizer_dir = await self._call("train", "reset", cfg)
         mixes = await self._call("rollout", "reset", cfg)
         self.shape = shape
@@ -402,7 +403,7 @@ class Service:
     ) -> str:
         """create_training_client_from_state: a new model shaped as the checkpoint's, then its state."""
         _, meta = self.checkpoint(path)
-        shape = (meta["rank"], meta["seed"], meta["attn"], meta["mlp"])
+        shape = (meta["rank"], meta["seed"], meta["attn"], meta["mlp"], meta.get("unembed", False))
         request_id = self.create_model(session_id, seq, meta["base_model"], *shape, user_metadata)
         model, created = self.models[f"{session_id}:train:{seq}"], self.results[request_id]
 
@@ -477,7 +478,8 @@ class Service:
 
 
 def _targets(shape: dict) -> str:
-    return " and ".join([*(["attention"] if shape["attn"] else []), *(["MLP"] if shape["mlp"] else [])])
+    parts = [("attention", "attn"), ("MLP", "mlp"), ("the LM head", "unembed")]
+    return " and ".join(name for name, key in parts if shape.get(key))
 
 
 def open_service(cfg: Config, full_weights: bool = False) -> Service:
