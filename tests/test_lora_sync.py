@@ -45,6 +45,9 @@ ENGINES = {
 }
 KB = 1 / 1024  # in MB: buckets of a few KB, so a push of the tiny adapters takes several
 ALL = LoraConfig(rank=4, alpha=8.0, target_modules="all-linear", modules_to_save=["lm_head"])
+HEAD = dataclasses.replace(
+    LORA, target_modules=[*LORA.target_modules, "lm_head"]
+)  # tied: Tinker's train_unembed
 ATOL = 5e-5  # fp32 engine against the trainer's recompute (tests/test_engine_contract.py's bound)
 
 
@@ -127,12 +130,16 @@ def test_both_sides_plan_the_adapters_alone_from_the_model_s_config(name, lora):
 # --- what a push leaves in the engine ---------------------------------------------------------------
 
 
+@pytest.mark.parametrize("lora", [LORA, HEAD], ids=["projections", "and-head"])
 @pytest.mark.parametrize("name", list(ENGINES))
-def test_an_adapter_push_lands_merged_bit_for_bit_in_the_fused_weights(name):
+def test_an_adapter_push_lands_merged_bit_for_bit_in_the_fused_weights(name, lora):
     """fp32: every weight the engine serves is merged_weights(the trainer's model) exactly, the
     fused q|k|v and gate|up tensors included (the projections are views of them), and the engine's
-    forward gives the trainer's logits; a second push replaces the first, from the base."""
-    trainer, engine = trained(2), engine_for(name)
+    forward gives the trainer's logits; a second push replaces the first, from the base. An adapted
+    head tied to the embedding becomes a weight of its own; the embedding stays the base's."""
+    trainer, engine = lora_worker(apply_lora(tiny_model(), lora)), engine_for(name, lora)
+    for i in range(2):
+        trainer.train_step(random_samples(4, 4, seed=i))
     base = {n: t.clone() for n, t in served(engine).items()}
     for version in (1, 2):
         if version == 2:
@@ -259,20 +266,21 @@ def test_behaviour_logprobs_with_an_adapter_equal_the_trainer_s_recompute(name):
     assert on.mean() < 2 * off.mean() and on.max() < 2 * off.max(), figures
 
 
+@pytest.mark.parametrize("lora", [LORA, HEAD], ids=["projections", "and-head"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", list(ENGINES))
-def test_deterministic_lora_keeps_the_behaviour_logprobs_the_trainer_s_bit_for_bit(name, dtype):
+def test_deterministic_lora_keeps_the_behaviour_logprobs_the_trainer_s_bit_for_bit(name, dtype, lora):
     """run.deterministic: the trainer's batch-invariant forward multiplies by the merged weight the
     engine merges (W0 + s · B @ A in fp32, rounded once), so after a push of trained adapters every
     behaviour logprob equals the recompute exactly, in bf16 as in fp32 (without the invariant
     forward the bf16 gap is ~2e-2, the test above)."""
-    trainer = lora_worker(dtype=dtype)
+    trainer = lora_worker(apply_lora(tiny_model(), lora), dtype=dtype)
     trainer.compute.batch_invariant = True
     for i in range(2):
         trainer.train_step(random_samples(4, 4, seed=i))
     base = tiny_model().to(dtype)
     base.batch_invariant = True
-    engine = engine_for(name, model=base)
+    engine = engine_for(name, lora, model=base)
     push(trainer, engine, 1, dtype)
     assert mismatch(engine, trainer, 0).max() == 0
 

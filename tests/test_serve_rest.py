@@ -137,6 +137,7 @@ def test_train_save_list_download_load_delete(served, tmp_path):
         assert everyone.cursor.total_count >= 2
         info = rest.get_weights_info_by_tinker_path(saved.path).result()
         assert (info.base_model, info.is_lora, info.lora_rank, info.train_mlp) == (MODEL, True, 8, True)
+        assert info.train_unembed  # the SDK's default: the LM head has an adapter too
 
         # the archive (tar, as Tinker's): the PEFT adapter naming the served base, the tokenizer
         link = archive_url(url, saved.path)
@@ -144,7 +145,8 @@ def test_train_save_list_download_load_delete(served, tmp_path):
         assert {"adapter_config.json", "adapter_model.safetensors", "checkpoint_complete"} <= {
             p.name for p in adapter.iterdir()
         }
-        assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == MODEL
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        assert config["base_model_name_or_path"] == MODEL and "lm_head" in config["target_modules"]
         base_dir = resolve_model_path(MODEL)
         base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
         assert_close(hf_logprobs(PeftModel.from_pretrained(base, adapter), data), want)

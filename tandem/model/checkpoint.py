@@ -190,7 +190,9 @@ def load_model(
     if (path / ADAPTER_CONFIG).is_file():
         had_head = "lm_head.weight" in tensors
         tensors = merge_adapter_file(tensors, path)
-        if cfg.tie_word_embeddings and not had_head and "lm_head.weight" in tensors:  # an adapted head: untied
+        if (
+            cfg.tie_word_embeddings and not had_head and "lm_head.weight" in tensors
+        ):  # an adapted head: untied
             model = meta_model(dataclasses.replace(cfg, tie_word_embeddings=False))
     model = model.to_empty(device=device)
     cfg = model.cfg

@@ -54,7 +54,9 @@ def score_tokens(
     for h, t in zip(hidden.split(size), tokens.split(size), strict=True):
         if torch.is_grad_enabled():
             parts.append(
-                checkpoint(_score_chunk, h, weight, t, temperature, batch_invariant, delta, use_reentrant=False)
+                checkpoint(
+                    _score_chunk, h, weight, t, temperature, batch_invariant, delta, use_reentrant=False
+                )
             )
         else:
             parts.append(_score_chunk(h, weight, t, temperature, batch_invariant, delta))

@@ -325,13 +325,17 @@ def merged(weight: Tensor, a: Tensor, b: Tensor, scaling: float) -> Tensor:
 
 
 def merged_weights(model: CausalLM, tensors: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
-    """The base model's weights by name, each adapted one merged, W + s · B @ A, all in fp32: a
-    Hugging Face checkpoint of the policy. `tensors`: the weights by name when the model's own are
+    """The base model's weights by name, each adapted one merged, W + s · B @ A, all in fp32 (an
+    adapted head tied to the embedding as a weight of its own): a Hugging Face checkpoint of the
+    policy. `tensors`: the weights by name when the model's own are
     shards (fsdp2 gathers them first)."""
     tensors = dict(model.named_parameters()) if tensors is None else tensors
     scaling = {n: m.scaling for n, m in lora_modules(model)}
+    base = base_weights(model, tensors)
+    if "lm_head" in scaling and "lm_head.weight" not in base:  # tied: named once, as the embedding
+        base["lm_head.weight"] = base["model.embed_tokens.weight"]  # adapted, the head is its own
     out = {}
-    for name, t in base_weights(model, tensors).items():
+    for name, t in base.items():
         module = name.rpartition(".")[0]
         if module in scaling and name.endswith(".weight"):
             a, b = tensors[f"{module}.lora_A.weight"], tensors[f"{module}.lora_B.weight"]

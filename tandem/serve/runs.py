@@ -42,7 +42,9 @@ class Runs:
         """Keep a new run's record (shape: rank, attn, mlp, unembed), written whole: a crash leaves it
         or none."""
         lora = (shape["rank"], shape["attn"], shape["mlp"])
-        run = Run(model_id, session_id, base_model, *lora, time.time(), strings(user_metadata), shape["unembed"])
+        run = Run(
+            model_id, session_id, base_model, *lora, time.time(), strings(user_metadata), shape["unembed"]
+        )
         folder = model_dir(self.root, model_id)
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".{RUN}.new"

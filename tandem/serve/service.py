@@ -478,8 +478,12 @@ class Service:
 
 
 def _targets(shape: dict) -> str:
-    parts = [("attention", "attn"), ("MLP", "mlp"), ("the LM head", "unembed")]
-    return " and ".join(name for name, key in parts if shape.get(key))
+    parts = [
+        name
+        for name, key in (("attention", "attn"), ("MLP", "mlp"), ("the LM head", "unembed"))
+        if shape.get(key)
+    ]
+    return " and ".join([", ".join(parts[:-1]), parts[-1]] if len(parts) > 1 else parts)
 
 
 def open_service(cfg: Config, full_weights: bool = False) -> Service:
