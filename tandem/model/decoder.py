@@ -249,7 +249,7 @@ class CausalLM(nn.Module):
         self._decode_layers = None  # torch.compile'd `_layers` for one-token forwards: compile_decode()
         self._batch_invariant = False
         # While an engine's forward runs rows of several adapters: their table (RowAdapters.use), and
-        # the hook that adds each row's adapter of lm_head, where the adapters have one (as Attention.low_rank)
+        # the hook that adds each row's adapter of lm_head where they have one (as Attention.low_rank)
         self.row_adapters = None
         self.head_low_rank: LowRank | None = None
 

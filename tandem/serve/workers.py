@@ -43,8 +43,9 @@ if TYPE_CHECKING:  # imported where a run on Ray starts: one process never loads
 
 def with_lora(cfg: Config, rank: int, seed: int, attn: bool, mlp: bool, unembed: bool = False) -> Config:
     """The service's config for a model of LoRA rank `rank` (0: every weight trains) on the
-    attention and/or MLP projections and/or the LM head (Tinker's train_unembed). The service's rows are whole sequences each, so the learner
-    never packs neighbours as one shared prompt (train.share_prompts)."""
+    attention and/or MLP projections and/or the LM head (Tinker's train_unembed). The service's
+    rows are whole sequences each, so the learner never packs neighbours as one shared prompt
+    (train.share_prompts)."""
     targets = [
         *(["q_proj", "k_proj", "v_proj", "o_proj"] if attn else []),
         *(["gate_proj", "up_proj", "down_proj"] if mlp else []),
