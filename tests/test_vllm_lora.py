@@ -56,6 +56,10 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
             ["train.lora.rank=8", "train.lora.modules_to_save=[lm_head]"],
             r"modules_to_save' is \['lm_head'\].*classification head",
         ),
+        (
+            ["train.lora.rank=8", "train.lora.target_modules=[q_proj,lm_head]"],
+            r"target_modules' is \['q_proj', 'lm_head'\].*no adapter on the LM head",
+        ),
     ],
 )
 def test_lora_settings_vllm_cannot_serve_are_refused_by_name(overrides, pattern, monkeypatch):

@@ -38,9 +38,9 @@ class EngineSpec:
     check_installed: Callable[[], None] = _nothing  # TandemError when its package is missing
     # (config.json as a dict, where it is) -> TandemError when the engine cannot serve that model
     check_model: Callable[[dict, str], None] = _nothing
-    # (train.lora.rank, train.lora.modules_to_save) of a LoRA run -> TandemError when the engine
-    # cannot serve such an adapter
-    check_lora: Callable[[int, Sequence[str]], None] = _nothing
+    # (train.lora.rank, .modules_to_save, .target_modules) of a LoRA run -> TandemError when the
+    # engine cannot serve such an adapter
+    check_lora: Callable[[int, Sequence[str], Sequence[str] | str], None] = _nothing
     torch_compile: bool = False  # rollout.compile: its decode step through torch.compile
     # rows of several LoRA adapters in one call (`DecoderEngine.load_adapters`, tandem serve's)
     mixes_adapters: bool = False

@@ -81,10 +81,11 @@ def vllm_lora_args(rank: int) -> dict:
     }
 
 
-def check_vllm_lora(rank: int, modules_to_save: Sequence[str]) -> None:
+def check_vllm_lora(rank: int, modules_to_save: Sequence[str], targets: Sequence[str] | str = ()) -> None:
     """TandemError for LoRA settings vLLM's own LoRA path cannot serve: a rank above its largest
-    max_lora_rank, or modules trained whole (vLLM 0.32 loads an adapter's modules_to_save only for a
-    classification head, `score` or `classifier`: PEFTHelper.validate_legal)."""
+    max_lora_rank, modules trained whole (vLLM 0.32 loads an adapter's modules_to_save only for a
+    classification head, `score` or `classifier`: PEFTHelper.validate_legal), or an adapter on the
+    LM head (vLLM 0.32 refuses to load one: its adapters target the decoder layers' projections)."""
     if rank > VLLM_LORA_RANKS[-1]:
         raise TandemError(
             f"Config 'train.lora.rank' is {rank}, and rollout.engine=vllm serves adapters up to rank "
@@ -96,6 +97,12 @@ def check_vllm_lora(rank: int, modules_to_save: Sequence[str]) -> None:
             "serves the adapter through vLLM's own LoRA path, which loads modules trained whole only "
             "for a classification head (score, classifier), not for a causal LM's layers. Train "
             "adapters only (modules_to_save=[]), or use rollout.engine=builtin or paged."
+        )
+    if not isinstance(targets, str) and any(t == "lm_head" or t.endswith(".lm_head") for t in targets):
+        raise TandemError(
+            f"Config 'train.lora.target_modules' is {list(targets)}, and rollout.engine=vllm serves the "
+            "adapter through vLLM's own LoRA path, which loads no adapter on the LM head (lm_head). "
+            "Leave lm_head out, or use rollout.engine=builtin or paged."
         )
 
 

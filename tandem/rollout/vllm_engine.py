@@ -401,5 +401,5 @@ def _check_args(
             "not free its memory. Set rollout.free_memory_during_train=false."
         )
     if lora is not None:
-        check_vllm_lora(lora.rank, lora.modules_to_save)
+        check_vllm_lora(lora.rank, lora.modules_to_save, lora.target_modules)
         refuse_adapter_dir(model_path)  # its adapter would be left out of the base

@@ -136,7 +136,7 @@ def check_lora(cfg: Config) -> None:
     )
     if not lora.rank:
         return
-    ENGINES.get(cfg.rollout.engine).check_lora(lora.rank, lora.modules_to_save)
+    ENGINES.get(cfg.rollout.engine).check_lora(lora.rank, lora.modules_to_save, lora.target_modules)
     require(
         not cfg.run.deterministic or lora.dropout == 0,
         "train.lora.dropout",
