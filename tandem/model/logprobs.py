@@ -13,6 +13,7 @@ from tandem.model import batch_invariant as bi
 # Logits elements scored at once (128 MB in fp32): with a 152k vocabulary, chunks of ~220 tokens,
 # so the (tokens x vocab) fp32 logits of a long batch never exist whole.
 CHUNK_ELEMENTS = 1 << 25
+DOT_ROWS = 16  # `row_dots`' rows a call: a (16, 49152) fp32 product is 3 MB, from the heap
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
@@ -79,6 +80,22 @@ def _score_chunk(
     return TokenScores.apply(logits, tokens, temperature, batch_invariant)
 
 
+def row_dots(a: Tensor, b: Tensor) -> Tensor:
+    """a, b (n, V) -> (n,): each row's sum of a · b, in calls of DOT_ROWS rows (the last padded with
+    zeros), so that a row's sum is reduced the same way whatever n is: batch-invariant. The product
+    lives in one small buffer, not in a third (n, V) tensor mapped and zero-filled afresh."""
+    n, width = a.shape
+    out = a.new_empty(n)
+    product = a.new_empty(DOT_ROWS, width)
+    for start in range(0, n, DOT_ROWS):
+        rows = min(DOT_ROWS, n - start)
+        if rows < DOT_ROWS:
+            product.zero_()
+        torch.mul(a[start : start + rows], b[start : start + rows], out=product[:rows])
+        out[start : start + rows] = product.sum(-1)[:rows]
+    return out
+
+
 class TokenScores(torch.autograd.Function):
     """logits (n, V), tokens (n,) -> logp (n,) = log_softmax(logits.float() / T)[token] and the
     tempered distribution's entropy H = -sum p log p (n,), both fp32, with a backward of its own.
@@ -101,7 +118,7 @@ class TokenScores(torch.autograd.Function):
         logp = logp_all.gather(-1, tokens[:, None]).squeeze(-1).clone()  # not a view: FSDP2 hooks outputs
         p = torch.exp(logp_all, out=z)
         if batch_invariant:  # each row reduced on its own, whatever the rows beside it
-            entropy = -(p * logp_all).sum(-1)
+            entropy = -row_dots(p, logp_all)
         else:  # one dot product a row, without a third (n, V) tensor
             entropy = -torch.bmm(p[:, None, :], logp_all[:, :, None]).view(-1)
         ctx.save_for_backward(p, logp_all, tokens, entropy)
