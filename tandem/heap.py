@@ -15,10 +15,9 @@ So `bound()` fixes the threshold at `THRESHOLD` (4 MiB: every activation- and gr
 of a small model from the heap, weight-sized ones and the logits mapped), and `trim()`, called
 after each generate call and each train step, hands the heap's free pages back (glibc's
 `malloc_trim`: tens of milliseconds), so what one phase leaves in holes does not stay beside the
-next. A generate call and a train step run under `reusing()`: a decode step makes and frees the
-same tensors as the last (the logits, the paged engine's gathered KV blocks), a micro-batch those
-of the one before it, so there both thresholds are raised and the heap is reused, trimmed at the
-block's end. With the built-in engine the recipe's
+next. A generate call runs under `reusing()`: a decode step makes and frees the same tensors as
+the last (the logits, the paged engine's gathered KV blocks), so there both thresholds are raised
+and the step reuses the heap, trimmed at the call's end. With the built-in engine the recipe's
 first 4 steps peaked at 4.93 GB in bf16 and 4.94 GB in fp32 this way, against 4.71 / 4.40 at 128
 KiB, and 5.11 / 5.11 at 4 MiB with a trim after generate calls alone; the train step took 5.9 s
 with its trim and without (same machine). Not glibc (musl, macOS): nothing; MALLOC_MMAP_THRESHOLD_
@@ -34,9 +33,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 THRESHOLD = 4 * 2**20
-# Within `reusing` (a generate call, a train step): what a decode step or a micro-batch allocates and
-# frees again, its (rows, vocabulary) logits and probabilities, the paged engine's gathered KV
-# blocks, a layer's activations, stays in the heap
+# While an engine generates (`reusing`): what a decode step allocates and frees again, its (rows,
+# vocabulary) logits and probabilities and the paged engine's gathered KV blocks, stays in the heap
 GENERATE_THRESHOLD = 256 * 2**20
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers
 DEFAULT_TRIM = 128 * 2**10  # glibc's M_TRIM_THRESHOLD, which a fixed mmap threshold leaves fixed
@@ -73,15 +71,12 @@ def bound() -> None:
 
 @contextmanager
 def reusing() -> Iterator[None]:
-    """Within the block (an engine's generate call, a train step), tensors up to GENERATE_THRESHOLD
-    come from the heap and the heap keeps what is freed at its top (glibc's trim threshold, else
-    128 KiB, raised with it): a decode step's or a micro-batch's tensors reuse the last one's
-    memory instead of being mapped and zero-filled afresh. The paged engine decoding 64 sequences
-    of SmolLM2-135M: ~350 -> ~480 tokens/s (one process, alternating, 2 Zen 4 cores); a train step
-    of its recipe's batch 6.0-6.4 -> 5.3-5.7 s, page faults ~700k -> ~270k a step (processes
-    alternating), for 0.21 GB more at the recipe's peak in bf16 (4.39 -> 4.60 GB, first 4 steps)
-    and none in fp32 (4.79 -> 4.80). At the block's end both thresholds are back and the heap
-    trimmed (the last of several threads' blocks to end does it)."""
+    """Within the block (an engine's generate call), tensors up to GENERATE_THRESHOLD come from the
+    heap and the heap keeps what is freed at its top (glibc's trim threshold, else 128 KiB, raised
+    with it): a decode step's tensors reuse the last step's memory instead of being mapped and
+    zero-filled afresh. The paged engine decoding 64 sequences of SmolLM2-135M: ~350 -> ~480
+    tokens/s (one process, alternating, 2 Zen 4 cores). At the block's end both thresholds are
+    back and the heap trimmed (the last of several threads' blocks to end does it)."""
     global _generating
     if not _ours():
         yield

@@ -165,13 +165,7 @@ class TrainWorker:
         return self.learner.per_token(samples, logprobs)
 
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
-        """One RL update on a batch of finished, rewarded samples -> metrics. Under `heap.reusing`:
-        each micro-batch's tensors (activations, the logits' fp32 scores, gradients) take the last
-        one's memory instead of being mapped and zero-filled afresh; trimmed after."""
-        with heap.reusing():
-            return self._train_step(samples)
-
-    def _train_step(self, samples: list[Sample]) -> dict[str, float]:
+        """One RL update on a batch of finished, rewarded samples -> metrics."""
         if self.cfg.strategy == "fsdp2" and not self.learner.sharded:
             raise TandemError("train.strategy=fsdp2: call parallelize(group) before the first step.")
         self._check_samples(samples)
@@ -193,6 +187,7 @@ class TrainWorker:
         metrics.update({f"actor/old_logprob_source/{n.value}": float(n is source) for n in OldSource})
         metrics.update(advantage_metrics(batch.adv, batch.mask))
         metrics.update(self._mismatch(batch, source, *first))
+        heap.trim()  # the step's activations and gradients, freed into the heap's holes
         return metrics
 
     def step_accumulated(self, hyper: dict[str, Any]) -> float:
