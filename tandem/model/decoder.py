@@ -401,21 +401,17 @@ class CausalLM(nn.Module):
         return logits.float()
 
     def _head_delta(self) -> Callable[[Tensor], Tensor] | None:
-        """What a LoRA adapter on lm_head (`tandem.model.lora`; Tinker's train_unembed) adds to the
-        logits of hidden states h (..., E), where they are computed from the head's weight and not by
-        the head itself (the trainer's scoring, the batch-invariant forward): s · B(A(dropout(h))) as
-        the adapter's own forward computes it; in the batch-invariant mode nothing in the merged
-        form (the weight `_weight` gives holds it) and in the unmerged form `low_rank`'s, as an
-        engine adds a row's (`tandem.model.row_adapters`). None without an adapter or with it off."""
+        """h (..., E) -> what a LoRA adapter on lm_head (Tinker's train_unembed) adds to the logits
+        where they come from the head's weight (scoring, the batch-invariant forward): the adapter's
+        own s · B(A(dropout(h))); batch-invariant, `low_rank`'s as an engine adds a row's
+        (unmerged form) or nothing (merged: in `_weight`). None without an adapter or with it off."""
         head = self.lm_head
-        if not getattr(head, "enabled", False):
+        if not getattr(head, "enabled", False) or (self.batch_invariant and not head.unmerged):
             return None
         a, b, scaling = head.lora_A, head.lora_B, head.scaling
-        if not self.batch_invariant:
-            return lambda h: b(a(head.dropout(h))) * scaling
-        if not head.unmerged:
-            return None
-        return lambda h: low_rank(h, a.weight, b.weight, scaling, True)
+        if self.batch_invariant:
+            return lambda h: low_rank(h, a.weight, b.weight, scaling, True)
+        return lambda h: b(a(head.dropout(h))) * scaling
 
     def _backbone(
         self,
