@@ -190,10 +190,8 @@ def load_model(
     if (path / ADAPTER_CONFIG).is_file():
         had_head = "lm_head.weight" in tensors
         tensors = merge_adapter_file(tensors, path)
-        if (
-            cfg.tie_word_embeddings and not had_head and "lm_head.weight" in tensors
-        ):  # an adapted head: untied
-            model = meta_model(dataclasses.replace(cfg, tie_word_embeddings=False))
+        if cfg.tie_word_embeddings and not had_head and "lm_head.weight" in tensors:
+            model = meta_model(dataclasses.replace(cfg, tie_word_embeddings=False))  # an adapted head
     model = model.to_empty(device=device)
     cfg = model.cfg
     if cfg.tie_word_embeddings:
