@@ -132,6 +132,7 @@ def test_eval_and_generate_serve_an_adapter_directory_as_its_merged_export(dirs,
         ("hub base", r"adapter of the base 'Org/some-model'.*HF_HUB_OFFLINE.*hf download Org/some-model"),
         ("full", r"holds no LoRA adapter \(adapter_config.json\): it is a full Hugging Face checkpoint"),
         ("out", r"--out \S+ exists and is not an empty directory"),
+        ("pointer", r"latest \(the checkpoint\) is a file naming the run's newest checkpoint: .*step"),
     ],
 )
 def test_what_export_and_eval_cannot_read_is_refused_by_name(
@@ -150,11 +151,14 @@ def test_what_export_and_eval_cannot_read_is_refused_by_name(
         (source / ADAPTER_CONFIG).write_text(json.dumps(config))
     elif case == "full":
         source = dirs["base"]
+    elif case == "pointer":  # a run's checkpoints/latest, which names its newest (once: "holds no adapter")
+        source = dirs["step"].parent / "latest"
+        source.write_text(dirs["step"].name)
     else:
         out.mkdir()
         (out / "file").write_text("")
     assert main(["export", str(source), "--merge", "--out", str(out)]) == 2
     assert re.search(pattern, capsys.readouterr().err)
-    if case == "hub base":
+    if case in ("hub base", "pointer"):
         assert main(["eval", "--model", str(source)]) == 2
-        assert re.search(pattern, capsys.readouterr().err)
+        assert re.search(pattern.replace("the checkpoint", "--model"), capsys.readouterr().err)

@@ -276,6 +276,13 @@ def model_dir(spec: str, key: str = "model.path") -> Path:
     """The checkpoint directory `spec` (the config's `key`) names (resolved as `resolve_model_path`
     does), or a TandemError."""
     path = resolve_model_path(spec, key)
+    if path.is_file() and path.stat().st_size < 256:  # a run's `latest`: the name of its newest checkpoint
+        named = path.parent / path.read_text(errors="replace").strip()
+        if named.is_dir() and named != path.parent:
+            raise TandemError(
+                f"Model path {path} ({key}) is a file naming the run's newest checkpoint: give that "
+                f"checkpoint's directory, {named}."
+            )
     if not path.is_dir():
         raise TandemError(f"Model path {path} ({key}) does not exist or is not a directory.")
     return path

@@ -21,7 +21,7 @@ from tandem.data.tokenizer import load_tokenizer
 from tandem.dtypes import DTYPES
 from tandem.errors import TandemError
 from tandem.model.checkpoint import load_model, save_model, weight_files
-from tandem.model.config import resolve_model_path
+from tandem.model.config import model_dir, resolve_model_path
 from tandem.model.peft_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # a directory with weights holds one
@@ -62,13 +62,13 @@ def adapter_base(path: Path) -> Path:
 
 
 @contextmanager
-def checkpoint_dir(spec: str | Path) -> Iterator[Path]:
+def checkpoint_dir(spec: str | Path, key: str = "the checkpoint") -> Iterator[Path]:
     """The checkpoint directory `spec` names ("builtin:" resolved), as tandem loads it: itself when
     it holds weights (an adapter beside them is folded in by `load_model`); for a PEFT adapter
     directory alone, a temporary directory of links to its base's files and to the adapter's,
     which win (its tokenizer, if it saved one): the layout of a LoRA run's step directory, for the
-    block's duration."""
-    path = resolve_model_path(str(spec))
+    block's duration. `key`: what names `spec` in errors (a config key or a flag)."""
+    path = model_dir(str(spec), key)
     if not adapter_only(path):
         yield path
         return

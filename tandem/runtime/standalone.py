@@ -37,7 +37,7 @@ def evaluate(
 @contextmanager
 def serving(cfg: Config) -> Iterator[Config]:
     """`cfg` as eval and generate run it: model.path a directory tandem loads, no adapter to train."""
-    with checkpoint_dir(cfg.model.path) as path:
+    with checkpoint_dir(cfg.model.path, "model.path") as path:
         train = dataclasses.replace(cfg.train, lora=dataclasses.replace(cfg.train.lora, rank=0))
         yield dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(path)), train=train)
 
