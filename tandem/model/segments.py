@@ -114,19 +114,25 @@ def tree_attention(
     call, padded to the longest: padding keys trail every row's visible ones, masked (adding
     exact zeros); padding query rows are dropped. Only the prompt's keys are copied, never its
     forward: the matmuls and norms around attention still run once for the group."""
-    device, longest = q.device, max(responses)
+    device, n, longest = q.device, len(responses), max(responses)
     causal = torch.full((prompt, prompt), float("-inf"), device=device).triu(1)
     head = attention(q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], causal[None, None])
-    starts = [prompt + sum(responses[:i]) for i in range(len(responses))]
     steps = torch.arange(longest, device=device)
     last = torch.tensor(responses, device=device)[:, None] - 1  # (n, 1)
-    own = torch.tensor(starts, device=device)[:, None] + steps.minimum(last)  # (n, longest): in the row
-    keys = torch.cat([torch.arange(prompt, device=device).expand(len(responses), -1), own], dim=1)
-    # query t (a padding row: the response's last) sees the prompt and the response up to t
+    # query t (a padding row, zeros) sees the prompt and the response up to its last token
     visible = torch.arange(prompt + longest, device=device) <= prompt + steps.minimum(last)[..., None]
     mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))[:, None]
-    gathered = (x[0][:, index].transpose(0, 1) for x, index in ((q, own), (k, keys), (v, keys)))
-    out = attention(*gathered, mask)  # (n, H, longest, D)
+
+    def responses_padded(x: Tensor) -> Tensor:  # (1, h, L, D) -> (n, h, longest, D), zeros after each
+        parts = x[0, :, prompt:].transpose(0, 1).split(responses)  # each (r, h, D)
+        return torch.nn.utils.rnn.pad_sequence(list(parts), batch_first=True).transpose(1, 2)
+
+    def with_prompt(x: Tensor) -> Tensor:  # (1, Hkv, L, D) -> (n, Hkv, prompt + longest, D)
+        return torch.cat([x[:, :, :prompt].expand(n, -1, -1, -1), responses_padded(x)], dim=2)
+
+    # A masked key adds exact zeros whatever it holds: the zeros of padding give the same bits as
+    # any other keys there. Copies and padding only, whose backward is slices and a sum over n.
+    out = attention(responses_padded(q), with_prompt(k), with_prompt(v), mask)  # (n, H, longest, D)
     parts = [head[0]] + [out[i, :, :r] for i, r in enumerate(responses)]
     return torch.cat(parts, dim=1)[None]
 
