@@ -159,6 +159,7 @@ def assert_close(actual: list[float], expected: torch.Tensor, sample: Sample, *m
     torch.testing.assert_close(torch.tensor(actual), expected, atol=tol, rtol=0)
 
 
+@pytest.mark.integration  # a vLLM engine (~6 s to start) and its calls: out of the unit tier
 @needs_vllm
 def test_the_update_buffers_are_the_trainer_s_adapter_tensors(engine, checkpoint):
     policy = trained(checkpoint, 1)
@@ -179,6 +180,7 @@ def test_before_the_first_update_the_engine_serves_the_base(engine, checkpoint):
         assert_close(s.logprobs, expected, s, base)
 
 
+@pytest.mark.integration  # a vLLM engine (~6 s to start) and its calls: out of the unit tier
 @needs_vllm
 def test_an_adapter_gives_the_merged_model_s_tokens_and_logprobs(engine, checkpoint):
     base, policy, ids = load_model(checkpoint), trained(checkpoint, 1), prompts(4)
@@ -193,6 +195,7 @@ def test_an_adapter_gives_the_merged_model_s_tokens_and_logprobs(engine, checkpo
     assert [s.response_ids for s in samples] != [greedy_reference(base, i, 10) for i in ids]
 
 
+@pytest.mark.integration  # a vLLM engine (~6 s to start) and its calls: out of the unit tier
 @needs_vllm
 def test_a_second_version_replaces_the_first(engine, checkpoint):
     first, second, ids = trained(checkpoint, 1), trained(checkpoint, 2), prompts(4)
@@ -211,6 +214,7 @@ def test_a_second_version_replaces_the_first(engine, checkpoint):
         assert_close(s.logprobs, expected, s, reference)
 
 
+@pytest.mark.integration  # a vLLM engine (~6 s to start) and its calls: out of the unit tier
 @needs_vllm
 def test_drain_finishes_on_the_old_adapter_and_the_next_call_serves_the_new(engine, checkpoint):
     first, second = trained(checkpoint, 1), trained(checkpoint, 2)
@@ -230,6 +234,7 @@ def test_drain_finishes_on_the_old_adapter_and_the_next_call_serves_the_new(engi
         assert_close(s.logprobs, expected, s, new)
 
 
+@pytest.mark.integration  # a vLLM engine (~6 s to start) and its calls: out of the unit tier
 @needs_vllm
 def test_continue_swaps_the_adapter_between_two_steps(engine, checkpoint):
     first, second = trained(checkpoint, 1), trained(checkpoint, 2)
