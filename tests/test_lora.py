@@ -44,6 +44,7 @@ from tandem.train.worker import TrainWorker
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = LoraConfig(rank=4, alpha=8.0)  # scaling 2: a wrong alpha / rank shows in every logit
+HEAD = LoraConfig(rank=4, alpha=8.0, target_modules=[*LORA.target_modules, "lm_head"])  # train_unembed
 TRAIN = dict(lr=1e-2, micro_batch_tokens=40, mini_batch_size=8)
 
 
@@ -341,9 +342,11 @@ def test_a_resume_that_changes_train_lora_is_refused():
 # --- data parallel ---------------------------------------------------------------------------------
 
 
-def rank_adapters(strategy: str, extra: dict) -> dict:
+def rank_adapters(strategy: str, extra: dict, lora: LoraConfig = LORA) -> dict:
     """One rank's LoRA train step (16 samples, two optimizer steps) -> its adapters, whole."""
-    w = lora_worker(algo=dict(kl_coef=0.1, entropy_coef=0.01), strategy=strategy, **extra)
+    w = lora_worker(
+        lora_model(lora=lora), algo=dict(kl_coef=0.1, entropy_coef=0.01), strategy=strategy, **extra
+    )
     w.parallelize(torch.distributed.group.WORLD)
     metrics = w.train_step(random_samples(4, 4))
     weights = w.full_weights()
@@ -352,11 +355,18 @@ def rank_adapters(strategy: str, extra: dict) -> dict:
 
 @pytest.mark.integration  # gloo process groups of two
 @pytest.mark.parametrize(
-    "strategy, extra", [("ddp", {}), ("fsdp2", {}), ("fsdp2", {"gradient_checkpointing": True})]
+    "strategy, extra, lora",
+    [
+        ("ddp", {}, LORA),
+        ("fsdp2", {}, LORA),
+        ("fsdp2", {"gradient_checkpointing": True}, LORA),
+        ("fsdp2", {}, HEAD),  # an adapter on the head too, whose weight is the sharded embedding's
+    ],
+    ids=["ddp", "fsdp2", "fsdp2-checkpointing", "fsdp2-head"],
 )
-def test_data_parallel_lora_ranks_equal_one_worker(strategy, extra):
-    ranks = on_gloo_ranks(2, rank_adapters, strategy, extra)
-    single = lora_worker(algo=dict(kl_coef=0.1, entropy_coef=0.01))
+def test_data_parallel_lora_ranks_equal_one_worker(strategy, extra, lora):
+    ranks = on_gloo_ranks(2, rank_adapters, strategy, extra, lora)
+    single = lora_worker(lora_model(lora=lora), algo=dict(kl_coef=0.1, entropy_coef=0.01))
     m_single = single.train_step(random_samples(4, 4))
     expected = dict(single.named_weights())
     for r in ranks:
