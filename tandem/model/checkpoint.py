@@ -185,15 +185,13 @@ def load_model(
     it to the weights of its directory: the model is the policy the two make."""
     path = Path(path)
     cfg = check_checkpoint(path, finite=False)  # _read_tensors checks the values it reads
-    model = meta_model(cfg)
     tensors = _read_tensors(path, cfg)
     if (path / ADAPTER_CONFIG).is_file():
         had_head = "lm_head.weight" in tensors
         tensors = merge_adapter_file(tensors, path)
         if cfg.tie_word_embeddings and not had_head and "lm_head.weight" in tensors:
-            model = meta_model(dataclasses.replace(cfg, tie_word_embeddings=False))  # an adapted head
-    model = model.to_empty(device=device)
-    cfg = model.cfg
+            cfg = dataclasses.replace(cfg, tie_word_embeddings=False)  # an adapted head: its own weight
+    model = meta_model(cfg).to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     with torch.no_grad():
