@@ -46,6 +46,7 @@ from tandem.model.experts import SparseMoE
 from tandem.model.row_adapters import side_by_side
 
 LORA_FORMS = ("merged", "unmerged")
+HEAD_WEIGHT, EMBED_WEIGHT = "lm_head.weight", "model.embed_tokens.weight"
 
 
 class LoraLinear(nn.Module):
@@ -314,6 +315,13 @@ def base_weights(model: CausalLM, tensors: Mapping[str, Tensor] | None = None) -
     return {n: t for n, t in tensors.items() if n not in low_rank}
 
 
+def head_of_its_own(tensors: dict[str, Tensor]) -> None:
+    """Weights by name where a tied head is named once, as the embedding: an adapter on the head
+    makes it a weight of its own, `lm_head.weight`, from the embedding's values. In place."""
+    if HEAD_WEIGHT not in tensors and EMBED_WEIGHT in tensors:
+        tensors[HEAD_WEIGHT] = tensors[EMBED_WEIGHT]
+
+
 def merged(weight: Tensor, a: Tensor, b: Tensor, scaling: float) -> Tensor:
     """weight (out, in), a (r, in), b (out, r) -> W + s · B @ A (out, in) in fp32. The one formula
     every merge uses (exports, the engines' merged adapters, the deterministic trainer's
@@ -332,8 +340,8 @@ def merged_weights(model: CausalLM, tensors: Mapping[str, Tensor] | None = None)
     tensors = dict(model.named_parameters()) if tensors is None else tensors
     scaling = {n: m.scaling for n, m in lora_modules(model)}
     base = base_weights(model, tensors)
-    if "lm_head" in scaling and "lm_head.weight" not in base:  # tied: named once, as the embedding
-        base["lm_head.weight"] = base["model.embed_tokens.weight"]  # adapted, the head is its own
+    if "lm_head" in scaling:
+        head_of_its_own(base)
     out = {}
     for name, t in base.items():
         module = name.rpartition(".")[0]

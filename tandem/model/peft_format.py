@@ -17,13 +17,12 @@ from torch import Tensor
 from tandem.config.schema import LORA_ALL_LINEAR
 from tandem.errors import TandemError
 from tandem.model.decoder import CausalLM
-from tandem.model.lora import adapter_names
+from tandem.model.lora import HEAD_WEIGHT, adapter_names, head_of_its_own
 
 PEFT_PREFIX = "base_model.model."  # PEFT's names: a PeftModel's `base_model` (the tuner), its `model`
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # PEFT LoRA options that change what the saved tensors mean, which `merge_adapter_file` does not read
-HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
 UNREAD = ("use_dora", "fan_in_fan_out", "lora_bias", "rank_pattern", "alpha_pattern")
 
 
@@ -126,8 +125,8 @@ def merge_adapter_file(tensors: dict[str, Tensor], path: Path) -> dict[str, Tens
         if kind == "B.weight":
             continue
         target = f"{module}.weight" if kind == "A.weight" else name
-        if target == HEAD and HEAD not in out and EMBED in out:  # a tied head: adapted, it is one of its own
-            out[HEAD] = out[EMBED]
+        if target == HEAD_WEIGHT:
+            head_of_its_own(out)
         if target not in out:
             raise TandemError(
                 f"{path / ADAPTER_WEIGHTS} holds {name}, for {target}, which the model has not."
