@@ -167,6 +167,21 @@ def test_sample_next_draws_from_the_processed_distribution_and_returns_the_mode_
     torch.testing.assert_close(raw_logprobs, torch.log_softmax(logits[0] / 0.8, -1)[tokens])
 
 
+def test_plain_temperature_sampling_draws_softmax_of_the_tempered_logits():
+    """No penalty or filter: sample_next draws from exp of its log-probs (one pass over (B, V), not
+    a second softmax): the tokens the full route's inverse_cdf gives for the same draws, at the
+    softmax's frequencies, with the log_softmax's logprob."""
+    n = 20000
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0, 2.5, -30.0]]).expand(n, -1).bfloat16()
+    draws = uniform_draws(n, torch.device("cpu"), torch.Generator().manual_seed(0))
+    tokens, logprobs = sample_next(logits, SamplingParams(temperature=0.7), draws)
+    logp = torch.log_softmax(logits[0].float() / 0.7, -1)
+    assert torch.equal(tokens, inverse_cdf(logp.expand(n, -1), draws))
+    freq = torch.bincount(tokens, minlength=7) / n
+    torch.testing.assert_close(freq, logp.exp(), atol=0.015, rtol=0)
+    assert torch.equal(logprobs, logp[tokens])
+
+
 def test_inverse_cdf_draws_the_token_whose_cumulative_mass_first_exceeds_the_draw():
     probs = torch.tensor([0.25, 0.0, 0.25, 0.5])
     scores = probs.log()[None].expand(6, -1)  # log 0 = -inf: never drawn
