@@ -106,15 +106,18 @@ def tiled_mm(x: Tensor, weight: Tensor, packed: Tensor | None = None) -> Tensor:
     m, (n, k) = x.shape[0], weight.shape
     cols = round_up(n, COL_TILE)
     sizes = calls(m, cols, k, x.dtype, x.device)
-    rows = pad_rows(x, sum(sizes)).contiguous()
+    x = x.contiguous()
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    # A call's rows: x's own where they are all real (a view, in the layout a copy would have),
+    # the last call's padded with zeros
+    parts = [x[i : i + r] if i + r <= m else pad_rows(x[i:], r) for i, r in zip(starts, sizes, strict=True)]
     if packed is not None and n == cols and all(_packed_exact(n, k, x.dtype, r) for r in set(sizes)):
-        tiles = [packing.multiply(rows[i : i + r], packed) for i, r in zip(starts, sizes, strict=True)]
+        tiles = [packing.multiply(part, packed) for part in parts]
         return (tiles[0] if len(tiles) == 1 else torch.cat(tiles))[:m]
     wt = pad_rows(weight, cols).t()  # (K, N')
-    out = rows.new_empty(rows.shape[0], cols)
-    for i, r in zip(starts, sizes, strict=True):
-        torch.mm(rows[i : i + r], wt, out=out[i : i + r])
+    out = x.new_empty(sum(sizes), cols)
+    for i, r, part in zip(starts, sizes, parts, strict=True):
+        torch.mm(part, wt, out=out[i : i + r])
     return out[:m, :n]
 
 
