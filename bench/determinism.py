@@ -153,6 +153,10 @@ def main() -> None:
             set_mode(on)
             for s in samples[on]:
                 s.reward = float(s.index % 2)  # any rewards: the cost does not depend on them
+            # The samples' version (the engine's, 0): every step on-policy, π_old from the step's own
+            # forward, as in a sync run. Left to advance, only the first step would be: the others
+            # recompute π_old (one more forward), and the best "off" step would be the one that did not.
+            trainer.version = engine.version
             trainer.train_step(samples[on])
 
         return run
