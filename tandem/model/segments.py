@@ -73,32 +73,31 @@ class Segments:
         attention: `batch_invariant.attention`-like (q, k, v, additive mask) to run each run through
         (plain sequences only)."""
         outs = []
-        for start, count, length, tree in self.runs:
-
-            def run(x: Tensor, start: int = start, count: int = count, length: int = length) -> Tensor:
-                # (1, h, count·L, D) -> (count, h, L, D): a view when the run is contiguous
-                return x[0, :, start : start + count * length].unflatten(1, (count, length)).transpose(0, 1)
-
+        # Each run's part of q, k, v by one split, not a slice a run: a slice's backward writes its
+        # gradient into zeros the size of the whole row, once per run and layer (the default toy's
+        # train step spent 43% of its time filling them).
+        sizes = [count * length for _, count, length, _ in self.runs]
+        parts = zip(*(x.squeeze(0).split(sizes, dim=1) for x in (q, k, v)), strict=True)
+        for (start, count, length, tree), qkv in zip(self.runs, parts, strict=True):
+            rq, rk, rv = (x.unflatten(1, (count, length)).transpose(0, 1) for x in qkv)  # (count, h, L, D)
             if tree is not None and attention is not None:
-                out = tree_attention(run(q), run(k), run(v), *tree, attention)
+                out = tree_attention(rq, rk, rv, *tree, attention)
             elif tree is not None:
                 # built once per micro-batch, not once per layer
                 allowed = self._masks.get(start)
                 if allowed is None or allowed.device != q.device:
                     allowed = self._masks[start] = tree_mask(*tree, device=q.device)
                 if q.is_cuda:
-                    out = F.scaled_dot_product_attention(
-                        run(q), run(k), run(v), attn_mask=allowed, enable_gqa=True
-                    )
+                    out = F.scaled_dot_product_attention(rq, rk, rv, attn_mask=allowed, enable_gqa=True)
                 else:
-                    out = causal_attention(run(q), run(k), run(v), allowed)
+                    out = causal_attention(rq, rk, rv, allowed)
             elif attention is not None:
                 mask = torch.full((length, length), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
-                out = attention(run(q), run(k), run(v), mask[None, None])
+                out = attention(rq, rk, rv, mask[None, None])
             elif q.is_cuda:  # flash attention: fast, and no (L x L) scores kept for backward
-                out = F.scaled_dot_product_attention(run(q), run(k), run(v), is_causal=True, enable_gqa=True)
+                out = F.scaled_dot_product_attention(rq, rk, rv, is_causal=True, enable_gqa=True)
             else:
-                out = causal_attention(run(q), run(k), run(v))
+                out = causal_attention(rq, rk, rv)
             outs.append(out.transpose(0, 1).flatten(1, 2))  # (H, count·L, D)
         return torch.cat(outs, dim=1)[None]
 
@@ -133,7 +132,8 @@ def tree_attention(
     # A masked key adds exact zeros whatever it holds: the zeros of padding give the same bits as
     # any other keys there. Copies and padding only, whose backward is slices and a sum over n.
     out = attention(responses_padded(q), with_prompt(k), with_prompt(v), mask)  # (n, H, longest, D)
-    parts = [head[0]] + [out[i, :, :r] for i, r in enumerate(responses)]
+    # unbind, not out[i] a response: each index's backward would fill zeros the size of all of out
+    parts = [head[0]] + [o[:, :r] for o, r in zip(out.unbind(0), responses, strict=True)]
     return torch.cat(parts, dim=1)[None]
 
 
