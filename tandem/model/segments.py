@@ -74,8 +74,8 @@ class Segments:
         (plain sequences only)."""
         outs = []
         # Each run's part of q, k, v by one split, not a slice a run: a slice's backward writes its
-        # gradient into zeros the size of the whole row, once per run and layer (the default toy's
-        # train step spent 43% of its time filling them).
+        # gradient into zeros the size of the whole row, once per run and layer (43% of the train
+        # step of `bench/determinism.py`'s toy batch, 512 short samples, went to filling them).
         sizes = [count * length for _, count, length, _ in self.runs]
         parts = zip(*(x.squeeze(0).split(sizes, dim=1) for x in (q, k, v)), strict=True)
         for (start, count, length, tree), qkv in zip(self.runs, parts, strict=True):
