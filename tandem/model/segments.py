@@ -71,7 +71,7 @@ class Segments:
     ) -> Tensor:
         """q (1, H, T, D), k, v (1, Hkv, T, D) -> (1, H, T, D): causal attention within each sequence.
         attention: `batch_invariant.attention`-like (q, k, v, additive mask) to run each run through
-        (plain sequences only)."""
+        (a shared prompt's unit by `tree_attention`, which calls it)."""
         outs = []
         # Each run's part of q, k, v by one split, not a slice a run: a slice's backward writes its
         # gradient into zeros the size of the whole row, once per run and layer (43% of the train
