@@ -109,37 +109,45 @@ def tree_attention(
     batch-invariant `attention` (q, k, v, additive mask), each token's the bits of a sequence of
     its own: such an attention sums over keys in tiles counted from the sequence's first key, so
     the prompt attends as a sequence of its own, and every response to a copy of the prompt's keys
-    followed by its own, from key 0, as the engine's cache holds them. The responses go in one
-    call, padded to the longest: padding keys trail every row's visible ones, masked (adding
-    exact zeros); padding query rows are dropped. Only the prompt's keys are copied, never its
-    forward: the matmuls and norms around attention still run once for the group."""
+    followed by its own, from key 0, as the engine's cache holds them. All go in one call, one
+    entry each (the prompt first), padded to the longest: padding keys trail every row's visible
+    ones, masked (adding exact zeros); padding query rows are dropped. Only the prompt's keys are
+    copied, never its forward: the matmuls and norms around attention still run once for the group."""
     device, n, longest = q.device, len(responses), max(responses)
-    causal = torch.full((prompt, prompt), float("-inf"), device=device).triu(1)
-    head = attention(q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], causal[None, None])
-    steps = torch.arange(longest, device=device)
-    last = torch.tensor(responses, device=device)[:, None] - 1  # (n, 1)
-    # query t (a padding row, zeros) sees the prompt and the response up to its last token
-    visible = torch.arange(prompt + longest, device=device) <= prompt + steps.minimum(last)[..., None]
+    rows = max(prompt, longest)  # query rows of every entry
+    steps = torch.arange(rows, device=device)
+    # Query t of the prompt sees its keys 0..t; of a response, the prompt's and its own up to t; a
+    # padding row (zeros) its entry's last key
+    offset = torch.tensor([0] + [prompt] * n, device=device)[:, None]
+    cap = torch.tensor([prompt, *responses], device=device)[:, None] - 1  # (n + 1, 1)
+    visible = torch.arange(prompt + longest, device=device) <= (offset + steps.minimum(cap))[..., None]
     mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))[:, None]
 
-    # Every response's tokens, then zeros to the longest, as one gather of the responses' rows and a
-    # zero row after them: one op (and one index_add in the backward) instead of a copy per response.
+    # Every response's tokens, then zeros, as one gather of the responses' rows and a zero row after
+    # them: one op (and one index_add in the backward) instead of a copy per response.
     total = sum(responses)
     starts = torch.tensor([0, *responses[:-1]], device=device).cumsum(0)[:, None]  # (n, 1)
-    rows = torch.where(steps <= last, starts + steps, total).flatten()  # (n * longest,)
 
-    def responses_padded(x: Tensor) -> Tensor:  # (1, h, L, D) -> (n, h, longest, D), zeros after each
-        padded = F.pad(x[0, :, prompt:], (0, 0, 0, 1))  # (h, total + 1, D): the zero row last
-        return padded.index_select(1, rows).unflatten(1, (n, longest)).transpose(0, 1)
+    def gather(length: int) -> Tensor:  # -> (n * length,): each response's rows, then the zero row
+        at = torch.arange(length, device=device)
+        return torch.where(at <= cap[1:], starts + at, total).flatten()
 
-    def with_prompt(x: Tensor) -> Tensor:  # (1, Hkv, L, D) -> (n, Hkv, prompt + longest, D)
-        return torch.cat([x[:, :, :prompt].expand(n, -1, -1, -1), responses_padded(x)], dim=2)
+    query_rows, key_rows = gather(rows), gather(longest)
+
+    def entries(x: Tensor, picked: Tensor, keys: bool) -> Tensor:  # (1, h, L, D) -> (n + 1, h, ., D)
+        own = F.pad(x[0, :, prompt:], (0, 0, 0, 1)).index_select(1, picked)  # (h, n * length, D)
+        own = own.unflatten(1, (n, -1)).transpose(0, 1)
+        head = x[:, :, :prompt]
+        if keys:  # each response's own keys after a copy of the prompt's
+            own = torch.cat([head.expand(n, -1, -1, -1), own], dim=2)
+        return torch.cat([F.pad(head, (0, 0, 0, own.shape[2] - prompt)), own])
 
     # A masked key adds exact zeros whatever it holds: the zeros of padding give the same bits as
-    # any other keys there. Copies and padding only, whose backward is slices and a sum over n.
-    out = attention(responses_padded(q), with_prompt(k), with_prompt(v), mask)  # (n, H, longest, D)
-    # unbind, not out[i] a response: each index's backward would fill zeros the size of all of out
-    parts = [head[0]] + [o[:, :r] for o, r in zip(out.unbind(0), responses, strict=True)]
+    # any other keys there.
+    keys, values = entries(k, key_rows, True), entries(v, key_rows, True)
+    out = attention(entries(q, query_rows, False), keys, values, mask)  # (n + 1, H, rows, D)
+    # unbind, not out[i] an entry: each index's backward would fill zeros the size of all of out
+    parts = [o[:, :r] for o, r in zip(out.unbind(0), [prompt, *responses], strict=True)]
     return torch.cat(parts, dim=1)[None]
 
 
