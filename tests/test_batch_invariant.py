@@ -281,23 +281,26 @@ def test_the_engines_packed_weights_multiply_its_tiles_and_keep_the_trainers_log
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_batchs_last_rows_take_a_smaller_call_only_where_it_gives_a_tiles_bits(monkeypatch, dtype):
-    """`tiled_mm` multiplies the rows after its last whole tile in the smallest call the probe
-    (`rows_exact`) finds exact here, else in a whole tile: either way every row's bits are those of
-    a whole tile's call. Forced to find none exact, it falls back to whole tiles."""
+def test_a_batchs_rows_take_fewer_calls_only_where_they_give_a_tiles_bits(monkeypatch, dtype):
+    """`tiled_mm` multiplies its whole tiles in one call where the probe (`tiles_free`) finds that
+    exact here, and the rows after them in the smallest call `rows_exact` finds exact, else in a
+    whole tile: either way every row's bits are those of a whole tile's call. Forced to find
+    neither exact, it falls back to one call a whole tile."""
     gen = torch.Generator().manual_seed(0)
     tile = bi.row_tile(dtype)
-    x = torch.randn(tile + 20, 96, generator=gen).to(dtype)
+    x = torch.randn(2 * tile + 20, 96, generator=gen).to(dtype)
     weight = torch.randn(130, 96, generator=gen).to(dtype)  # padded to 192 columns
     padded = torch.cat([weight, weight.new_zeros(62, 96)])
-    whole = torch.cat([torch.mm(bi.pad_rows(x[i : i + tile], tile), padded.t()) for i in (0, tile)])
+    starts = (0, tile, 2 * tile)
+    whole = torch.cat([torch.mm(bi.pad_rows(x[i : i + tile], tile), padded.t()) for i in starts])
     expected = whole[: x.shape[0], :130]
     threads = torch.get_num_threads()
     last = next((r for r in (32, 64) if bi.rows_exact(192, 96, dtype, r, "cpu", threads)), tile)
-    assert bi.calls(x.shape[0], 192, 96, dtype, x.device) == [tile, last]
+    assert bi.calls(x.shape[0], 192, 96, dtype, x.device) == [tile, tile, last]
     assert torch.equal(bi.tiled_mm(x, weight), expected)
     monkeypatch.setattr(bi, "rows_exact", lambda *_: False)
-    assert bi.calls(x.shape[0], 192, 96, dtype, x.device) == [tile, tile]
+    monkeypatch.setattr(bi, "tiles_free", lambda *_: False)
+    assert bi.calls(x.shape[0], 192, 96, dtype, x.device) == [tile, tile, tile]
     assert torch.equal(bi.tiled_mm(x, weight), expected)
 
 

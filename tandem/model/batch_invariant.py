@@ -116,6 +116,12 @@ def tiled_mm(x: Tensor, weight: Tensor, packed: Tensor | None = None) -> Tensor:
         return (tiles[0] if len(tiles) == 1 else torch.cat(tiles))[:m]
     wt = pad_rows(weight, cols).t()  # (K, N')
     out = x.new_empty(sum(sizes), cols)
+    whole = m // row_tile(x.dtype)
+    if whole > 1 and tiles_free(cols, k, x.dtype, whole, x.device.type, torch.get_num_threads()):
+        # the whole tiles in one call, which gives each tile a call of its own's bits here
+        rows = whole * row_tile(x.dtype)
+        torch.mm(x[:rows], wt, out=out[:rows])
+        starts, sizes, parts = starts[whole:], sizes[whole:], parts[whole:]
     for i, r, part in zip(starts, sizes, parts, strict=True):
         torch.mm(part, wt, out=out[i : i + r])
     return out[:m, :n]
@@ -145,6 +151,20 @@ def rows_exact(n: int, k: int, dtype: torch.dtype, rows: int, device: str, threa
     x = torch.randn(row_tile(dtype), k, generator=gen).to(dtype).to(device)
     weight = torch.randn(n, k, generator=gen).to(dtype).to(device).t()
     return torch.equal(torch.mm(x[:rows], weight), torch.mm(x, weight)[:rows])
+
+
+@functools.cache
+def tiles_free(n: int, k: int, dtype: torch.dtype, tiles: int, device: str, threads: int) -> bool:
+    """Whether a (tiles x row_tile, k) x (k, n) matmul gives each tile of its rows the bits of a
+    (row_tile, k) call here: one random product each way, once per shape, tile count and thread
+    count in a process. Then `tiled_mm` multiplies a training micro-batch's whole tiles in one call
+    (fewer, larger calls run nearer the machine's peak), else one call a tile."""
+    gen = torch.Generator().manual_seed(0)
+    tile = row_tile(dtype)
+    x = torch.randn(tiles * tile, k, generator=gen).to(dtype).to(device)
+    weight = torch.randn(n, k, generator=gen).to(dtype).to(device).t()
+    alone = torch.cat([torch.mm(x[i : i + tile], weight) for i in range(0, tiles * tile, tile)])
+    return torch.equal(torch.mm(x, weight), alone)
 
 
 def _packed_exact(n: int, k: int, dtype: torch.dtype, tile: int) -> bool:
