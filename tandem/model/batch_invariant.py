@@ -11,8 +11,9 @@ hand. A BLAS (MKL, oneDNN, cuBLAS) chooses its kernel, its blocking and how it s
 between threads by the shape of the call, so each call here has ONE shape whatever the batch:
 
 - Matmuls (`linear`): the rows are padded with zeros to a multiple of the dtype's row tile
-  (`row_tile`) and multiplied a tile at a time, every call (tile, K) x (K, N'), N' the weight's
-  rows padded to a multiple
+  (`row_tile`) and multiplied a tile at a time, every call (tile, K) x (K, N'), or all whole tiles
+  in one call where a probe finds that gives each tile a call of its own's bits (`tiles_free`),
+  N' the weight's rows padded to a multiple
   of COL_TILE (on an AMD EPYC with MKL, a weight of 261 rows split between 16 threads gave its last
   columns another kernel; one of 272 did not). The layout this replaces, one GEMM over all rows
   padded to a multiple of 4, rested on what one CPU's BLAS was seen to do; on an Intel Xeon with
