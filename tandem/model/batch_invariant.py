@@ -303,11 +303,8 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     torch.mul(rows, 1 / math.sqrt(d), out=queries[:count, :n])
 
     def tile(x: Tensor, j: int) -> Tensor:
-        """x (count, S, D) -> key tile j of every entry (total, KEY_TILE, D): in place where it is
-        whole, else copied with zeros after it (a masked key's 0 · value must be 0). A whole bf16
-        tile on the CPU is copied too: PyTorch's bf16 `bmm` copies a strided operand itself, more
-        slowly (64 decode rows: this function 1.8 -> 1.6 ms, same bits), and so every tile reaches
-        `bmm` in the layout `rows_free` checks. fp32's `bmm` reads the view without a copy."""
+        """x (count, S, D) -> key tile j of every entry (total, KEY_TILE, D): a view where whole (a copy
+        in bf16 on the CPU, whose `bmm` copies views more slowly), else zero-padded (0 · value is 0)."""
         part = x[:, j * KEY_TILE : (j + 1) * KEY_TILE]
         if total == count and part.shape[1] == KEY_TILE:
             return part.contiguous() if x.dtype == torch.bfloat16 and x.device.type == "cpu" else part
