@@ -288,19 +288,20 @@ def test_a_batchs_rows_take_fewer_calls_only_where_they_give_a_tiles_bits(monkey
     neither exact, it falls back to one call a whole tile."""
     gen = torch.Generator().manual_seed(0)
     tile = bi.row_tile(dtype)
-    x = torch.randn(2 * tile + 20, 96, generator=gen).to(dtype)
+    tiles = bi.MERGED_TILES + 2  # one call of MERGED_TILES tiles, one of 2, then the last rows
+    x = torch.randn(tiles * tile + 20, 96, generator=gen).to(dtype)
     weight = torch.randn(130, 96, generator=gen).to(dtype)  # padded to 192 columns
     padded = torch.cat([weight, weight.new_zeros(62, 96)])
-    starts = (0, tile, 2 * tile)
+    starts = range(0, x.shape[0], tile)
     whole = torch.cat([torch.mm(bi.pad_rows(x[i : i + tile], tile), padded.t()) for i in starts])
     expected = whole[: x.shape[0], :130]
     threads = torch.get_num_threads()
     last = next((r for r in (32, 64) if bi.rows_exact(192, 96, dtype, r, "cpu", threads)), tile)
-    assert bi.calls(x.shape[0], 192, 96, dtype, x.device) == [tile, tile, last]
+    assert bi.calls(x.shape[0], 192, 96, dtype, x.device) == [tile] * tiles + [last]
     assert torch.equal(bi.tiled_mm(x, weight), expected)
     monkeypatch.setattr(bi, "rows_exact", lambda *_: False)
     monkeypatch.setattr(bi, "tiles_free", lambda *_: False)
-    assert bi.calls(x.shape[0], 192, 96, dtype, x.device) == [tile, tile, tile]
+    assert bi.calls(x.shape[0], 192, 96, dtype, x.device) == [tile] * (tiles + 1)
     assert torch.equal(bi.tiled_mm(x, weight), expected)
 
 

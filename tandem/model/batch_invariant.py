@@ -11,8 +11,8 @@ hand. A BLAS (MKL, oneDNN, cuBLAS) chooses its kernel, its blocking and how it s
 between threads by the shape of the call, so each call here has ONE shape whatever the batch:
 
 - Matmuls (`linear`): the rows are padded with zeros to a multiple of the dtype's row tile
-  (`row_tile`) and multiplied a tile at a time, every call (tile, K) x (K, N'), or all whole tiles
-  in one call where a probe finds that gives each tile a call of its own's bits (`tiles_free`),
+  (`row_tile`) and multiplied a tile at a time, every call (tile, K) x (K, N'), or whole tiles up to
+  MERGED_TILES a call where a probe finds that gives each tile a call of its own's bits (`tiles_free`),
   N' the weight's rows padded to a multiple
   of COL_TILE (on an AMD EPYC with MKL, a weight of 261 rows split between 16 threads gave its last
   columns another kernel; one of 272 did not). The layout this replaces, one GEMM over all rows
@@ -62,6 +62,7 @@ SUB_TILES = (16, 32, 64)  # smaller calls for the rows after the last whole tile
 COL_TILE = 64  # a weight's rows are padded to a multiple of this
 QUERY_TILE = 4  # attention: query rows (query heads x tokens) per matmul entry
 KEY_TILE = 32  # attention: keys per matmul entry
+MERGED_TILES = 8  # a training micro-batch's whole row tiles per call, at most (`tiles_free`)
 GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: element-wise ops under it run on one thread
 
 
@@ -117,13 +118,15 @@ def tiled_mm(x: Tensor, weight: Tensor, packed: Tensor | None = None) -> Tensor:
         return (tiles[0] if len(tiles) == 1 else torch.cat(tiles))[:m]
     wt = pad_rows(weight, cols).t()  # (K, N')
     out = x.new_empty(sum(sizes), cols)
-    whole = m // row_tile(x.dtype)
-    if whole > 1 and tiles_free(cols, k, x.dtype, whole, x.device.type, torch.get_num_threads()):
-        # the whole tiles in one call, which gives each tile a call of its own's bits here
-        rows = whole * row_tile(x.dtype)
-        torch.mm(x[:rows], wt, out=out[:rows])
-        starts, sizes, parts = starts[whole:], sizes[whole:], parts[whole:]
-    for i, r, part in zip(starts, sizes, parts, strict=True):
+    # Whole tiles up to MERGED_TILES a call where that gives each tile a call of its own's bits here
+    # (at most MERGED_TILES - 1 probes a weight shape, each of one such call)
+    tile, done, whole = row_tile(x.dtype), 0, m // row_tile(x.dtype)
+    while (count := min(whole - done, MERGED_TILES)) > 1 and tiles_free(
+        cols, k, x.dtype, count, x.device.type, torch.get_num_threads()
+    ):
+        torch.mm(x[done * tile : (done + count) * tile], wt, out=out[done * tile : (done + count) * tile])
+        done += count
+    for i, r, part in zip(starts[done:], sizes[done:], parts[done:], strict=True):
         torch.mm(part, wt, out=out[i : i + r])
     return out[:m, :n]
 
@@ -158,8 +161,8 @@ def rows_exact(n: int, k: int, dtype: torch.dtype, rows: int, device: str, threa
 def tiles_free(n: int, k: int, dtype: torch.dtype, tiles: int, device: str, threads: int) -> bool:
     """Whether a (tiles x row_tile, k) x (k, n) matmul gives each tile of its rows the bits of a
     (row_tile, k) call here: one random product each way, once per shape, tile count and thread
-    count in a process. Then `tiled_mm` multiplies a training micro-batch's whole tiles in one call
-    (fewer, larger calls run nearer the machine's peak), else one call a tile."""
+    count in a process. Then `tiled_mm` multiplies a training micro-batch's whole tiles up to
+    MERGED_TILES a call (fewer, larger calls run nearer the machine's peak), else one call a tile."""
     gen = torch.Generator().manual_seed(0)
     tile = row_tile(dtype)
     x = torch.randn(tiles * tile, k, generator=gen).to(dtype).to(device)
