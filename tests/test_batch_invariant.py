@@ -282,10 +282,10 @@ def test_the_engines_packed_weights_multiply_its_tiles_and_keep_the_trainers_log
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_batchs_rows_take_fewer_calls_only_where_they_give_a_tiles_bits(monkeypatch, dtype):
-    """`tiled_mm` multiplies its whole tiles in one call where the probe (`tiles_free`) finds that
-    exact here, and the rows after them in the smallest call `rows_exact` finds exact, else in a
-    whole tile: either way every row's bits are those of a whole tile's call. Forced to find
-    neither exact, it falls back to one call a whole tile."""
+    """`tiled_mm` multiplies its whole tiles up to MERGED_TILES a call where the probe
+    (`tiles_free`) finds that exact here, and the rows after them in the smallest call
+    `rows_exact` finds exact, else in a whole tile: either way every row's bits are those of a
+    whole tile's call. Forced to find neither exact, it falls back to one call a whole tile."""
     gen = torch.Generator().manual_seed(0)
     tile = bi.row_tile(dtype)
     tiles = bi.MERGED_TILES + 2  # one call of MERGED_TILES tiles, one of 2, then the last rows
