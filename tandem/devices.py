@@ -2,6 +2,7 @@
 once, in the driver, before any actor starts (so every role agrees, and bad input fails in seconds).
 """
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,13 +12,28 @@ from tandem.config import Config
 from tandem.errors import TandemError
 
 
-def cpu_has_native_bf16() -> bool:
-    """True on x86 CPUs with AVX512-BF16 or AMX-BF16, where a bf16 matmul runs ~4x an fp32 one."""
+def cpu_flags() -> set[str]:
+    """The flags /proc/cpuinfo lists (none where there is no such file)."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        return set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
+        return set()
+
+
+# oneDNN's instruction sets without bf16 dot products, as ONEDNN_MAX_CPU_ISA names them
+NO_BF16_ISAS = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+
+
+def cpu_has_native_bf16() -> bool:
+    """True on x86 CPUs with AVX512-BF16 or AMX-BF16, where a bf16 matmul runs ~4x an fp32 one,
+    unless this process holds PyTorch's kernels below AVX-512 (ATEN_CPU_CAPABILITY=avx2) or oneDNN's
+    below its bf16 instructions (ONEDNN_MAX_CPU_ISA): there bf16 is emulated, as on a CPU without
+    it, and such a process is how an AVX2-only CPU is tried on a newer one (docs/training.md)."""
+    flags = cpu_flags()
+    if "avx512_bf16" not in flags and "amx_bf16" not in flags:
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL"
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and onednn.upper() not in NO_BF16_ISAS
 
 
 def resolve(cfg: Config, gpus: float, where: str = "the Ray cluster") -> Config:

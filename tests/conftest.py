@@ -19,18 +19,15 @@ def machine_line() -> str:
     import torch
 
     from tandem.determinism import machine
-    from tandem.devices import cpu_has_native_bf16
+    from tandem.devices import cpu_flags, cpu_has_native_bf16
 
     native = cpu_has_native_bf16()
-    try:
-        flags = set(open("/proc/cpuinfo").read().split())
-    except OSError:
-        flags = set()
+    flags = cpu_flags()
     isa = "+".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "unknown ISA"
     auto = "bfloat16" if torch.cuda.is_available() or native else "float32"
     return (
-        f"tandem: CPU {machine('cpu')} ({isa}), {os.cpu_count()} cores, "
-        f"native bf16 {'yes' if native else 'no'}, "
+        f"tandem: CPU {machine('cpu')} ({isa}; PyTorch's kernels {torch.backends.cpu.get_cpu_capability()}), "
+        f"{os.cpu_count()} cores, native bf16 {'yes' if native else 'no'}, "
         f"torch {torch.__version__} ({torch.get_num_threads()} threads); train.dtype=auto -> {auto}"
     )
 
