@@ -72,6 +72,7 @@ def test_a_process_held_to_avx2_has_no_native_bf16_whatever_the_cpu(monkeypatch)
     assert not devices.cpu_has_native_bf16()
 
 
+@pytest.mark.integration  # a fresh Python process with torch: a few seconds
 def test_auto_in_a_process_whose_aten_is_held_to_avx2_is_fp32():
     """The real switch, in a fresh process (torch reads ATEN_CPU_CAPABILITY once, at import)."""
     if not devices.cpu_flags() & {"avx512_bf16", "amx_bf16"}:
