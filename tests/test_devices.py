@@ -77,10 +77,13 @@ def test_auto_in_a_process_whose_aten_is_held_to_avx2_is_fp32():
     """The real switch, in a fresh process (torch reads ATEN_CPU_CAPABILITY once, at import)."""
     if not devices.cpu_flags() & {"avx512_bf16", "amx_bf16"}:
         pytest.skip("this CPU has no native bf16: auto is fp32 here whatever the process holds")
-    code = "from tandem import devices; print(devices.cpu_has_native_bf16())"
+    code = (
+        "from tandem.devices import resolve; from tandem.runtime.startup import load_config; "
+        "print(resolve(load_config(None, []), 0).train.dtype)"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
     held = subprocess.run(
         [sys.executable, "-c", code], env={**env, "ATEN_CPU_CAPABILITY": "avx2"},
         capture_output=True, text=True, check=True,
     )  # fmt: skip
-    assert held.stdout.strip() == "False"
+    assert held.stdout.strip() == "float32"
