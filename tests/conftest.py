@@ -19,12 +19,13 @@ def machine_line() -> str:
     import torch
 
     from tandem.determinism import machine
-    from tandem.devices import cpu_flags, cpu_has_native_bf16
+    from tandem.devices import cpu_flags, cpu_has_native_bf16, resolve
+    from tandem.runtime.startup import load_config
 
     native = cpu_has_native_bf16()
     flags = cpu_flags()
     isa = "+".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "unknown ISA"
-    auto = "bfloat16" if torch.cuda.is_available() or native else "float32"
+    auto = resolve(load_config(None, []), torch.cuda.device_count(), "this machine").train.dtype
     return (
         f"tandem: CPU {machine('cpu')} ({isa}; PyTorch's kernels {torch.backends.cpu.get_cpu_capability()}), "
         f"{os.cpu_count()} cores, native bf16 {'yes' if native else 'no'}, "
