@@ -120,11 +120,13 @@ def tiled_mm(x: Tensor, weight: Tensor, packed: Tensor | None = None) -> Tensor:
     out = x.new_empty(sum(sizes), cols)
     # Whole tiles up to MERGED_TILES a call where that gives each tile a call of its own's bits here
     # (at most MERGED_TILES - 1 probes a weight shape, each of one such call)
-    tile, done, whole = row_tile(x.dtype), 0, m // row_tile(x.dtype)
+    tile = row_tile(x.dtype)
+    done, whole = 0, m // tile
     while (count := min(whole - done, MERGED_TILES)) > 1 and tiles_free(
         cols, k, x.dtype, count, x.device.type, torch.get_num_threads()
     ):
-        torch.mm(x[done * tile : (done + count) * tile], wt, out=out[done * tile : (done + count) * tile])
+        rows = slice(done * tile, (done + count) * tile)
+        torch.mm(x[rows], wt, out=out[rows])
         done += count
     for i, r, part in zip(starts[done:], sizes[done:], parts[done:], strict=True):
         torch.mm(part, wt, out=out[i : i + r])
